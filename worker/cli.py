@@ -1,0 +1,95 @@
+"""The ``scoring-worker`` command line: the only place that reads flags/env and sets up logging.
+
+Subcommands live in ``worker.commands.<name>`` and are imported lazily, so producer-side commands
+(``enqueue``, ``info``, ``dlq``, ``check``) never import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+from worker import __version__
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("worker.commands.serve", "run a worker daemon (one per GPU, or --replicas/--gpus)"),
+    "enqueue": ("worker.commands.enqueue", "score a JSONL file of rollouts through the queue"),
+    "info": ("worker.commands.info", "show streams, groups, lag, pending, consumers, dead letters"),
+    "dlq": ("worker.commands.dlq", "list, replay or purge the dead-letter stream"),
+    "check": ("worker.commands.check", "exit 0 when a worker's health endpoint / Redis is fine"),
+    "demo": ("worker.commands.demo", "run the whole system on this machine with sample rollouts"),
+    "bench": ("worker.commands.bench", "benchmark the executor (and the queue) side by side"),
+}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per log line (``--log-json``)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        obj = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        extra = getattr(record, "fields", None)
+        if isinstance(extra, dict):
+            obj.update(extra)
+        if record.exc_info:
+            obj["exc"] = self.formatException(record.exc_info)
+        return json.dumps(obj, default=str)
+
+
+def setup_logging(level: str = "INFO", json_logs: bool = False) -> None:
+    """Configure the root logger once (stderr)."""
+    handler = logging.StreamHandler(sys.stderr)
+    if json_logs:
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The root parser with every subcommand configured."""
+    from worker.config import env_bool, env_get
+
+    parser = argparse.ArgumentParser(prog="scoring-worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"scoring-worker {__version__}")
+    parser.add_argument(
+        "--log-level",
+        default=env_get("LOG_LEVEL", "INFO"),
+        help="logging level (env SCORING_LOG_LEVEL)",
+    )
+    parser.add_argument(
+        "--log-json",
+        action="store_true",
+        default=env_bool(env_get("LOG_JSON")),
+        help="JSON log lines (env SCORING_LOG_JSON)",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        mod = importlib.import_module(module)
+        mod.configure(cmd)
+        cmd.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``scoring-worker`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level, args.log_json)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        return 130

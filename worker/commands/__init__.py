@@ -1,0 +1,1 @@
+"""CLI subcommands, one module each; each exposes ``configure(parser)`` and ``run(args) -> int``."""

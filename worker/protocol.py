@@ -1,0 +1,493 @@
+"""Wire protocol v1: the msgpack schema of jobs and results (see ``docs/protocol.md``).
+
+This module knows msgpack and the standard library only: no torch, no redis, no numpy
+requirement (numpy/torch arrays are accepted duck-typed when the caller has them).
+Decoding is strict and bounded: every size is checked against :class:`Limits` before
+anything proportional to it is allocated, and pickle is never involved.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from array import array
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from worker.errors import ERROR_CODES, ProtocolError
+
+PROTOCOL_VERSION = 1
+PAYLOAD_FIELD = b"payload"
+MODES: tuple[str, ...] = ("reference", "reward", "both")
+MAX_ID_CHARS = 128
+MAX_KEY_CHARS = 512
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_LITTLE = sys.byteorder == "little"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds applied while decoding a job payload (all counts are per job)."""
+
+    max_payload_bytes: int = 64 * 1024 * 1024
+    max_seqs: int = 4096
+    max_tokens: int = 4 * 1024 * 1024
+    max_meta_bytes: int = 64 * 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_payload_bytes", "max_seqs", "max_tokens", "max_meta_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Limits.{name} must be > 0, got {getattr(self, name)}")
+
+
+DEFAULT_LIMITS = Limits()
+
+
+@dataclass(frozen=True)
+class SeqSpec:
+    """One sequence of a job: int32 token ids and what to score.
+
+    Exactly one of ``prompt_len`` (tokens from ``prompt_len`` on are scored) and ``mask``
+    (one byte per token, 1 = scored, first byte 0) is set.
+    """
+
+    tokens: array  # typecode "i" (int32), native byte order
+    prompt_len: int | None = None
+    mask: bytes | None = None
+
+    @property
+    def num_scored(self) -> int:
+        """How many tokens of this sequence are scored."""
+        if self.mask is not None:
+            return sum(self.mask)
+        assert self.prompt_len is not None
+        return len(self.tokens) - self.prompt_len
+
+
+@dataclass(frozen=True)
+class Job:
+    """A decoded, schema-valid job."""
+
+    id: str
+    mode: str
+    reply_to: str
+    seqs: tuple[SeqSpec, ...]
+    temperature: float = 1.0
+    deadline_ms: int | None = None
+    meta: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Total tokens over all sequences."""
+        return sum(len(s.tokens) for s in self.seqs)
+
+
+@dataclass
+class SeqResult:
+    """The scores of one sequence: log-probs (float32, one per scored token) and/or a reward."""
+
+    logps: array | None = None  # typecode "f"
+    reward: float | None = None
+    token_scores: array | None = None  # typecode "f", optional per-token reward-head scores
+
+
+@dataclass
+class Result:
+    """One result entry: ``ok`` with ``seqs``, or not ok with ``error`` ``{code, message}``."""
+
+    id: str
+    ok: bool
+    seqs: list[SeqResult] = field(default_factory=list)
+    error: dict[str, str] | None = None
+    meta: Any = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def code(self) -> str | None:
+        """The error code, or ``None`` for a successful result."""
+        return self.error["code"] if self.error else None
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _le_bytes(arr: array) -> bytes:
+    """Little-endian bytes of a numeric array."""
+    if _LITTLE:
+        return arr.tobytes()
+    swapped = array(arr.typecode, arr)
+    swapped.byteswap()
+    return swapped.tobytes()
+
+
+def _from_le(typecode: str, data: bytes | memoryview) -> array:
+    out = array(typecode)
+    out.frombytes(bytes(data))
+    if not _LITTLE:
+        out.byteswap()
+    return out
+
+
+def as_int32_array(tokens: Any) -> array:
+    """Coerce token ids (list, tuple, ``array``, bytes of LE int32, numpy/torch) to ``array('i')``.
+
+    Raises ``ProtocolError`` for values outside int32 or non-integer input.
+    """
+    if isinstance(tokens, array):
+        if tokens.typecode == "i":
+            return tokens
+        return as_int32_array(tokens.tolist())
+    if isinstance(tokens, (bytes, bytearray, memoryview)):
+        data = bytes(tokens)
+        if len(data) % 4:
+            raise ProtocolError(f"tokens bin has {len(data)} bytes, not a multiple of 4 (int32)")
+        return _from_le("i", data)
+    if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # a torch tensor, duck-typed
+        tokens = tokens.detach().cpu().numpy()
+    if hasattr(tokens, "__array__") and hasattr(tokens, "dtype"):  # numpy, duck-typed
+        kind = getattr(tokens.dtype, "kind", "")
+        if kind not in ("i", "u"):
+            raise ProtocolError(f"tokens must be integers, got array of dtype {tokens.dtype}")
+        if getattr(tokens, "ndim", 1) != 1:
+            raise ProtocolError(f"tokens must be 1-D, got shape {tokens.shape}")
+        if tokens.size and (int(tokens.min()) < _INT32_MIN or int(tokens.max()) > _INT32_MAX):
+            raise ProtocolError("token id outside int32")
+        return _from_le("i", tokens.astype("<i4", copy=False).tobytes())
+    if isinstance(tokens, (list, tuple)):
+        for t in tokens:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ProtocolError(f"token ids must be integers, got {type(t).__name__}")
+        try:
+            return array("i", tokens)
+        except OverflowError as exc:
+            raise ProtocolError("token id outside int32") from exc
+    raise ProtocolError(f"tokens must be a list of ints or int32 bin, got {type(tokens).__name__}")
+
+
+def as_mask_bytes(mask: Any) -> bytes:
+    """Coerce a completion mask (list of 0/1, bytes, numpy/torch bool/int) to bytes."""
+    if isinstance(mask, (bytes, bytearray, memoryview)):
+        return bytes(mask)
+    if hasattr(mask, "detach") and hasattr(mask, "cpu"):
+        mask = mask.detach().cpu().numpy()
+    if hasattr(mask, "__array__") and hasattr(mask, "dtype"):
+        return bytes(mask.astype("u1").tolist())
+    if isinstance(mask, (list, tuple)):
+        try:
+            return bytes(int(m) for m in mask)
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError("mask must hold 0/1 values") from exc
+    raise ProtocolError(f"mask must be bin or an array of 0/1, got {type(mask).__name__}")
+
+
+def validate_seq(tokens: array, prompt_len: Any, mask: bytes | None, index: int) -> None:
+    """Structural checks of one sequence (lengths, prompt_len range, mask values)."""
+    n = len(tokens)
+    where = f"seqs[{index}]"
+    if n < 2:
+        raise ProtocolError(
+            f"{where}: needs at least 2 tokens (the first is never scored), got {n}"
+        )
+    if (prompt_len is None) == (mask is None):
+        raise ProtocolError(f"{where}: give exactly one of prompt_len and mask")
+    if prompt_len is not None:
+        if isinstance(prompt_len, bool) or not isinstance(prompt_len, int):
+            raise ProtocolError(f"{where}: prompt_len must be an int")
+        if not 1 <= prompt_len < n:
+            raise ProtocolError(f"{where}: prompt_len {prompt_len} outside [1, {n})")
+    if mask is not None:
+        if len(mask) != n:
+            raise ProtocolError(f"{where}: mask has {len(mask)} entries for {n} tokens")
+        if mask.strip(b"\x00\x01"):
+            raise ProtocolError(f"{where}: mask values must be 0 or 1")
+        if mask[0]:
+            raise ProtocolError(f"{where}: mask[0] must be 0 (the first token has no context)")
+        if 1 not in mask:
+            raise ProtocolError(f"{where}: mask scores no token")
+
+
+# ----------------------------------------------------------------------------- jobs
+
+
+def encode_job(
+    job_id: str,
+    mode: str,
+    reply_to: str,
+    seqs: Iterable[Mapping[str, Any] | SeqSpec],
+    *,
+    temperature: float = 1.0,
+    deadline_ms: int | None = None,
+    meta: Any = None,
+) -> bytes:
+    """Encode a job payload; each seq is a ``SeqSpec`` or a map with ``tokens`` and
+    ``prompt_len`` or ``mask``. Validates structure so producers fail fast."""
+    if not isinstance(job_id, str) or not 0 < len(job_id) <= MAX_ID_CHARS:
+        raise ProtocolError(f"job id must be a non-empty string of at most {MAX_ID_CHARS} chars")
+    if mode not in MODES:
+        raise ProtocolError(f"mode must be one of {MODES}, got {mode!r}")
+    if not isinstance(reply_to, str) or not 0 < len(reply_to) <= MAX_KEY_CHARS:
+        raise ProtocolError("reply_to must be a non-empty stream key")
+    if not (
+        isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0
+    ):
+        raise ProtocolError(f"temperature must be a finite number > 0, got {temperature!r}")
+    wire_seqs = []
+    for i, s in enumerate(seqs):
+        if isinstance(s, SeqSpec):
+            tokens, prompt_len, mask = s.tokens, s.prompt_len, s.mask
+        else:
+            tokens = as_int32_array(s["tokens"])
+            prompt_len = s.get("prompt_len")
+            mask = as_mask_bytes(s["mask"]) if s.get("mask") is not None else None
+        validate_seq(tokens, prompt_len, mask, i)
+        entry: dict[str, Any] = {"tokens": _le_bytes(tokens)}
+        if prompt_len is not None:
+            entry["prompt_len"] = int(prompt_len)
+        else:
+            entry["mask"] = mask
+        wire_seqs.append(entry)
+    if not wire_seqs:
+        raise ProtocolError("a job needs at least one sequence")
+    body: dict[str, Any] = {
+        "v": PROTOCOL_VERSION,
+        "id": job_id,
+        "mode": mode,
+        "reply_to": reply_to,
+        "seqs": wire_seqs,
+        "temperature": float(temperature),
+    }
+    if deadline_ms is not None:
+        body["deadline_ms"] = int(deadline_ms)
+    if meta is not None:
+        body["meta"] = meta
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def _unpack(payload: bytes, limits: Limits) -> Any:
+    """msgpack-decode with every container and string bounded by ``limits``."""
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"payload must be bytes, got {type(payload).__name__}")
+    if len(payload) > limits.max_payload_bytes:
+        raise ProtocolError(
+            f"payload is {len(payload)} bytes, over the limit of {limits.max_payload_bytes}",
+            raw=bytes(payload[:256]),
+        )
+    try:
+        return msgpack.unpackb(
+            payload,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=limits.max_payload_bytes,
+            max_str_len=limits.max_meta_bytes,
+            max_array_len=max(limits.max_seqs, limits.max_tokens),
+            max_map_len=1024,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises a zoo of exception types for bad input
+        raise ProtocolError(
+            f"payload is not valid msgpack: {exc}", raw=bytes(payload[:256])
+        ) from exc
+
+
+def peek_envelope(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """Best-effort read of ``id``, ``reply_to`` and ``meta`` from a payload that may be invalid.
+
+    Used to address an error result. Returns only the keys that are readable and well-typed.
+    """
+    try:
+        body = _unpack(payload, limits)
+    except ProtocolError:
+        return {}
+    if not isinstance(body, dict):
+        return {}
+    out: dict[str, Any] = {}
+    if isinstance(body.get("id"), str) and 0 < len(body["id"]) <= MAX_ID_CHARS:
+        out["id"] = body["id"]
+    reply_to = body.get("reply_to")
+    if isinstance(reply_to, str) and 0 < len(reply_to) <= MAX_KEY_CHARS:
+        out["reply_to"] = reply_to
+    if "meta" in body:
+        out["meta"] = body["meta"]
+    return out
+
+
+def decode_job(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> Job:
+    """Decode and validate a job payload. Raises ``ProtocolError`` (code ``bad_request``)."""
+    body = _unpack(payload, limits)
+    raw = bytes(payload[:256])
+    if not isinstance(body, dict):
+        raise ProtocolError("payload must be a msgpack map", raw=raw)
+    v = body.get("v")
+    if v != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {v!r} (this worker speaks v1)", raw=raw)
+    job_id = body.get("id")
+    if not isinstance(job_id, str) or not 0 < len(job_id) <= MAX_ID_CHARS:
+        raise ProtocolError(
+            f"id must be a non-empty string of at most {MAX_ID_CHARS} chars", raw=raw
+        )
+    reply_to = body.get("reply_to")
+    if not isinstance(reply_to, str) or not 0 < len(reply_to) <= MAX_KEY_CHARS:
+        raise ProtocolError("reply_to must be a non-empty string", raw=raw)
+    mode = body.get("mode")
+    if not isinstance(mode, str):
+        raise ProtocolError("mode must be a string", raw=raw)
+    temperature = body.get("temperature", 1.0)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ProtocolError("temperature must be a number", raw=raw)
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ProtocolError(f"temperature must be finite and > 0, got {temperature}", raw=raw)
+    deadline_ms = body.get("deadline_ms")
+    if deadline_ms is not None and (
+        isinstance(deadline_ms, bool) or not isinstance(deadline_ms, int)
+    ):
+        raise ProtocolError("deadline_ms must be an integer (unix milliseconds)", raw=raw)
+    meta = body.get("meta")
+    if meta is not None and len(msgpack.packb(meta, use_bin_type=True)) > limits.max_meta_bytes:
+        raise ProtocolError(f"meta is larger than {limits.max_meta_bytes} bytes", raw=raw)
+    raw_seqs = body.get("seqs")
+    if not isinstance(raw_seqs, list) or not raw_seqs:
+        raise ProtocolError("seqs must be a non-empty array", raw=raw)
+    if len(raw_seqs) > limits.max_seqs:
+        raise ProtocolError(
+            f"{len(raw_seqs)} sequences, over the limit of {limits.max_seqs}", raw=raw
+        )
+    seqs: list[SeqSpec] = []
+    total = 0
+    for i, s in enumerate(raw_seqs):
+        if not isinstance(s, dict):
+            raise ProtocolError(f"seqs[{i}] must be a map", raw=raw)
+        raw_tokens = s.get("tokens")
+        n = len(raw_tokens) // 4 if isinstance(raw_tokens, bytes) else None
+        if isinstance(raw_tokens, list):
+            n = len(raw_tokens)
+        if n is None:
+            raise ProtocolError(f"seqs[{i}].tokens must be int32 bin or an array of ints", raw=raw)
+        total += n
+        if total > limits.max_tokens:
+            raise ProtocolError(f"job has more than {limits.max_tokens} tokens", raw=raw)
+        try:
+            tokens = as_int32_array(raw_tokens)
+        except ProtocolError as exc:
+            raise ProtocolError(f"seqs[{i}].tokens: {exc.message}", raw=raw) from exc
+        prompt_len = s.get("prompt_len")
+        mask = s.get("mask")
+        if mask is not None and not isinstance(mask, bytes):
+            if isinstance(mask, list) and all(isinstance(m, int) for m in mask):
+                mask = as_mask_bytes(mask)
+            else:
+                raise ProtocolError(f"seqs[{i}].mask must be bin (one uint8 per token)", raw=raw)
+        validate_seq(tokens, prompt_len, mask, i)
+        seqs.append(SeqSpec(tokens=tokens, prompt_len=prompt_len, mask=mask))
+    return Job(
+        id=job_id,
+        mode=mode,
+        reply_to=reply_to,
+        seqs=tuple(seqs),
+        temperature=float(temperature),
+        deadline_ms=deadline_ms,
+        meta=meta,
+    )
+
+
+# ----------------------------------------------------------------------------- results
+
+
+def _float_bin(values: Any) -> bytes:
+    """Little-endian float32 bytes from an ``array('f')``, numpy array, or sequence of floats."""
+    if isinstance(values, array) and values.typecode == "f":
+        return _le_bytes(values)
+    if hasattr(values, "__array__") and hasattr(values, "astype"):
+        return values.astype("<f4", copy=False).tobytes()
+    return _le_bytes(array("f", values))
+
+
+def encode_result(result: Result) -> bytes:
+    """Encode a result payload."""
+    body: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": result.id, "ok": bool(result.ok)}
+    if result.ok:
+        seqs = []
+        for s in result.seqs:
+            entry: dict[str, Any] = {}
+            if s.logps is not None:
+                entry["logps"] = _float_bin(s.logps)
+            if s.reward is not None:
+                entry["reward"] = float(s.reward)
+            if s.token_scores is not None:
+                entry["token_scores"] = _float_bin(s.token_scores)
+            seqs.append(entry)
+        body["seqs"] = seqs
+    else:
+        if not result.error or result.error.get("code") not in ERROR_CODES:
+            raise ValueError(f"an error result needs error.code in {ERROR_CODES}")
+        body["error"] = {
+            "code": result.error["code"],
+            "message": str(result.error.get("message", "")),
+        }
+    if result.meta is not None:
+        body["meta"] = result.meta
+    if result.info:
+        body["info"] = result.info
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def error_result(
+    job_id: str, code: str, message: str, *, meta: Any = None, info: Any = None
+) -> Result:
+    """Build an error result."""
+    return Result(
+        id=job_id,
+        ok=False,
+        error={"code": code, "message": message},
+        meta=meta,
+        info=dict(info or {}),
+    )
+
+
+def decode_result(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> Result:
+    """Decode a result payload (used by producers)."""
+    body = _unpack(payload, limits)
+    if not isinstance(body, dict) or body.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError("result payload is not a v1 map", raw=bytes(payload[:256]))
+    job_id = body.get("id")
+    if not isinstance(job_id, str):
+        raise ProtocolError("result has no id", raw=bytes(payload[:256]))
+    ok = bool(body.get("ok"))
+    seqs: list[SeqResult] = []
+    for s in body.get("seqs") or []:
+        logps = s.get("logps")
+        token_scores = s.get("token_scores")
+        seqs.append(
+            SeqResult(
+                logps=_from_le("f", logps) if isinstance(logps, bytes) else None,
+                reward=s.get("reward"),
+                token_scores=_from_le("f", token_scores)
+                if isinstance(token_scores, bytes)
+                else None,
+            )
+        )
+    error = body.get("error")
+    if not ok and not isinstance(error, dict):
+        error = {"code": "internal", "message": "error result without an error map"}
+    return Result(
+        id=job_id,
+        ok=ok,
+        seqs=seqs,
+        error=error if not ok else None,
+        meta=body.get("meta"),
+        info=body.get("info") or {},
+    )
+
+
+def seq_specs(seqs: Sequence[Mapping[str, Any]]) -> list[SeqSpec]:
+    """Build validated ``SeqSpec`` objects from maps with ``tokens`` and ``prompt_len``/``mask``."""
+    out = []
+    for i, s in enumerate(seqs):
+        tokens = as_int32_array(s["tokens"])
+        mask = as_mask_bytes(s["mask"]) if s.get("mask") is not None else None
+        prompt_len = s.get("prompt_len")
+        validate_seq(tokens, prompt_len, mask, i)
+        out.append(SeqSpec(tokens=tokens, prompt_len=prompt_len, mask=mask))
+    return out
