@@ -87,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``scoring-worker`` console script."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    raw_argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(raw_argv)
+    args._argv = raw_argv  # the supervisor re-launches `serve` children from the raw flags
     setup_logging(args.log_level, args.log_json)
     try:
         return int(args._run(args) or 0)
