@@ -58,8 +58,8 @@ def setup_logging(level: str = "INFO", json_logs: bool = False) -> None:
     root.setLevel(level.upper())
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The root parser with every subcommand configured."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The root parser; only ``command``'s module is imported and configured (all when None)."""
     from worker.config import env_bool, env_get
 
     parser = argparse.ArgumentParser(prog="scoring-worker", description=__doc__.splitlines()[0])
@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in COMMANDS.items():
         cmd = sub.add_parser(name, help=help_text, description=help_text)
+        if command is not None and name != command:
+            continue
         mod = importlib.import_module(module)
         mod.configure(cmd)
         cmd.set_defaults(_run=mod.run)
@@ -86,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``scoring-worker`` console script."""
-    parser = build_parser()
     raw_argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in raw_argv if a in COMMANDS), "")
+    parser = build_parser(command)
     args = parser.parse_args(raw_argv)
     args._argv = raw_argv  # the supervisor re-launches `serve` children from the raw flags
     setup_logging(args.log_level, args.log_json)
