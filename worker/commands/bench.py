@@ -1,0 +1,49 @@
+"""``scoring-worker bench``: the benchmarks, side by side in one run, printing tables and JSON.
+
+Suites: ``executor`` (naive in-trainer scoring vs the stateless executor), ``e2e`` (the same
+jobs through Redis and a worker vs in-process), ``capacity`` (queue throughput with the no-op
+scorer). Extra arguments after ``--`` go to the suite's own ``main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+SUITES = {
+    "executor": "worker.bench",
+    "e2e": "worker.bench_e2e",
+    "capacity": "worker.capacity",
+}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the bench flags."""
+    parser.add_argument(
+        "--suite",
+        action="append",
+        choices=[*SUITES, "all"],
+        help="which benchmark(s) to run (repeatable; default: executor and e2e)",
+    )
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
+    parser.add_argument(
+        "suite_args",
+        nargs=argparse.REMAINDER,
+        help="arguments passed to each suite's main (after --)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen suites in order; the exit code is the worst suite's."""
+    suites = args.suite or ["executor", "e2e"]
+    if "all" in suites:
+        suites = list(SUITES)
+    extra = [a for a in args.suite_args if a != "--"]
+    if args.quick:
+        extra = ["--quick", *extra]
+    worst = 0
+    for name in suites:
+        module = importlib.import_module(SUITES[name])
+        rc = int(module.main(list(extra)) or 0)
+        worst = max(worst, rc)
+    return worst
