@@ -1,0 +1,245 @@
+"""The supervisor's own logic: child argv/env, restart with backoff, give-up, drain, SIGKILL.
+
+Children here are tiny Python scripts (no Redis, no model), so each test runs in about a second;
+tests/test_supervisor_serve.py runs the real ``serve --replicas 2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import signal
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from worker.errors import ConfigError
+from worker.supervisor import (
+    ChildSpec,
+    Supervisor,
+    SupervisorConfig,
+    build_children,
+    parse_gpus,
+    split_argv,
+    strip_flags,
+)
+
+
+def _args(argv: list[str], **kw: object) -> argparse.Namespace:
+    ns = argparse.Namespace(
+        gpus=None, replicas=None, consumer=None, metrics_port=None, drain_timeout_s=None
+    )
+    for k, v in kw.items():
+        setattr(ns, k, v)
+    ns._argv = argv
+    return ns
+
+
+def test_child_argv_strips_supervisor_flags_and_numbers_children() -> None:
+    argv = [
+        "--log-level",
+        "DEBUG",
+        "serve",
+        "--replicas",
+        "3",
+        "--redis-url",
+        "redis://h:1/0",
+        "--consumer=pod",
+        "--metrics-port",
+        "9400",
+        "--burst",
+    ]
+    specs = build_children(
+        _args(argv, replicas=3, consumer="pod", metrics_port=9400), env={"PATH": "/bin"}
+    )
+    assert [s.consumer for s in specs] == ["pod-0", "pod-1", "pod-2"]
+    assert [s.metrics_port for s in specs] == [9400, 9401, 9402]
+    for i, s in enumerate(specs):
+        assert s.argv[:3] == (sys.executable, "-m", "worker")
+        assert list(s.argv[3:]) == [
+            "--log-level",
+            "DEBUG",
+            "serve",
+            "--redis-url",
+            "redis://h:1/0",
+            "--burst",
+            "--consumer",
+            f"pod-{i}",
+            "--metrics-port",
+            str(9400 + i),
+        ]
+        assert "CUDA_VISIBLE_DEVICES" not in s.env
+        assert s.env["SCORING_REPLICA_INDEX"] == str(i)
+
+
+def test_metrics_port_zero_stays_zero_and_consumer_defaults_to_pod_name() -> None:
+    argv = ["serve", "--gpus=1,3", "--metrics-port", "0"]
+    specs = build_children(_args(argv, gpus="1,3", metrics_port=0), env={"POD_NAME": "w-abc"})
+    assert [s.consumer for s in specs] == ["w-abc-0", "w-abc-1"]
+    assert [s.metrics_port for s in specs] == [0, 0]
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["1", "3"]
+    assert [s.device for s in specs] == ["1", "3"]
+    assert "--gpus=1,3" not in specs[0].argv
+
+
+def test_gpus_all_uses_visible_devices_and_rejects_bad_lists() -> None:
+    assert parse_gpus("all", {"CUDA_VISIBLE_DEVICES": "2,5"}) == ["2", "5"]
+    assert parse_gpus(" 0, 1 ", {}) == ["0", "1"]
+    with pytest.raises(ConfigError):
+        parse_gpus("0,0", {})
+    with pytest.raises(ConfigError):
+        parse_gpus(",", {})
+    with pytest.raises(ConfigError):
+        build_children(_args(["serve"]))  # neither --gpus nor --replicas
+
+
+def test_split_and_strip() -> None:
+    assert split_argv(["--log-level", "serve", "serve", "-x"]) == (
+        ["--log-level", "serve"],
+        ["-x"],
+    )
+    assert strip_flags(["--replicas", "2", "--exit-on-give-up", "--queue", "q", "--gpus=all"]) == [
+        "--queue",
+        "q",
+    ]
+    with pytest.raises(ConfigError):
+        split_argv(["info"])
+
+
+def test_backoff_doubles_and_caps() -> None:
+    cfg = SupervisorConfig(restart_backoff_s=0.5, restart_backoff_max_s=3.0)
+    assert [cfg.backoff_s(n) for n in range(1, 6)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+
+
+# ----------------------------------------------------------------------------- real processes
+
+
+def _script(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "child.py"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def _spec(i: int, script: Path, tmp_path: Path) -> ChildSpec:
+    env = dict(os.environ, STATE_DIR=str(tmp_path), CHILD=str(i))
+    return ChildSpec(i, f"c-{i}", None, None, (sys.executable, str(script)), env)
+
+
+SERVING_CHILD = """
+    import os, signal, sys, time
+    d, i = os.environ["STATE_DIR"], os.environ["CHILD"]
+    with open(os.path.join(d, f"pids-{i}"), "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    runs = len(open(os.path.join(d, f"pids-{i}")).read().split())
+    print(f"child {i} run {runs} serving", flush=True)
+    if i == "0" and runs == 1:
+        sys.exit(3)  # the first run of child 0 crashes
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+    while not stop:
+        time.sleep(0.02)
+    open(os.path.join(d, f"drained-{i}-{os.getpid()}"), "w").close()
+    sys.exit(0)
+"""
+
+
+@pytest.mark.timeout(30)
+def test_crashed_child_restarts_then_sigterm_drains_all(tmp_path: Path) -> None:
+    script = _script(tmp_path, SERVING_CHILD)
+    out = io.StringIO()
+    cfg = SupervisorConfig(restart_backoff_s=0.2, drain_timeout_s=5, poll_interval_s=0.02)
+    sup = Supervisor([_spec(0, script, tmp_path), _spec(1, script, tmp_path)], cfg, output=out)
+
+    def stop_when_restarted() -> None:
+        deadline = time.monotonic() + 15
+        pids = tmp_path / "pids-0"
+        while time.monotonic() < deadline:
+            if pids.exists() and len(pids.read_text().split()) == 2:
+                time.sleep(0.3)
+                break
+            time.sleep(0.05)
+        sup.request_stop(signal.SIGTERM)
+
+    t = threading.Thread(target=stop_when_restarted)
+    t.start()
+    code = sup.run(install_signals=False)
+    t.join()
+    pids0 = (tmp_path / "pids-0").read_text().split()
+    assert len(pids0) == 2 and pids0[0] != pids0[1], "child 0 was not restarted"
+    assert len((tmp_path / "pids-1").read_text().split()) == 1, "a healthy child restarted"
+    assert (tmp_path / f"drained-0-{pids0[1]}").exists()
+    assert (tmp_path / f"drained-1-{(tmp_path / 'pids-1').read_text().split()[0]}").exists()
+    assert code == 0
+    text = out.getvalue()
+    assert "[c-0] child 0 run 2 serving" in text and "[c-1] child 1 run 1 serving" in text
+
+
+@pytest.mark.timeout(30)
+def test_crash_loop_gives_up_and_exits_nonzero(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        """
+        import os, sys
+        with open(os.path.join(os.environ["STATE_DIR"], "runs"), "a") as f:
+            f.write("x")
+        sys.exit(7)
+        """,
+    )
+    cfg = SupervisorConfig(
+        restart_backoff_s=0.05, restart_backoff_max_s=0.1, restart_limit=3, poll_interval_s=0.02
+    )
+    t0 = time.monotonic()
+    code = Supervisor([_spec(0, script, tmp_path)], cfg, output=io.StringIO()).run(
+        install_signals=False
+    )
+    assert code == 1
+    assert (tmp_path / "runs").read_text() == "xxxx"  # the first run + 3 restarts
+    assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.timeout(30)
+def test_exit_zero_children_are_done_and_not_restarted(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        """
+        import os
+        with open(os.path.join(os.environ["STATE_DIR"], "runs-" + os.environ["CHILD"]), "a") as f:
+            f.write("x")
+        """,
+    )
+    cfg = SupervisorConfig(restart_backoff_s=0.05, poll_interval_s=0.02)
+    specs = [_spec(0, script, tmp_path), _spec(1, script, tmp_path)]
+    assert Supervisor(specs, cfg, output=io.StringIO()).run(install_signals=False) == 0
+    assert (tmp_path / "runs-0").read_text() == "x" and (tmp_path / "runs-1").read_text() == "x"
+
+
+@pytest.mark.timeout(30)
+def test_straggler_is_killed_after_drain_deadline(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        """
+        import os, signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        open(os.path.join(os.environ["STATE_DIR"], "up"), "w").close()
+        while True:
+            time.sleep(0.05)
+        """,
+    )
+    cfg = SupervisorConfig(drain_timeout_s=0.3, drain_margin_s=0.2, poll_interval_s=0.02)
+    sup = Supervisor([_spec(0, script, tmp_path)], cfg, output=io.StringIO())
+
+    def stop_when_up() -> None:
+        while not (tmp_path / "up").exists():
+            time.sleep(0.02)
+        sup.request_stop()
+
+    threading.Thread(target=stop_when_up, daemon=True).start()
+    t0 = time.monotonic()
+    assert sup.run(install_signals=False) == 1
+    assert time.monotonic() - t0 < 10
+    assert sup.children[0].exit_code == -signal.SIGKILL
