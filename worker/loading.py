@@ -1,0 +1,101 @@
+"""Model loading: local directory or hub id, dtype policy, GGUF, offline mode.
+
+Offline mode is huggingface_hub's own (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``, read by the
+hub library); when it is on, loading never touches the network (``local_files_only=True``).
+``trust_remote_code`` stays off unless the caller asks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from worker.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` -> CUDA if available, else CPU; other strings as torch reads them."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"invalid device {device!r}: {exc}") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} requested but CUDA is not available")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """Model dtype: explicit names as given; ``auto`` = bfloat16 on CUDA (float16 without bf16
+    support), float32 on CPU (half-precision matmuls are slow and inexact there)."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def offline() -> bool:
+    """Whether the hub library is in offline mode (env read by huggingface_hub itself)."""
+    from huggingface_hub import is_offline_mode
+
+    return bool(is_offline_mode())
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    kind: Literal["causal", "reward"],
+    device: torch.device,
+    dtype: torch.dtype,
+    gguf_file: str | None = None,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+) -> nn.Module:
+    """Load a ``*ForCausalLM`` (``kind="causal"``) or ``*ForSequenceClassification`` (``"reward"``).
+
+    Loaded in eval mode on ``device`` with ``dtype``; any loading failure becomes ``ConfigError``.
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    cls: Any = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
+    kwargs: dict[str, Any] = {
+        "dtype": dtype,
+        "trust_remote_code": trust_remote_code,
+        "local_files_only": offline() or os.path.isdir(name_or_path),
+    }
+    if revision is not None:
+        kwargs["revision"] = revision
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    log.info("loading %s model %s (gguf=%s, dtype=%s)", kind, name_or_path, gguf_file, dtype)
+    try:
+        model = cls.from_pretrained(name_or_path, **kwargs)
+    except (OSError, ValueError, KeyError, ImportError) as exc:
+        raise ConfigError(f"cannot load {kind} model {name_or_path!r}: {exc}") from exc
+    model.to(device)
+    model.eval()
+    return model
+
+
+def load_tokenizer(name_or_path: str, *, gguf_file: str | None = None) -> Any:
+    """The tokenizer stored with a model (GGUF files carry theirs); for demos and tests."""
+    from transformers import AutoTokenizer
+
+    kwargs: dict[str, Any] = {"local_files_only": offline() or os.path.isdir(name_or_path)}
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    return AutoTokenizer.from_pretrained(name_or_path, **kwargs)

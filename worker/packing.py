@@ -1,0 +1,159 @@
+"""Batch layout: padding-free packed rows and length-sorted padded buckets.
+
+Pure functions that turn ragged token sequences into the tensors one forward needs
+(``input_ids``, ``position_ids``, ``attention_mask``) plus the index maps that bring the
+per-token results back to each sequence. No model code lives here.
+
+Packed layout (the fast path): every sequence of a batch is concatenated into one row and
+``position_ids`` restart at 0 for each sequence, with ``attention_mask=None``. transformers 5
+detects the restarts (``masking_utils.find_packed_sequence_indices``) and builds a block-diagonal
+causal mask for sdpa / eager / flex_attention; flash-attention derives ``cu_seqlens`` from the same
+position ids. Its naive equivalent is running every sequence alone; ``tests/test_packing.py`` and
+``tests/test_executor_math.py`` assert the two agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """The tensors for one forward pass plus the maps back to the sequences.
+
+    ``input_ids``/``position_ids``: ``[R, T]`` (R = 1 when packed). ``attention_mask``: ``[R, T]``
+    or ``None`` (packed). ``starts[i]`` is the flat index (into the row-major ``[R * T]`` view)
+    of sequence ``i``'s first token; its tokens occupy ``starts[i] .. starts[i] + lengths[i] - 1``.
+    ``seq_ids`` are the caller's indices of the sequences in this batch, in batch order.
+    """
+
+    input_ids: torch.Tensor  # [R, T] int64
+    position_ids: torch.Tensor  # [R, T] int64
+    attention_mask: torch.Tensor | None  # [R, T] int64 or None when packed
+    starts: torch.Tensor  # [B] int64 flat start of each sequence
+    lengths: torch.Tensor  # [B] int64 real lengths
+    seq_ids: tuple[int, ...]
+    packed: bool
+
+    @property
+    def real_tokens(self) -> int:
+        """Tokens that belong to a sequence (no padding)."""
+        return int(self.lengths.sum())
+
+    @property
+    def slot_tokens(self) -> int:
+        """Tokens the forward pays for, padding included (``R * T``)."""
+        return int(self.input_ids.numel())
+
+    @property
+    def last_index(self) -> torch.Tensor:
+        """Flat index of each sequence's true last token, ``[B]``."""
+        return self.starts + self.lengths - 1
+
+    def to(self, device: torch.device | str) -> ForwardBatch:
+        """The same batch with every tensor on ``device``."""
+        mask = self.attention_mask.to(device) if self.attention_mask is not None else None
+        return ForwardBatch(
+            input_ids=self.input_ids.to(device),
+            position_ids=self.position_ids.to(device),
+            attention_mask=mask,
+            starts=self.starts.to(device),
+            lengths=self.lengths.to(device),
+            seq_ids=self.seq_ids,
+            packed=self.packed,
+        )
+
+
+def pack(seqs: Sequence[np.ndarray], seq_ids: Sequence[int]) -> ForwardBatch:
+    """Concatenate ``seqs`` into one row with ``position_ids`` restarting per sequence."""
+    lengths = np.array([len(s) for s in seqs], dtype=np.int64)  # [B]
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)  # [B]
+    ids = np.concatenate(seqs).astype(np.int64)  # [S]
+    pos = np.arange(ids.size, dtype=np.int64) - np.repeat(starts, lengths)  # [S]
+    return ForwardBatch(
+        input_ids=torch.from_numpy(ids)[None, :],  # [1, S]
+        position_ids=torch.from_numpy(pos)[None, :],  # [1, S]
+        attention_mask=None,
+        starts=torch.from_numpy(starts),
+        lengths=torch.from_numpy(lengths),
+        seq_ids=tuple(seq_ids),
+        packed=True,
+    )
+
+
+def pad(
+    seqs: Sequence[np.ndarray], seq_ids: Sequence[int], *, pad_id: int = 0, side: str = "right"
+) -> ForwardBatch:
+    """Stack ``seqs`` into ``[B, Lmax]`` with an attention mask; positions count real tokens only.
+
+    ``pad_id`` never matters for the results: pad slots are masked out and never read back.
+    """
+    if side not in ("left", "right"):
+        raise ValueError(f"side must be 'left' or 'right', got {side!r}")
+    lengths = np.array([len(s) for s in seqs], dtype=np.int64)  # [B]
+    width = int(lengths.max())
+    ids = np.full((len(seqs), width), pad_id, dtype=np.int64)  # [B, T]
+    mask = np.zeros((len(seqs), width), dtype=np.int64)  # [B, T]
+    offsets = width - lengths if side == "left" else np.zeros_like(lengths)  # [B]
+    for row, (seq, off) in enumerate(zip(seqs, offsets, strict=True)):
+        ids[row, off : off + len(seq)] = seq
+        mask[row, off : off + len(seq)] = 1
+    pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)  # [B, T]
+    starts = np.arange(len(seqs), dtype=np.int64) * width + offsets  # [B]
+    return ForwardBatch(
+        input_ids=torch.from_numpy(ids),
+        position_ids=torch.from_numpy(pos.astype(np.int64)),
+        attention_mask=torch.from_numpy(mask),
+        starts=torch.from_numpy(starts.astype(np.int64)),
+        lengths=torch.from_numpy(lengths),
+        seq_ids=tuple(seq_ids),
+        packed=False,
+    )
+
+
+def plan_packed(lengths: Sequence[int], max_batch_tokens: int) -> list[list[int]]:
+    """Group sequence indices into packed rows of at most ``max_batch_tokens`` tokens.
+
+    First-fit decreasing over the lengths; a sequence longer than the budget gets a row alone.
+    Groups keep no particular order; callers scatter results back by index.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = lengths[i]
+        for b, free in enumerate(room):
+            if n <= free:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(max_batch_tokens - n)
+    return bins
+
+
+def plan_padded(lengths: Sequence[int], max_batch_tokens: int) -> list[list[int]]:
+    """Length-sorted padded buckets whose ``rows * longest`` stays within ``max_batch_tokens``.
+
+    Sorting by length keeps padding small; a sequence longer than the budget gets a bucket alone.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    buckets: list[list[int]] = []
+    for i in order:
+        if buckets:
+            width = lengths[buckets[-1][0]]  # longest of the bucket: sorted descending
+            if (len(buckets[-1]) + 1) * width <= max_batch_tokens:
+                buckets[-1].append(i)
+                continue
+        buckets.append([i])
+    return buckets
+
+
+def gather_flat(hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows of ``hidden`` ``[R, T, H]`` at flat indices ``index`` ``[N]`` -> ``[N, H]``."""
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)  # [N, H]
