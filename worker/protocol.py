@@ -275,15 +275,29 @@ def _unpack(payload: bytes, limits: Limits) -> Any:
             f"payload is {len(payload)} bytes, over the limit of {limits.max_payload_bytes}",
             raw=bytes(payload[:256]),
         )
+    # Each map/array costs >= 1 byte on the wire but ~60 bytes in Python: count them while
+    # unpacking and stop once there are more than a valid job can hold.
+    budget = [4 * limits.max_seqs + limits.max_meta_bytes + 16]
+
+    def _count(obj: Any) -> Any:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise ValueError("too many maps/arrays for a job")
+        return obj
+
     try:
         return msgpack.unpackb(
             payload,
+            object_hook=_count,
+            list_hook=_count,
             raw=False,
             strict_map_key=True,
             max_bin_len=limits.max_payload_bytes,
             max_str_len=limits.max_meta_bytes,
-            max_array_len=max(limits.max_seqs, limits.max_tokens),
-            max_map_len=1024,
+            # Every element takes >= 1 byte (a map entry >= 2): capping the declared lengths by
+            # the payload size stops a tiny header from pre-allocating a huge list.
+            max_array_len=min(max(limits.max_seqs, limits.max_tokens), len(payload)),
+            max_map_len=min(1024, len(payload) // 2),
             max_ext_len=0,
         )
     except Exception as exc:  # msgpack raises a zoo of exception types for bad input
@@ -455,29 +469,41 @@ def decode_result(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> Result:
     if not isinstance(job_id, str):
         raise ProtocolError("result has no id", raw=bytes(payload[:256]))
     ok = bool(body.get("ok"))
+    raw_seqs = body.get("seqs") or []
+    if not isinstance(raw_seqs, list) or not all(isinstance(s, dict) for s in raw_seqs):
+        raise ProtocolError("result seqs must be an array of maps", raw=bytes(payload[:256]))
     seqs: list[SeqResult] = []
-    for s in body.get("seqs") or []:
+    for s in raw_seqs:
         logps = s.get("logps")
         token_scores = s.get("token_scores")
+        reward = s.get("reward")
+        for value in (logps, token_scores):
+            if isinstance(value, bytes) and len(value) % 4:
+                raise ProtocolError("result float32 bin length is not a multiple of 4")
+        if isinstance(reward, bool) or not isinstance(reward, (int, float, type(None))):
+            raise ProtocolError("result reward must be a number")
         seqs.append(
             SeqResult(
                 logps=_from_le("f", logps) if isinstance(logps, bytes) else None,
-                reward=s.get("reward"),
+                reward=reward,
                 token_scores=_from_le("f", token_scores)
                 if isinstance(token_scores, bytes)
                 else None,
             )
         )
     error = body.get("error")
-    if not ok and not isinstance(error, dict):
+    if not ok and not (isinstance(error, dict) and isinstance(error.get("code"), str)):
         error = {"code": "internal", "message": "error result without an error map"}
+    elif not ok:
+        error = {"code": error["code"], "message": str(error.get("message", ""))}
+    info = body.get("info")
     return Result(
         id=job_id,
         ok=ok,
         seqs=seqs,
         error=error if not ok else None,
         meta=body.get("meta"),
-        info=body.get("info") or {},
+        info=info if isinstance(info, dict) else {},
     )
 
 
