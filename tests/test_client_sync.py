@@ -1,0 +1,281 @@
+"""The synchronous client against the real Redis, with a worker test double (client logic)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import redis
+from test_client_support import OutstandingSampler, Responder, expected_logps
+
+from worker import errors, keys
+from worker.client import (
+    BadRequestError,
+    DeadLetterError,
+    ExpiredError,
+    InternalJobError,
+    JobFailed,
+    ScoringClient,
+    ScoringTimeout,
+    TooLongError,
+    UnsupportedModeError,
+)
+
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(30), pytest.mark.usefixtures("cleanup_keys")]
+
+
+def test_score_a_batch_in_three_lines(redis_url: str, key_prefix: str) -> None:
+    streams = keys.job_streams(key_prefix)
+    toks = [5, 6, 7, 8, 9]
+    with Responder(redis_url, streams), ScoringClient(redis_url, queue=key_prefix) as client:
+        scores = client.score(
+            [
+                {"tokens": toks, "prompt_len": 2},
+                (np.array(toks, dtype=np.int64), 3),
+                {"tokens": toks, "mask": [0, 1, 0, 1, 1]},
+            ],
+            timeout=10,
+        )
+    assert len(scores) == 3
+    assert scores[0].logps.dtype == np.float32
+    np.testing.assert_allclose(scores[0].logps, expected_logps(toks, 2), rtol=1e-6)
+    np.testing.assert_allclose(scores[1].logps, expected_logps(toks, 3), rtol=1e-6)
+    np.testing.assert_allclose(scores[2].logps, [-0.06, -0.08, -0.09], rtol=1e-6)
+    assert scores[0].num_tokens == 3
+    assert scores[0].sum_logp == pytest.approx(-0.24, rel=1e-5)
+    assert scores[0].mean_logp == pytest.approx(-0.08, rel=1e-5)
+
+
+def test_result_carries_info_meta_and_reward(redis_url: str, key_prefix: str) -> None:
+    with (
+        Responder(redis_url, keys.job_streams(key_prefix)),
+        ScoringClient(redis_url, queue=key_prefix) as client,
+    ):
+        handle = client.submit([([1, 2, 3], 1)], mode="both", meta={"step": 7})
+        result = client.result(handle, timeout=10)
+    assert result.job_id == handle.job_id
+    assert result.meta == {"step": 7}
+    assert result.info["backend"] == "double"
+    assert result[0].reward == 3.0
+
+
+def test_results_for_other_jobs_are_buffered(redis_url: str, key_prefix: str) -> None:
+    with (
+        Responder(redis_url, keys.job_streams(key_prefix)),
+        ScoringClient(redis_url, queue=key_prefix) as client,
+    ):
+        handles = [client.submit([([1, 2, 3 + i], 1)]) for i in range(5)]
+        time.sleep(0.3)  # all five results arrive before anyone asks
+        for h in reversed(handles):
+            assert client.result(h, timeout=5).job_id == h.job_id
+        assert client.outstanding == 0
+
+
+def test_partitions_spread_jobs_and_share_one_reply_stream(redis_url: str, key_prefix: str) -> None:
+    streams = keys.job_streams(key_prefix, 3)
+    with (
+        Responder(redis_url, streams) as double,
+        ScoringClient(redis_url, queue=key_prefix, partitions=3) as client,
+    ):
+        handles = [client.submit([([1, 2, 3], 1)]) for _ in range(24)]
+        assert {h.stream for h in handles} == set(streams)
+        assert client.reply_stream == keys.reply_stream(streams[0], client.client_id)
+        for h in handles:
+            assert client.stream_for(h.job_id) == h.stream
+            client.result(h, timeout=5)
+    assert double.answered == 24
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_score_many_never_exceeds_max_in_flight(
+    redis_url: str, key_prefix: str, ordered: bool
+) -> None:
+    streams = keys.job_streams(key_prefix, 2)
+    jobs = [[([1, 2, 3, i % 50 + 4], 2)] for i in range(40)]
+    with (
+        Responder(redis_url, streams, delay_s=0.01, count=1),
+        ScoringClient(redis_url, queue=key_prefix, partitions=2) as client,
+        OutstandingSampler(redis_url, streams) as sampler,
+    ):
+        results = list(client.score_many(jobs, max_in_flight=4, ordered=ordered, timeout=10))
+    assert len(results) == 40
+    if ordered:
+        got = [r.seqs[0].logps[-1] for r in results]
+        np.testing.assert_allclose(got, [-(i % 50 + 4) / 100 for i in range(40)], rtol=1e-6)
+    assert sampler.samples > 20
+    assert 2 <= sampler.peak <= 4, sampler.peak
+
+
+def test_timeout_names_the_job_and_the_wait(redis_url: str, key_prefix: str) -> None:
+    with ScoringClient(redis_url, queue=key_prefix) as client:  # no worker at all
+        handle = client.submit([([1, 2, 3], 1)])
+        start = time.monotonic()
+        with pytest.raises(ScoringTimeout) as info:
+            client.result(handle, timeout=0.3)
+        assert 0.3 <= time.monotonic() - start < 2
+    assert info.value.job_id == handle.job_id
+    assert handle.job_id in str(info.value)
+    assert "0.3 s" in str(info.value)
+    assert isinstance(info.value, TimeoutError)
+
+
+def test_duplicate_results_are_dropped(redis_url: str, key_prefix: str) -> None:
+    with (
+        Responder(redis_url, keys.job_streams(key_prefix)),
+        ScoringClient(redis_url, queue=key_prefix) as client,
+    ):
+        handle = client.submit([([1, 2, 3], 1)], meta={"dup": 2})
+        client.result(handle, timeout=5)
+        deadline = time.monotonic() + 5
+        while client.duplicates < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.duplicates == 2
+        with pytest.raises(ScoringTimeout):
+            client.result(handle, timeout=0.2)  # delivered once, never again
+        # duplicates that arrive before the first one is taken are dropped too
+        h2 = client.submit([([1, 2, 3], 1)], meta={"dup": 3})
+        time.sleep(0.3)
+        client.result(h2, timeout=5)
+        assert client.duplicates == 5
+
+
+@pytest.mark.parametrize(
+    ("code", "cls", "base"),
+    [
+        ("bad_request", BadRequestError, errors.BadRequest),
+        ("too_long", TooLongError, errors.TooLong),
+        ("unsupported_mode", UnsupportedModeError, errors.UnsupportedMode),
+        ("expired", ExpiredError, errors.Expired),
+        ("dead_letter", DeadLetterError, errors.DeadLetter),
+        ("internal", InternalJobError, errors.InternalError),
+    ],
+)
+def test_error_results_raise_typed_exceptions(
+    redis_url: str, key_prefix: str, code: str, cls: type, base: type
+) -> None:
+    with (
+        Responder(redis_url, keys.job_streams(key_prefix)),
+        ScoringClient(redis_url, queue=key_prefix) as client,
+    ):
+        handle = client.submit([([1, 2, 3], 1)], meta={"fail": code})
+        with pytest.raises(cls) as info:
+            client.result(handle, timeout=5)
+    err = info.value
+    assert isinstance(err, JobFailed) and isinstance(err, base)
+    assert isinstance(err, errors.ScoringError)
+    assert err.code == code
+    assert err.job_id == handle.job_id
+    assert err.reason == f"told to fail with {code}"
+    assert code in str(err) and handle.job_id in str(err)
+
+
+def test_score_many_can_yield_errors_instead_of_raising(redis_url: str, key_prefix: str) -> None:
+    jobs = [
+        {"seqs": [([1, 2, 3], 1)], "meta": {"fail": "expired"} if i == 2 else {"i": i}}
+        for i in range(5)
+    ]
+    with (
+        Responder(redis_url, keys.job_streams(key_prefix)),
+        ScoringClient(redis_url, queue=key_prefix) as client,
+    ):
+        out = list(client.score_many(jobs, max_in_flight=2, raise_errors=False, timeout=5))
+        assert [type(o).__name__ for o in out] == ["ScoreResult"] * 2 + ["ExpiredError"] + [
+            "ScoreResult"
+        ] * 2
+        with pytest.raises(ExpiredError):
+            list(client.score_many(jobs, max_in_flight=2, timeout=5))
+
+
+def test_reply_stream_is_deleted_on_close(redis_url: str, key_prefix: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    with Responder(redis_url, keys.job_streams(key_prefix)):
+        client = ScoringClient(redis_url, queue=key_prefix, reply_ttl_s=60)
+        client.score([([1, 2, 3], 1)], timeout=5)
+        time.sleep(0.1)
+        assert r.exists(client.reply_stream)
+        assert 0 < r.ttl(client.reply_stream) <= 60
+        assert r.xlen(client.reply_stream) == 0  # read results are deleted from the stream
+        start = time.monotonic()
+        client.close()
+        assert time.monotonic() - start < 1.0  # close wakes the blocked reader
+    assert not r.exists(client.reply_stream)
+
+
+def test_reply_stream_expires_when_closed_with_jobs_outstanding(
+    redis_url: str, key_prefix: str
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    client = ScoringClient(redis_url, queue=key_prefix, reply_ttl_s=30)
+    client.submit([([1, 2, 3], 1)])  # nobody answers
+    client.close()
+    assert 0 < r.ttl(client.reply_stream) <= 30
+
+
+def test_reader_survives_a_connection_reset(redis_url: str, key_prefix: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    with (
+        Responder(redis_url, keys.job_streams(key_prefix)),
+        ScoringClient(redis_url, queue=key_prefix, block_ms=5000) as client,
+    ):
+        client.score([([1, 2, 3], 1)], timeout=5)
+        time.sleep(0.1)  # the reader is now blocked in XREAD on our reply stream
+        killed = 0
+        for c in r.client_list():
+            if c.get("cmd") == "xread" and c.get("name") == f"scoring-client-{client.client_id}":
+                killed += r.client_kill_filter(_id=c["id"])
+        assert killed >= 1
+        assert len(client.score([([1, 2, 3], 1)], timeout=5)) == 1
+
+
+def test_bad_input_fails_fast_without_enqueueing(redis_url: str, key_prefix: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    with ScoringClient(redis_url, queue=key_prefix) as client:
+        with pytest.raises(errors.BadRequest):
+            client.submit([([1, 2, 3], 3)])  # prompt_len must leave a token to score
+        with pytest.raises(errors.BadRequest):
+            client.submit([{"tokens": [1.5, 2.0]}])
+        with pytest.raises(errors.BadRequest):
+            client.submit([])
+    assert not r.exists(keys.job_streams(key_prefix)[0])
+
+
+def test_torch_tensors_are_accepted(redis_url: str, key_prefix: str) -> None:
+    torch = pytest.importorskip("torch")
+    with (
+        Responder(redis_url, keys.job_streams(key_prefix)),
+        ScoringClient(redis_url, queue=key_prefix) as client,
+    ):
+        scores = client.score([(torch.tensor([4, 5, 6]), torch.tensor(1))], timeout=5)
+    np.testing.assert_allclose(scores[0].logps, [-0.05, -0.06], rtol=1e-6)
+
+
+_NO_TORCH = r"""
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers"):
+            raise ImportError("blocked: " + name)
+sys.meta_path.insert(0, Block())
+import worker.client, worker.aio_client, worker.queue_admin
+from worker.client import ScoringClient
+url, queue = sys.argv[1], sys.argv[2]
+with ScoringClient(url, queue=queue) as c:
+    h = c.submit([([1, 2, 3], 1)])
+    assert h.job_id
+assert not any(m.split(".")[0] in ("torch", "transformers") for m in sys.modules)
+print("ok")
+"""
+
+
+def test_client_imports_and_submits_with_torch_blocked(redis_url: str, key_prefix: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH, redis_url, key_prefix],
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"

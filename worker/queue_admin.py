@@ -1,0 +1,253 @@
+"""Queue inspection and dead-letter operations (what ``scoring-worker info`` and ``dlq`` run).
+
+Works on one logical queue (all its partitions) and one consumer group; aggregates over
+partitions (``total``) and reports each partition. Dead-letter entries are the ones the daemon
+writes (fields ``payload``, ``reason``, ``stream``, ``id``, ``deliveries``, ``consumer``,
+``at_ms``); replay re-adds the original payload to its job stream and deletes the dead letter.
+No torch import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from worker import keys, protocol
+
+
+def _s(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _id_ms(entry_id: Any) -> int:
+    return int(_s(entry_id).split("-", 1)[0])
+
+
+def server_time_ms(client: Any) -> int:
+    """The server's clock in unix ms (entry ids use it, so ages never depend on our clock)."""
+    t = client.time()
+    if isinstance(t, dict):  # cluster: {node: (s, us)}
+        t = next(iter(t.values()))
+    seconds, micros = t
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def stream_info(client: Any, stream: str, group: str, now_ms: int | None = None) -> dict[str, Any]:
+    """One stream and group: length, lag, pending, oldest pending age, consumers with idle time,
+    and the depth of its dead-letter stream."""
+    now_ms = server_time_ms(client) if now_ms is None else now_ms
+    dead = keys.dead_letter_stream(stream)
+    out: dict[str, Any] = {
+        "stream": stream,
+        "group": group,
+        "exists": bool(client.exists(stream)),
+        "group_exists": False,
+        "length": int(client.xlen(stream)),
+        "lag": None,
+        "pending": 0,
+        "oldest_pending_age_s": None,
+        "last_delivered_id": None,
+        "consumers": [],
+        "dead_letter_stream": dead,
+        "dead_letters": int(client.xlen(dead)),
+    }
+    if not out["exists"]:
+        return out
+    for g in client.xinfo_groups(stream):
+        if _s(g.get("name")) != group:
+            continue
+        out["group_exists"] = True
+        out["pending"] = int(g.get("pending") or 0)
+        out["last_delivered_id"] = _s(g.get("last-delivered-id", ""))
+        lag = g.get("lag")
+        if lag is not None:
+            out["lag"] = int(lag)
+        elif out["last_delivered_id"] in ("0", "0-0"):
+            out["lag"] = out["length"]
+    if not out["group_exists"]:
+        out["lag"] = out["length"]  # nothing has been read yet
+        return out
+    if out["pending"]:
+        summary = client.xpending(stream, group)
+        smallest = summary.get("min")
+        if smallest:
+            out["oldest_pending_age_s"] = max(0.0, (now_ms - _id_ms(smallest)) / 1000)
+    out["consumers"] = [
+        {
+            "name": _s(c.get("name")),
+            "pending": int(c.get("pending") or 0),
+            "idle_s": int(c.get("idle") or 0) / 1000,
+            "inactive_s": (
+                int(c["inactive"]) / 1000 if c.get("inactive") not in (None, -1) else None
+            ),
+        }
+        for c in client.xinfo_consumers(stream, group)
+    ]
+    return out
+
+
+def queue_info(
+    client: Any,
+    queue: str = keys.DEFAULT_QUEUE,
+    partitions: int = 1,
+    group: str = keys.DEFAULT_GROUP,
+) -> dict[str, Any]:
+    """All partitions of ``queue`` plus totals (lag is None when any partition cannot say)."""
+    now_ms = server_time_ms(client)
+    parts = [stream_info(client, s, group, now_ms) for s in keys.job_streams(queue, partitions)]
+    lags = [p["lag"] for p in parts]
+    ages = [p["oldest_pending_age_s"] for p in parts if p["oldest_pending_age_s"] is not None]
+    consumers = {c["name"] for p in parts for c in p["consumers"]}
+    total = {
+        "length": sum(p["length"] for p in parts),
+        "lag": None if any(lag is None for lag in lags) else sum(lags),
+        "pending": sum(p["pending"] for p in parts),
+        "oldest_pending_age_s": max(ages) if ages else None,
+        "consumers": len(consumers),
+        "dead_letters": sum(p["dead_letters"] for p in parts),
+    }
+    return {
+        "queue": queue,
+        "group": group,
+        "partitions": partitions,
+        "server_time_ms": now_ms,
+        "total": total,
+        "streams": parts,
+    }
+
+
+# ----------------------------------------------------------------------------- dead letters
+
+
+@dataclass(frozen=True)
+class DeadLetterEntry:
+    """One dead-lettered job as the daemon recorded it."""
+
+    dlq_stream: str
+    dlq_id: str
+    job_stream: str
+    job_id: str | None
+    reason: str
+    deliveries: int | None
+    consumer: str | None
+    dead_at_ms: int
+    original_entry_id: str | None
+    payload_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-friendly dict."""
+        return asdict(self)
+
+
+def _entry(dlq: str, job_stream: str, dlq_id: Any, fields: dict[Any, Any]) -> DeadLetterEntry:
+    f = {_s(k): v for k, v in fields.items()}
+    payload = f.get("payload") or b""
+    envelope = protocol.peek_envelope(payload) if payload else {}
+    deliveries = f.get("deliveries")
+    at_ms = f.get("at_ms")
+    return DeadLetterEntry(
+        dlq_stream=dlq,
+        dlq_id=_s(dlq_id),
+        job_stream=_s(f.get("stream", job_stream)),
+        job_id=envelope.get("id") or (_s(f["job_id"]) if "job_id" in f else None),
+        reason=_s(f.get("reason", "")),
+        deliveries=int(_s(deliveries)) if deliveries is not None else None,
+        consumer=_s(f["consumer"]) if "consumer" in f else None,
+        dead_at_ms=int(_s(at_ms)) if at_ms is not None else _id_ms(dlq_id),
+        original_entry_id=_s(f["id"]) if "id" in f else None,
+        payload_bytes=len(payload),
+    )
+
+
+def _dead_streams(queue: str, partitions: int) -> list[tuple[str, str]]:
+    return [(keys.dead_letter_stream(s), s) for s in keys.job_streams(queue, partitions)]
+
+
+def dlq_list(
+    client: Any, queue: str = keys.DEFAULT_QUEUE, partitions: int = 1, *, limit: int = 100
+) -> list[DeadLetterEntry]:
+    """Up to ``limit`` dead letters per partition, oldest first."""
+    out: list[DeadLetterEntry] = []
+    for dlq, job_stream in _dead_streams(queue, partitions):
+        for dlq_id, fields in client.xrange(dlq, count=limit):
+            out.append(_entry(dlq, job_stream, dlq_id, fields))
+    return out
+
+
+def _matches(entry: DeadLetterEntry, ids: set[str] | None) -> bool:
+    return ids is None or entry.dlq_id in ids or (entry.job_id is not None and entry.job_id in ids)
+
+
+def dlq_replay(
+    client: Any,
+    queue: str = keys.DEFAULT_QUEUE,
+    partitions: int = 1,
+    *,
+    ids: Iterable[str] | None = None,
+    batch: int = 500,
+) -> list[DeadLetterEntry]:
+    """Re-add dead letters to their job streams and delete them from the dead-letter stream.
+
+    ``ids`` selects by job id or dead-letter entry id (None: all). Each move is one MULTI (the
+    two keys share a hash tag, so this works on Cluster). Returns the entries replayed.
+    """
+    wanted = set(ids) if ids is not None else None
+    replayed: list[DeadLetterEntry] = []
+    for dlq, job_stream in _dead_streams(queue, partitions):
+        start = "-"
+        while True:
+            chunk = client.xrange(dlq, min=start, count=batch)
+            if not chunk:
+                break
+            for dlq_id, fields in chunk:
+                entry = _entry(dlq, job_stream, dlq_id, fields)
+                payload = fields.get(b"payload") or fields.get("payload")
+                if not payload or not _matches(entry, wanted):
+                    continue
+                target = entry.job_stream if entry.job_stream else job_stream
+                if not keys.same_slot(target, dlq):
+                    target = job_stream
+                pipe = client.pipeline(transaction=True)
+                pipe.xadd(target, {protocol.PAYLOAD_FIELD: payload})
+                pipe.xdel(dlq, dlq_id)
+                pipe.execute()
+                replayed.append(entry)
+            last = _s(chunk[-1][0])
+            start = "(" + last
+            if len(chunk) < batch:
+                break
+    return replayed
+
+
+def dlq_purge(
+    client: Any,
+    queue: str = keys.DEFAULT_QUEUE,
+    partitions: int = 1,
+    *,
+    ids: Iterable[str] | None = None,
+) -> int:
+    """Delete dead letters (all, or those matching ``ids``); returns how many were deleted."""
+    if ids is None:
+        total = 0
+        for dlq, _ in _dead_streams(queue, partitions):
+            total += int(client.xlen(dlq))
+            client.delete(dlq)
+        return total
+    wanted = set(ids)
+    deleted = 0
+    for entry in dlq_list(client, queue, partitions, limit=1_000_000):
+        if _matches(entry, wanted):
+            deleted += int(client.xdel(entry.dlq_stream, entry.dlq_id))
+    return deleted
+
+
+__all__ = [
+    "DeadLetterEntry",
+    "dlq_list",
+    "dlq_purge",
+    "dlq_replay",
+    "queue_info",
+    "server_time_ms",
+    "stream_info",
+]
