@@ -491,11 +491,10 @@ def decode_result(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> Result:
                 else None,
             )
         )
-    error = body.get("error")
-    if not ok and not (isinstance(error, dict) and isinstance(error.get("code"), str)):
-        error = {"code": "internal", "message": "error result without an error map"}
-    elif not ok:
-        error = {"code": error["code"], "message": str(error.get("message", ""))}
+    raw_error = body.get("error")
+    error = {"code": "internal", "message": "error result without an error map"}
+    if isinstance(raw_error, dict) and isinstance(raw_error.get("code"), str):
+        error = {"code": raw_error["code"], "message": str(raw_error.get("message", ""))}
     info = body.get("info")
     return Result(
         id=job_id,
