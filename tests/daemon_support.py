@@ -1,0 +1,151 @@
+"""Helpers for the daemon tests: subprocess workers, enqueueing raw jobs, collecting results.
+
+Plain functions and classes (not fixtures) so ``tests/conftest.py`` stays the lead's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from worker.protocol import Result, decode_result, encode_job
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def wait_until(
+    pred: Callable[[], Any], timeout: float, interval: float = 0.05, what: str = ""
+) -> Any:
+    """Poll ``pred`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or pred}")
+        time.sleep(interval)
+
+
+class WorkerProc:
+    """A ``python -m worker serve`` subprocess with its log in a file."""
+
+    def __init__(self, args: Iterable[str], log_path: Path, env: dict[str, str] | None = None):
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "worker", "serve", *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=full_env,
+        )
+
+    def log(self) -> str:
+        """Everything the worker logged so far."""
+        return self.log_path.read_text(errors="replace")
+
+    def wait_log(self, pattern: str, timeout: float = 60.0) -> re.Match[str]:
+        """Wait for a log line matching ``pattern`` (fails early if the process exits)."""
+
+        def found() -> re.Match[str] | None:
+            m = re.search(pattern, self.log())
+            if m is None and self.proc.poll() is not None:
+                raise AssertionError(f"worker exited ({self.proc.returncode}):\n{self.log()}")
+            return m
+
+        return wait_until(found, timeout, what=f"log {pattern!r}")
+
+    def wait_ready(self, timeout: float = 90.0) -> WorkerProc:
+        """Wait until the worker logged that it serves."""
+        self.wait_log(r"serving .* \(group ", timeout)
+        return self
+
+    @property
+    def metrics_url(self) -> str:
+        """The bound metrics URL (from the log line)."""
+        m = self.wait_log(r"metrics on (http://[\d.]+:\d+/metrics)", 30)
+        return m.group(1)
+
+    def signal(self, sig: int) -> None:
+        """Send a signal."""
+        self.proc.send_signal(sig)
+
+    def wait_exit(self, timeout: float = 30.0) -> int:
+        """Wait for the process to exit; returns its code."""
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        """Kill if still running and close the log."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self._log.close()
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    """One sample value from a Prometheus text endpoint (0.0 when absent)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    pat = re.compile(rf"^{re.escape(name)}{re.escape(labels)}\s+([0-9.e+-]+)$", re.M)
+    m = pat.search(text)
+    return float(m.group(1)) if m else 0.0
+
+
+def enqueue(
+    client: redis.Redis,
+    stream: str,
+    job_id: str,
+    reply_to: str,
+    seqs: list[dict[str, Any]],
+    mode: str = "reference",
+    **kwargs: Any,
+) -> str:
+    """XADD one encoded job; returns the entry id."""
+    payload = encode_job(job_id, mode, reply_to, seqs, **kwargs)
+    return client.xadd(stream, {"payload": payload}).decode()
+
+
+def collect(
+    client: redis.Redis, reply_to: str, ids: Iterable[str], timeout: float = 60.0
+) -> tuple[dict[str, Result], int]:
+    """Read ``reply_to`` until every id in ``ids`` has a result; returns (first result per id,
+    number of duplicate results seen)."""
+    wanted = set(ids)
+    got: dict[str, Result] = {}
+    dups = 0
+    last = "0-0"
+    deadline = time.monotonic() + timeout
+    while not wanted <= set(got):
+        left_ms = int((deadline - time.monotonic()) * 1000)
+        if left_ms <= 0:
+            missing = sorted(wanted - set(got))
+            raise AssertionError(f"no result for {len(missing)} jobs, e.g. {missing[:5]}")
+        reply = client.xread({reply_to: last}, count=1000, block=min(left_ms, 500))
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                last = entry_id.decode()
+                res = decode_result(fields[b"payload"])
+                if res.id in got:
+                    dups += 1
+                else:
+                    got[res.id] = res
+    return got, dups
+
+
+def pending_of(client: redis.Redis, stream: str, group: str, consumer: str | None = None) -> int:
+    """Pending entries of the group (of one consumer when given)."""
+    if consumer is None:
+        return int(client.xpending(stream, group)["pending"])
+    return len(client.xpending_range(stream, group, "-", "+", 10000, consumername=consumer))

@@ -1,0 +1,259 @@
+"""``scoring-worker serve``: run one worker daemon (or a supervised fleet with --replicas/--gpus).
+
+Every flag has a ``SCORING_<FLAG>`` environment equivalent (``--max-batch-tokens`` ->
+``SCORING_MAX_BATCH_TOKENS``); a flag on the command line wins over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import socket
+from typing import Any
+
+from worker import keys
+from worker.config import RedisSettings, WorkerConfig, env_bool, env_get
+from worker.errors import ConfigError
+from worker.protocol import Limits
+
+log = logging.getLogger(__name__)
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    raw = env_get(name)
+    return int(raw) if raw not in (None, "") else default
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = env_get(name)
+    return float(raw) if raw not in (None, "") else default
+
+
+def default_consumer() -> str:
+    """``POD_NAME`` when set (Kubernetes), else ``<hostname>-<pid>``."""
+    return os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the serve flags (defaults come from ``SCORING_*`` env)."""
+    g = parser.add_argument_group("redis")
+    g.add_argument(
+        "--redis-url",
+        default=env_get("REDIS_URL", "redis://127.0.0.1:6379/0"),
+        help="redis://, rediss:// (TLS), unix://, redis+cluster:// (env SCORING_REDIS_URL)",
+    )
+    g.add_argument(
+        "--cluster",
+        action="store_true",
+        default=env_bool(env_get("CLUSTER")),
+        help="talk Redis Cluster (also implied by redis+cluster://)",
+    )
+    g.add_argument("--ssl-ca-certs", default=env_get("SSL_CA_CERTS"))
+    g.add_argument("--ssl-certfile", default=env_get("SSL_CERTFILE"))
+    g.add_argument("--ssl-keyfile", default=env_get("SSL_KEYFILE"))
+    q = parser.add_argument_group("queue")
+    q.add_argument(
+        "--queue",
+        default=env_get("QUEUE", keys.DEFAULT_QUEUE),
+        help="logical queue name; streams are derived from it (default 'default')",
+    )
+    q.add_argument(
+        "--partitions",
+        type=int,
+        default=_env_int("PARTITIONS", 1),
+        help="number of partition streams of the queue (default 1)",
+    )
+    q.add_argument(
+        "--stream",
+        default=env_get("STREAM"),
+        help="explicit comma-separated job stream keys (overrides --queue)",
+    )
+    q.add_argument("--group", default=env_get("GROUP", keys.DEFAULT_GROUP))
+    q.add_argument(
+        "--consumer",
+        default=env_get("CONSUMER"),
+        help="consumer name (default: env POD_NAME, else hostname-pid)",
+    )
+    q.add_argument(
+        "--dead-letter-stream",
+        default=env_get("DEAD_LETTER_STREAM"),
+        help="dead-letter stream (default: <stream base>:dead, same hash tag)",
+    )
+    m = parser.add_argument_group("model")
+    m.add_argument(
+        "--scorer",
+        choices=["executor", "noop"],
+        default=env_get("SCORER", "executor"),
+        help="noop = no model, deterministic fake scores (queue capacity benchmarks)",
+    )
+    m.add_argument("--reference-model", default=env_get("REFERENCE_MODEL"))
+    m.add_argument("--reward-model", default=env_get("REWARD_MODEL"))
+    m.add_argument("--gguf-file", default=env_get("GGUF_FILE"))
+    m.add_argument("--reward-gguf-file", default=env_get("REWARD_GGUF_FILE"))
+    m.add_argument("--device", default=env_get("DEVICE", "auto"))
+    m.add_argument("--dtype", default=env_get("DTYPE", "auto"))
+    m.add_argument("--attention-backend", default=env_get("ATTENTION_BACKEND", "auto"))
+    m.add_argument(
+        "--trust-remote-code", action="store_true", default=env_bool(env_get("TRUST_REMOTE_CODE"))
+    )
+    m.add_argument(
+        "--noop-delay-ms",
+        type=float,
+        default=_env_float("NOOP_DELAY_MS", 0.0),
+        help="noop scorer only: sleep this long per batch",
+    )
+    b = parser.add_argument_group("batching and delivery")
+    b.add_argument("--max-batch-tokens", type=int, default=_env_int("MAX_BATCH_TOKENS", 16384))
+    b.add_argument(
+        "--max-wait-ms",
+        type=int,
+        default=_env_int("MAX_WAIT_MS", 5),
+        help="how long to wait for more jobs to fill a batch",
+    )
+    b.add_argument("--block-ms", type=int, default=_env_int("BLOCK_MS", 1000))
+    b.add_argument(
+        "--claim-idle-ms",
+        type=int,
+        default=_env_int("CLAIM_IDLE_MS", 30000),
+        help="entries idle this long (their worker died) are reclaimed",
+    )
+    b.add_argument("--max-deliveries", type=int, default=_env_int("MAX_DELIVERIES", 5))
+    b.add_argument(
+        "--result-maxlen",
+        type=int,
+        default=_env_int("RESULT_MAXLEN", 10000),
+        help="reply streams are trimmed to about this many entries",
+    )
+    b.add_argument("--drain-timeout-s", type=float, default=_env_float("DRAIN_TIMEOUT_S", 60.0))
+    b.add_argument("--max-seqs-per-job", type=int, default=_env_int("MAX_SEQS_PER_JOB", 4096))
+    b.add_argument(
+        "--max-tokens-per-job", type=int, default=_env_int("MAX_TOKENS_PER_JOB", 4 * 1024 * 1024)
+    )
+    b.add_argument(
+        "--burst",
+        action="store_true",
+        default=env_bool(env_get("BURST")),
+        help="exit once the streams are drained and nothing is pending for us",
+    )
+    b.add_argument("--max-jobs", type=int, default=_env_int("MAX_JOBS", None))
+    o = parser.add_argument_group("metrics and fleet")
+    o.add_argument("--metrics-host", default=env_get("METRICS_HOST", "127.0.0.1"))
+    o.add_argument(
+        "--metrics-port",
+        type=int,
+        default=_env_int("METRICS_PORT", 9400),
+        help="0 = a free port (logged); -1 = no HTTP endpoint",
+    )
+    o.add_argument(
+        "--replicas",
+        type=int,
+        default=_env_int("REPLICAS", None),
+        help="run N supervised worker processes",
+    )
+    o.add_argument("--gpus", default=env_get("GPUS"), help="'all' or '0,1': one worker per GPU")
+
+
+def streams_from_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """Job stream keys: ``--stream`` (comma-separated), else from ``--queue``/``--partitions``."""
+    if args.stream:
+        out = tuple(s.strip() for s in args.stream.split(",") if s.strip())
+        if not out:
+            raise ConfigError("--stream is empty")
+        return out
+    return tuple(keys.job_streams(args.queue, args.partitions))
+
+
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    """The ``WorkerConfig`` for parsed serve args."""
+    return WorkerConfig(
+        streams=streams_from_args(args),
+        group=args.group,
+        consumer=args.consumer or default_consumer(),
+        max_batch_tokens=args.max_batch_tokens,
+        max_wait_ms=args.max_wait_ms,
+        block_ms=args.block_ms,
+        claim_idle_ms=args.claim_idle_ms,
+        max_deliveries=args.max_deliveries,
+        dead_letter_stream=args.dead_letter_stream,
+        drain_timeout_s=args.drain_timeout_s,
+        result_maxlen=args.result_maxlen,
+        burst=args.burst,
+        max_jobs=args.max_jobs,
+        metrics_host=args.metrics_host,
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        limits=Limits(max_seqs=args.max_seqs_per_job, max_tokens=args.max_tokens_per_job),
+    )
+
+
+def build_scorer(args: argparse.Namespace) -> Any:
+    """The noop scorer or a loaded ``StatelessExecutor``."""
+    if args.scorer == "noop":
+        from worker.noop import NoopScorer
+
+        return NoopScorer(delay_ms=args.noop_delay_ms)
+    if not (args.reference_model or args.reward_model):
+        raise ConfigError("serve needs --reference-model and/or --reward-model (or --scorer noop)")
+    from worker.executor import ExecutorConfig, StatelessExecutor
+
+    both = bool(args.reference_model and args.reward_model)
+    wanted = {
+        "mode": "both" if both else ("reference" if args.reference_model else "reward"),
+        "device": args.device,
+        "dtype": args.dtype,
+        "attention_backend": args.attention_backend,
+        "max_batch_tokens": args.max_batch_tokens,
+    }
+    names = {f.name for f in dataclasses.fields(ExecutorConfig)}
+    config = ExecutorConfig(**{k: v for k, v in wanted.items() if k in names})
+    return StatelessExecutor.from_pretrained(
+        config,
+        reference_model=args.reference_model,
+        reward_model=args.reward_model,
+        gguf_file=args.gguf_file,
+        reward_gguf_file=args.reward_gguf_file,
+        trust_remote_code=args.trust_remote_code,
+    )
+
+
+def build_info(scorer: Any) -> dict[str, Any]:
+    """Version, model, dtype, device and library versions for ``scoring_build_info``."""
+    from worker import __version__
+
+    info = dict(getattr(scorer, "info", {}) or {})
+    out: dict[str, Any] = {"version": __version__}
+    for k in ("model", "reward_model", "dtype", "device", "attention_backend"):
+        out[k] = info.get(k)
+    for lib in ("torch", "transformers"):
+        try:
+            out[lib] = __import__(lib).__version__
+        except ImportError:
+            out[lib] = None
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model once, then serve until drained/stopped."""
+    if args.replicas is not None or args.gpus is not None:
+        try:
+            from worker.supervisor import supervise
+        except ImportError as exc:
+            msg = f"--replicas/--gpus need worker.supervisor, not available: {exc}"
+            raise SystemExit(msg) from exc
+        return int(supervise(args))
+    from worker.daemon import Worker
+    from worker.metrics import WorkerMetrics
+
+    config = worker_config(args)
+    settings = RedisSettings(
+        url=args.redis_url, cluster=args.cluster, ssl_ca_certs=args.ssl_ca_certs,
+        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+        client_name=f"scoring-worker:{config.consumer}"[:100].replace(" ", "_"),
+    )  # fmt: skip
+    scorer = build_scorer(args)
+    metrics = WorkerMetrics()
+    metrics.set_build_info(build_info(scorer))
+    worker = Worker(config, settings, scorer, metrics=metrics)
+    worker.install_signal_handlers()
+    return worker.run()

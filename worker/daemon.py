@@ -1,0 +1,400 @@
+"""The worker daemon: read jobs from Redis Streams, batch them, score, write results, ack.
+
+One loop in the main thread (read -> decode/validate -> batch under the token budget -> score ->
+write results and ack), a lease thread (``worker.leases``) that keeps in-flight entries owned
+while a batch runs, periodic reclaim of entries whose consumer died, dead-lettering past
+``max_deliveries``, graceful drain on SIGTERM/SIGINT and reconnects when Redis goes away.
+Commands on the wire live in ``worker.streams``; this module is the logic around them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import redis
+
+from worker import streams
+from worker.config import RedisSettings, WorkerConfig
+from worker.connections import connect
+from worker.health import HealthServer, HealthState
+from worker.keys import dead_letter_stream
+from worker.leases import InFlight, LeaseKeeper
+from worker.metrics import WorkerMetrics
+from worker.protocol import Job, Result
+
+log = logging.getLogger(__name__)
+_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+_INFO_KEYS = ("model", "reward_model", "dtype", "device")
+
+
+@dataclass
+class Pending:
+    """A decoded job held by this worker, waiting for (or in) a batch."""
+
+    entry: streams.Entry
+    job: Job
+    inputs: list[Any]
+    read_at_s: float
+
+    @property
+    def key(self) -> tuple[str, float]:
+        """Jobs sharing ``(mode, temperature)`` can share one executor call."""
+        return self.job.mode, self.job.temperature
+
+
+@dataclass
+class Outbox:
+    """Results and dead letters produced by one step, written together."""
+
+    results: list[tuple[streams.Entry, str | None, Result, float | None]] = field(
+        default_factory=list
+    )  # (entry, reply_to, result, read_at_s)
+    dead: list[tuple[streams.Entry, str, Result | None, str | None]] = field(
+        default_factory=list
+    )  # (entry, reason, result for the producer, reply_to)
+
+
+class Worker:
+    """A consumer of one or more job streams in one consumer group."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        redis_settings: RedisSettings,
+        scorer: Any,
+        *,
+        metrics: WorkerMetrics | None = None,
+        health: HealthState | None = None,
+        client_factory: Callable[[], Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.redis_settings = redis_settings
+        self.scorer = scorer
+        self.metrics = metrics or WorkerMetrics()
+        self.health = health or HealthState()
+        self._factory = client_factory or (lambda: connect(redis_settings))
+        self.client: Any = None
+        self.in_flight = InFlight()
+        self._backlog: list[Pending] = []
+        self._stop = threading.Event()
+        self._signals = 0
+        self._drain_deadline: float | None = None
+        self._rotation = 0
+        self._use_autoclaim = True
+        self._last_reclaim = 0.0
+        self._last_stats = 0.0
+        self._redis_failures = 0
+        self.jobs_done = 0
+        self.http: HealthServer | None = None
+        scorer.add_fallback_listener(self._on_fallback)
+
+    # ----------------------------------------------------------------- lifecycle
+    def request_stop(self, reason: str = "requested") -> None:
+        """Stop reading, finish what is held, exit the loop (readiness goes false at once)."""
+        if not self._stop.is_set():
+            log.info("draining (%s): finishing %d held jobs", reason, len(self.in_flight))
+        self._stop.set()
+        self.health.draining = True
+        self.metrics.draining.set(1)
+        self.metrics.ready.set(0)
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + self.config.drain_timeout_s
+            timer = threading.Timer(self.config.drain_timeout_s, self._drain_expired)
+            timer.daemon = True
+            timer.start()
+
+    def _drain_expired(self) -> None:
+        log.error("drain timeout of %.1fs passed; exiting (held entries will be reclaimed)",
+                  self.config.drain_timeout_s)  # fmt: skip
+        os._exit(1)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            log.warning("second signal %d: exiting now (held entries will be reclaimed)", signum)
+            os._exit(1)
+        self.request_stop(signal.Signals(signum).name)
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT drain; a second one exits at once (main thread only)."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_signal)
+            signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_fallback(self, event: Any) -> None:
+        self.metrics.record_fallback(event.requested, event.used, event.reason)
+        self.metrics.set_backend(event.used)
+
+    def run(self) -> int:
+        """Serve until stopped (signal, ``--burst`` drained, ``--max-jobs`` reached); returns 0."""
+        cfg = self.config
+        if cfg.metrics_port is not None and self.http is None:
+            self.http = HealthServer(
+                self.metrics.registry, self.health, host=cfg.metrics_host, port=cfg.metrics_port
+            ).start()
+            log.info("metrics on http://%s:%d/metrics", self.http.host, self.http.port)
+        self.metrics.up.set(1)
+        self.health.model_ready = True
+        backend = str(getattr(self.scorer, "info", {}).get("attention_backend") or "none")
+        self.metrics.set_backend(backend)
+        while not self._connect():
+            if self._stop.is_set():
+                return 0
+        leases = LeaseKeeper(
+            self._factory, self.in_flight, group=cfg.group, consumer=cfg.consumer,
+            interval_s=cfg.lease_interval_s, metrics=self.metrics, health=self.health,
+        ).start()  # fmt: skip
+        self.health.started = True
+        self.metrics.ready.set(1)
+        log.info(
+            "worker %s serving %s (group %s) on %s",
+            cfg.consumer, ",".join(cfg.streams), cfg.group, self.redis_settings.redacted_url,
+        )  # fmt: skip
+        try:
+            while True:
+                if self._stop.is_set() and not self._backlog:
+                    break
+                try:
+                    if self._step():
+                        break
+                    self._redis_ok()
+                except _REDIS_DOWN as exc:
+                    self._redis_down(exc)
+                except redis.ResponseError as exc:
+                    if not streams.is_nogroup(exc):
+                        raise
+                    log.warning("group or stream gone (%s); recreating", exc)
+                    self._ensure_groups()
+                except Exception:  # the one broad except: log, count, keep serving
+                    log.exception("worker loop error")
+                    self.metrics.loop_errors.labels(where="loop").inc()
+                    time.sleep(0.1)
+        finally:
+            leases.stop()
+            self.metrics.up.set(0)
+            self.metrics.in_flight.set(0)
+            self.metrics.ready.set(0)
+        log.info("worker %s stopped after %d jobs", cfg.consumer, self.jobs_done)
+        return 0
+
+    # ----------------------------------------------------------------- redis plumbing
+    def _connect(self) -> bool:
+        try:
+            self.client = self._factory()
+            version = streams.server_version(self.client)
+            self._use_autoclaim = streams.supports_autoclaim(version)
+            self._ensure_groups()
+            self._redis_ok()
+            log.info("redis %s, XAUTOCLAIM %s", ".".join(map(str, version)),
+                     "on" if self._use_autoclaim else "off (XPENDING+XCLAIM)")  # fmt: skip
+            return True
+        except _REDIS_DOWN as exc:
+            self._redis_down(exc)
+            return False
+
+    def _ensure_groups(self) -> None:
+        for stream in self.config.streams:
+            if streams.ensure_group(self.client, stream, self.config.group):
+                log.info("created consumer group %s on %s", self.config.group, stream)
+
+    def _redis_ok(self) -> None:
+        if self._redis_failures:
+            log.info("redis reachable again after %d failures", self._redis_failures)
+        self._redis_failures = 0
+        self.health.redis_ok = True
+
+    def _redis_down(self, exc: BaseException) -> None:
+        self._redis_failures += 1
+        self.health.redis_ok = False
+        self.metrics.redis_reconnects.inc()
+        delay = min(0.1 * 2 ** min(self._redis_failures - 1, 5), 3.0)
+        log.warning("redis unreachable (%s); retry %d in %.1fs", exc, self._redis_failures, delay)
+        self._stop.wait(delay) if not self._stop.is_set() else time.sleep(delay)
+        self.health.beat("loop")
+
+    def _dead_stream(self, stream: str) -> str:
+        return self.config.dead_letter_stream or dead_letter_stream(stream)
+
+    # ----------------------------------------------------------------- one step
+    def _step(self) -> bool:
+        """Read, prepare and run one batch. True when the worker should exit."""
+        cfg = self.config
+        self.health.beat("loop")
+        now = time.monotonic()
+        if now - self._last_stats >= cfg.stats_interval_s:
+            self._last_stats = now
+            self._sample_stats()
+        outbox = Outbox()
+        got = 0
+        if not self._stop.is_set():
+            if now - self._last_reclaim >= cfg.reclaim_every_s:
+                self._last_reclaim = now
+                got += self._prepare(self._reclaim(), outbox)
+            block = 0 if (self._backlog or got) else cfg.block_ms
+            got += self._prepare(self._read(block), outbox)
+            # Fill the batch: poll without BLOCK (a server-side BLOCK timeout only fires on the
+            # server's cron tick, ~100 ms at hz 10, far coarser than max_wait_ms).
+            deadline = time.monotonic() + cfg.max_wait_ms / 1000.0
+            while self._backlog and self._backlog_tokens() < cfg.max_batch_tokens:
+                if self._room() <= 0:
+                    break
+                more = self._read(0)
+                if more:
+                    got += self._prepare(more, outbox)
+                    continue
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:
+                    break
+                time.sleep(min(left_s, 0.001))
+        self._flush(outbox)
+        batch = self._take_batch()
+        if batch:
+            self._run_batch(batch)
+        self.metrics.in_flight.set(len(self.in_flight))
+        if cfg.max_jobs is not None and self.jobs_done >= cfg.max_jobs and not self._backlog:
+            return True
+        if cfg.burst and not got and not batch and not self._backlog:
+            return self._drained()
+        return False
+
+    def _room(self) -> int:
+        """How many more entries to read (bounded by ``--max-jobs``)."""
+        room = self.config.read_count
+        if self.config.max_jobs is not None:
+            room = min(room, self.config.max_jobs - self.jobs_done - len(self.in_flight))
+        return room
+
+    def _read(self, block_ms: int) -> list[streams.Entry]:
+        room = self._room()
+        if room <= 0:
+            return []
+        self._rotation += 1
+        entries = streams.read_new(
+            self.client, self.config.streams, self.config.group, self.config.consumer,
+            count=room, block_ms=block_ms, rotation=self._rotation,
+        )  # fmt: skip
+        for e in entries:
+            self.in_flight.add(e.stream, e.id)
+        return entries
+
+    def _reclaim(self) -> list[streams.Entry]:
+        held = self.in_flight.snapshot()
+        out: list[streams.Entry] = []
+        for stream in self.config.streams:
+            claimed, deleted = streams.reclaim_idle(
+                self.client, stream, self.config.group, self.config.consumer,
+                min_idle_ms=self.config.claim_idle_ms, count=self.config.read_count,
+                use_autoclaim=self._use_autoclaim,
+            )  # fmt: skip
+            if deleted:
+                log.warning("%d pending entries of %s were deleted before reclaim", len(deleted),
+                            stream)  # fmt: skip
+            mine = set(held.get(stream, ()))
+            for e in claimed:
+                if e.id in mine:
+                    continue  # our own entry whose lease lapsed; it is already held
+                self.in_flight.add(e.stream, e.id)
+                out.append(e)
+        if out:
+            self.metrics.reclaimed.inc(len(out))
+            log.info("reclaimed %d idle entries", len(out))
+        return out
+
+    def _drained(self) -> bool:
+        return all(
+            streams.pending_count(self.client, s, self.config.group, self.config.consumer) == 0
+            for s in self.config.streams
+        )
+
+    def _sample_stats(self) -> None:
+        m, group = self.metrics, self.config.group
+        for stream in self.config.streams:
+            st = streams.stream_stats(self.client, stream, group)
+            m.stream_length.labels(stream=stream).set(st["length"])
+            if st["lag"] is not None:
+                m.stream_lag.labels(stream=stream, group=group).set(st["lag"])
+            m.stream_pending.labels(stream=stream, group=group).set(st["pending"])
+            m.stream_consumers.labels(stream=stream, group=group).set(st["consumers"])
+            dead = self._dead_stream(stream)
+            m.dead_letter_length.labels(stream=dead).set(int(self.client.xlen(dead)))
+
+    # ----------------------------------------------------------------- decode and validate
+    def _prepare(self, entries: list[streams.Entry], outbox: Outbox) -> int:
+        """Decode and validate entries: good jobs join the backlog, bad ones get results."""
+        from worker.jobs import prepare_entry
+
+        for entry in entries:
+            if entry.deliveries > 1:
+                self.metrics.redelivered.inc()
+            prepare_entry(self, entry, outbox)
+        return len(entries)
+
+    def _backlog_tokens(self) -> int:
+        return sum(p.job.num_tokens for p in self._backlog)
+
+    def _take_batch(self) -> list[Pending]:
+        """The oldest job plus following jobs of the same (mode, temperature) within budget."""
+        if not self._backlog:
+            return []
+        key = self._backlog[0].key
+        batch: list[Pending] = []
+        rest: list[Pending] = []
+        tokens = 0
+        for p in self._backlog:
+            n = p.job.num_tokens
+            if p.key == key and (not batch or tokens + n <= self.config.max_batch_tokens):
+                batch.append(p)
+                tokens += n
+            else:
+                rest.append(p)
+        self._backlog = rest
+        return batch
+
+    def _run_batch(self, batch: list[Pending]) -> None:
+        from worker.jobs import score_batch
+
+        outbox = Outbox()
+        score_batch(self, batch, outbox)
+        self._flush(outbox)
+
+    # ----------------------------------------------------------------- writing
+    def _flush(self, outbox: Outbox) -> None:
+        """Write results and dead letters (retrying while Redis is away), then forget them."""
+        from worker.jobs import flush_outbox
+
+        while True:
+            try:
+                flush_outbox(self, outbox)
+                return
+            except _REDIS_DOWN as exc:
+                self._redis_down(exc)
+                if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
+                    log.error("drain deadline passed with results unwritten; they stay pending")
+                    return
+
+
+def seq_inputs(job: Job, input_cls: Any) -> list[Any]:
+    """Executor inputs of a job: int32 token arrays (zero-copy) and prompt_len or mask."""
+    out = []
+    for s in job.seqs:
+        tokens = np.frombuffer(s.tokens, dtype=np.int32) if len(s.tokens) else np.zeros(0, np.int32)
+        mask = np.frombuffer(s.mask, dtype=np.uint8).astype(bool) if s.mask is not None else None
+        out.append(input_cls(tokens=tokens, prompt_len=s.prompt_len, mask=mask))
+    return out
+
+
+def job_info(scorer: Any, consumer: str, **extra: Any) -> dict[str, Any]:
+    """The ``info`` map of a result: model, dtype, device, worker, plus ``extra``."""
+    base = getattr(scorer, "info", {}) or {}
+    info = {k: base[k] for k in _INFO_KEYS if base.get(k) is not None}
+    info["worker"] = consumer
+    info.update({k: v for k, v in extra.items() if v is not None})
+    return info

@@ -1,0 +1,111 @@
+"""A no-op scorer with the executor's interface, for measuring queue capacity without a model.
+
+Selected only explicitly (``serve --scorer noop``); never a default. Its values are deterministic
+functions of the tokens (so duplicates and ordering can be checked end to end) and are not model
+scores: ``logps[i] = -log(vocab_size) - (token_i % 7) / 100 / temperature`` for each scored token,
+``reward = (sum(tokens) % 1000) / 1000``. ``delay_ms`` sleeps per ``score`` call (tests use it to
+make a batch deterministically slow).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from worker.errors import BadRequest, TooLong, UnsupportedMode
+from worker.executor import BatchMetrics, ScoreOutput, SequenceInput, SequenceScore
+
+__all__ = ["NoopScorer", "ScoreOutput", "SequenceInput", "SequenceScore"]
+
+MODES: tuple[str, ...] = ("reference", "reward", "both")
+
+
+class NoopScorer:
+    """Scores nothing: returns deterministic values computed from the tokens."""
+
+    def __init__(
+        self, *, vocab_size: int = 32000, max_positions: int = 1 << 20, delay_ms: float = 0.0
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.max_positions = max_positions
+        self.modes: tuple[str, ...] = MODES
+        self.delay_ms = delay_ms
+        self._listeners: list[Callable[[Any], None]] = []
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """What a result's ``info`` reports about the scorer."""
+        return {
+            "model": "noop",
+            "reward_model": "noop",
+            "dtype": "none",
+            "device": "cpu",
+            "attention_backend": "none",
+            "requested_backend": "none",
+        }
+
+    def add_fallback_listener(self, callback: Callable[[Any], None]) -> None:
+        """Accepted for interface parity; the noop scorer never falls back."""
+        self._listeners.append(callback)
+
+    def validate(self, seqs: Sequence[Any], mode: str, temperature: float = 1.0) -> None:
+        """Raise ``UnsupportedMode``/``BadRequest``/``TooLong`` like the executor does."""
+        if mode not in self.modes:
+            raise UnsupportedMode(f"mode {mode!r} not served (serving {self.modes})")
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise BadRequest(f"temperature must be finite and > 0, got {temperature}")
+        for i, s in enumerate(seqs):
+            tokens = np.asarray(s.tokens)
+            if len(tokens) > self.max_positions:
+                raise TooLong(f"seqs[{i}] has {len(tokens)} tokens > {self.max_positions}")
+            if len(tokens) and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+                raise BadRequest(f"seqs[{i}] has token ids outside [0, {self.vocab_size})")
+
+    def score(self, seqs: Sequence[Any], *, mode: str, temperature: float = 1.0) -> ScoreOutput:
+        """Deterministic pseudo-scores (see the module docstring)."""
+        start = time.perf_counter()
+        if self.delay_ms > 0:
+            time.sleep(self.delay_ms / 1000.0)
+        base = -math.log(self.vocab_size)
+        out: list[SequenceScore] = []
+        real = scored = 0
+        for s in seqs:
+            tokens = np.asarray(s.tokens, dtype=np.int64)
+            real += len(tokens)
+            if s.mask is not None:
+                sel = np.frombuffer(bytes(s.mask), dtype=np.uint8).astype(bool)
+            else:
+                sel = np.arange(len(tokens)) >= int(s.prompt_len)
+            logps = reward = None
+            if mode in ("reference", "both"):
+                picked = tokens[sel]
+                logps = (base - (picked % 7) / 100.0 / temperature).astype(np.float32)
+                scored += len(picked)
+            if mode in ("reward", "both"):
+                reward = float(int(tokens.sum()) % 1000) / 1000.0
+            out.append(SequenceScore(logps=logps, reward=reward, token_scores=None, error=None))
+        elapsed = time.perf_counter() - start
+        metrics = BatchMetrics(
+            batch_size=len(seqs),
+            real_tokens=real,
+            padded_tokens=0,
+            scored_tokens=scored,
+            elapsed_s=elapsed,
+            forward_s=elapsed,
+            backend="none",
+            requested_backend="none",
+            fallbacks=[],
+            kv_output_tensors=0,
+            kv_output_bytes=0,
+            kv_rejected=False,
+            peak_allocated_bytes=0,
+            peak_reserved_bytes=0,
+            device_total_bytes=0,
+            oom_splits=0,
+            packed=True,
+        )
+        return ScoreOutput(scores=out, metrics=metrics)
