@@ -1,0 +1,206 @@
+"""``scoring-worker enqueue``: score a JSONL file of rollouts through the queue.
+
+Input, one rollout per line: ``{"tokens": [...], "prompt_len": 12}`` or ``{"tokens": [...],
+"mask": [0, 0, 1, ...]}``, optional ``id`` (default: ``line-<n>``), ``meta``, ``mode``,
+``temperature``; or ``{"seqs": [{...}, ...], ...}`` for a multi-sequence job. Output, one line
+per input line as results complete: ``{"id", "ok": true, "logps": [...], "reward", "meta",
+"info"}`` (``"seqs": [...]`` for multi-sequence jobs) or ``{"id", "ok": false, "error": {"code",
+"message"}}``. Ids already in the output file are skipped, so re-running resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+from typing import IO, Any
+
+from worker.client import (
+    JobFailed,
+    JobSpec,
+    ScoreResult,
+    ScoringClient,
+    ScoringTimeout,
+    normalize_seqs,
+)
+from worker.commands._options import add_queue_args, add_redis_args, redis_settings
+from worker.config import env_get
+from worker.errors import ScoringError
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the enqueue flags."""
+    add_redis_args(parser, url_default="redis://127.0.0.1:6379/0")
+    add_queue_args(parser, group=False)
+    parser.add_argument("--file", required=True, help="input JSONL ('-' = stdin)")
+    parser.add_argument("--out", required=True, help="output JSONL (appended; resumable)")
+    parser.add_argument(
+        "--mode",
+        default=env_get("MODE", "reference"),
+        choices=["reference", "reward", "both"],
+        help="default mode for lines without one",
+    )
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=int(env_get("MAX_IN_FLIGHT", "64") or 64),
+        help="jobs submitted and not yet answered (backpressure; default 64)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for each job's result after submitting it",
+    )
+    parser.add_argument(
+        "--retry-errors",
+        action="store_true",
+        help="on resume, re-run ids whose earlier output line is an error",
+    )
+    parser.add_argument("--ordered", action="store_true", help="write results in input order")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _done_ids(path: str, retry_errors: bool) -> set[str]:
+    """Ids already answered in ``path``; drops a torn last line left by a crash."""
+    if not os.path.exists(path):
+        return set()
+    with open(path, "rb+") as fh:
+        data = fh.read()
+        if data and not data.endswith(b"\n"):
+            fh.truncate(data.rfind(b"\n") + 1)  # a torn write: redo that job
+            data = data[: data.rfind(b"\n") + 1]
+    done: set[str] = set()
+    for line in data.splitlines():
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and "id" in obj and (obj.get("ok") or not retry_errors):
+            done.add(str(obj["id"]))
+    return done
+
+
+def _read_jobs(fh: IO[str], done: set[str], errors_out: list[dict[str, Any]]) -> Iterator[JobSpec]:
+    for n, line in enumerate(fh, start=1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as exc:
+            errors_out.append({"line": n, "message": f"not JSON: {exc}"})
+            continue
+        if not isinstance(obj, dict):
+            errors_out.append({"line": n, "message": "a line must be a JSON object"})
+            continue
+        job_id = str(obj.get("id", f"line-{n}"))
+        if job_id in done:
+            continue
+        done.add(job_id)
+        multi = "seqs" in obj
+        try:
+            seqs = normalize_seqs(obj["seqs"] if multi else [obj])
+        except (ScoringError, KeyError, TypeError) as exc:
+            errors_out.append({"line": n, "message": f"id {job_id}: {exc}"})
+            continue
+        yield JobSpec(
+            seqs=seqs,
+            mode=obj.get("mode"),
+            temperature=obj.get("temperature"),
+            meta={"line": n, "multi": multi, "meta": obj.get("meta")},
+            job_id=job_id,
+        )
+
+
+def _count_lines(path: str) -> int | None:
+    if path == "-":
+        return None
+    with open(path, "rb") as fh:
+        return sum(1 for line in fh if line.strip())
+
+
+def _progress(total: int | None, disable: bool) -> Any:
+    if disable or not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="job", file=sys.stderr, dynamic_ncols=True)
+
+
+def _line(item: ScoreResult | JobFailed) -> dict[str, Any]:
+    wrapped = item.meta if isinstance(item.meta, dict) else {}
+    out: dict[str, Any] = {"id": item.job_id}
+    if isinstance(item, JobFailed):
+        out["ok"] = False
+        out["error"] = {"code": item.code, "message": item.reason}
+    else:
+        out["ok"] = True
+        if wrapped.get("multi"):
+            out["seqs"] = [s.to_json() for s in item.seqs]
+        else:
+            out.update(item.seqs[0].to_json())
+        out["info"] = item.info
+    if wrapped.get("meta") is not None:
+        out["meta"] = wrapped["meta"]
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """Score every line of ``--file`` not yet in ``--out``; exit 0 when all succeeded."""
+    done = _done_ids(args.out, args.retry_errors)
+    skipped = len(done)
+    total = _count_lines(args.file)
+    bar = _progress(None if total is None else max(total - skipped, 0), args.no_progress)
+    bad_lines: list[dict[str, Any]] = []
+    ok = failed = 0
+    src = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")  # noqa: SIM115
+    try:
+        with (
+            src,
+            open(args.out, "a", encoding="utf-8") as out,
+            ScoringClient.from_settings(
+                redis_settings(args), queue=args.queue, partitions=args.partitions, mode=args.mode
+            ) as client,
+        ):
+            results = client.score_many(
+                _read_jobs(src, done, bad_lines),
+                max_in_flight=args.max_in_flight,
+                ordered=args.ordered,
+                timeout=args.timeout,
+                temperature=args.temperature,
+                raise_errors=False,
+            )
+            for item in results:
+                if isinstance(item, JobFailed):
+                    failed += 1
+                else:
+                    ok += 1
+                out.write(json.dumps(_line(item)) + "\n")
+                out.flush()
+                if bar is not None:
+                    bar.update(1)
+    except ScoringTimeout as exc:
+        print(f"error: {exc}; re-run the same command to resume", file=sys.stderr)
+        return 1
+    except ScoringError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if bar is not None:
+            with contextlib.suppress(Exception):
+                bar.close()
+    for bad in bad_lines:
+        print(f"skipped line {bad['line']}: {bad['message']}", file=sys.stderr)
+    print(
+        f"{ok} scored, {failed} failed, {skipped} already done, {len(bad_lines)} unreadable "
+        f"-> {args.out}",
+        file=sys.stderr,
+    )
+    return 0 if not failed and not bad_lines else 1

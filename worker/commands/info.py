@@ -1,0 +1,94 @@
+"""``scoring-worker info``: streams, groups, lag, pending, oldest pending age, consumers with idle
+time and dead-letter depth of a queue (all partitions), as a table or ``--json``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import redis
+
+from worker.commands._options import add_queue_args, add_redis_args, redis_settings
+from worker.connections import connect
+from worker.queue_admin import queue_info
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the info flags."""
+    add_redis_args(parser, url_default="redis://127.0.0.1:6379/0")
+    add_queue_args(parser)
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _fmt(value: Any, suffix: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.1f}{suffix}"
+    return f"{value}{suffix}"
+
+
+def render(info: dict[str, Any]) -> str:
+    """The readable table of a ``queue_info`` result."""
+    head = ("STREAM", "LENGTH", "LAG", "PENDING", "OLDEST PENDING", "CONSUMERS", "DEAD")
+    rows = [
+        (
+            s["stream"] + ("" if s["group_exists"] else "  (no group)"),
+            _fmt(s["length"]),
+            _fmt(s["lag"]),
+            _fmt(s["pending"]),
+            _fmt(s["oldest_pending_age_s"], " s"),
+            _fmt(len(s["consumers"])),
+            _fmt(s["dead_letters"]),
+        )
+        for s in info["streams"]
+    ]
+    t = info["total"]
+    if len(rows) > 1:
+        rows.append(
+            (
+                "total",
+                _fmt(t["length"]),
+                _fmt(t["lag"]),
+                _fmt(t["pending"]),
+                _fmt(t["oldest_pending_age_s"], " s"),
+                _fmt(t["consumers"]),
+                _fmt(t["dead_letters"]),
+            )
+        )
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+
+    def line(r: tuple[str, ...]) -> str:
+        first = r[0].ljust(widths[0])
+        return "  ".join([first, *(c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True))])
+
+    out = [
+        f"queue {info['queue']}  group {info['group']}  partitions {info['partitions']}",
+        "",
+        line(head),
+        *(line(r) for r in rows),
+    ]
+    consumers = [(s["stream"], c) for s in info["streams"] for c in s["consumers"]]
+    if consumers:
+        out += ["", "CONSUMER".ljust(32) + "  PENDING   IDLE  STREAM"]
+        for stream, c in sorted(consumers, key=lambda sc: sc[1]["name"]):
+            out.append(
+                f"{c['name'][:32].ljust(32)}  {c['pending']:>7}  {c['idle_s']:>5.1f}s  {stream}"
+            )
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the queue state; exit 1 when Redis cannot be reached."""
+    client = connect(redis_settings(args))
+    try:
+        info = queue_info(client, args.queue, args.partitions, args.group)
+    except redis.RedisError as exc:
+        print(f"error: cannot read {args.queue!r} from Redis: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    print(json.dumps(info, indent=2) if args.json else render(info))
+    return 0
