@@ -120,8 +120,8 @@ class AsyncScoringClient(_ClientBase):
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
                 continue
-            except redis.RedisError:
-                log.exception("reply reader failed on %s", self.reply_stream)
+            except redis.RedisError as exc:  # a server reply (e.g. NOPERM): no traceback
+                log.error("reply reader failed on %s: %s", self.reply_stream, exc)
                 await asyncio.sleep(1.0)
                 continue
             if not reply:

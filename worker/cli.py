@@ -98,3 +98,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        import redis.exceptions as rexc  # a base dependency; imported only on this path
+
+        if isinstance(exc, (rexc.NoPermissionError, rexc.AuthenticationError)):
+            # A refused ACL user or password is configuration, not a crash: one clear line.
+            logging.getLogger("worker.cli").error("redis refused the command: %s", exc)
+            return 2
+        raise

@@ -529,10 +529,10 @@ class ScoringClient(_ClientBase):
                 self._closing.wait(backoff)
                 backoff = min(backoff * 2, 2.0)
                 continue
-            except redis.RedisError:
+            except redis.RedisError as exc:  # a server reply (e.g. NOPERM): no traceback
                 if self._closing.is_set():
                     break
-                log.exception("reply reader failed on %s", self.reply_stream)
+                log.error("reply reader failed on %s: %s", self.reply_stream, exc)
                 self._closing.wait(1.0)
                 continue
             if not reply:
