@@ -1,0 +1,69 @@
+"""A model that returns a KV cache despite use_cache=False is rejected (or warned and dropped)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest_models import random_tokens, tiny_causal
+from transformers.cache_utils import DynamicCache
+
+from worker.errors import KVCacheRejected
+from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
+
+SEQS = [SequenceInput(random_tokens(n, n), prompt_len=1) for n in (8, 5)]
+
+
+def _leak_cache(model: Any) -> None:
+    """Make the backbone return a filled DynamicCache whatever use_cache says."""
+    backbone = model.model
+    original = backbone.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        cache = DynamicCache(config=model.config)
+        hidden = out.last_hidden_state  # [R, T, H]
+        kv = hidden.new_zeros(hidden.shape[0], 2, hidden.shape[1], 8)  # [R, kv_heads, T, d]
+        for layer in range(model.config.num_hidden_layers):
+            cache.update(kv.clone(), kv.clone(), layer)
+        out["past_key_values"] = cache
+        return out
+
+    backbone.forward = forward
+
+
+def test_cache_output_is_rejected_and_counted() -> None:
+    model = tiny_causal("llama")
+    ex = StatelessExecutor(ExecutorConfig(), model)
+    _leak_cache(model)
+    with pytest.raises(KVCacheRejected, match="KV cache") as info:
+        ex.score(SEQS)
+    err = info.value
+    assert err.code == "internal"
+    assert err.kv_output_tensors == 4  # type: ignore[attr-defined]  # 2 layers x (k, v)
+    assert err.kv_output_bytes == 4 * 1 * 2 * 13 * 8 * 4  # type: ignore[attr-defined]
+
+
+def test_cache_output_warn_and_drop(caplog: pytest.LogCaptureFixture) -> None:
+    model = tiny_causal("llama")
+    ex = StatelessExecutor(ExecutorConfig(reject_kv_cache_outputs=False), model)
+    clean = ex.score(SEQS)
+    assert clean.metrics.kv_output_tensors == 0
+    _leak_cache(model)
+    with caplog.at_level("WARNING", logger="worker.executor"):
+        out = ex.score(SEQS)
+    assert out.metrics.kv_output_tensors == 4 and out.metrics.kv_output_bytes > 0
+    assert not out.metrics.kv_rejected
+    assert any("KV cache" in r.getMessage() for r in caplog.records)
+    for a, b in zip(out.scores, clean.scores, strict=True):
+        assert np.array_equal(a.logps, b.logps)
+
+
+def test_leaking_model_constructs_fine() -> None:
+    """The load-time probe ignores caches; rejection happens on the first real batch."""
+    model = tiny_causal("llama")
+    _leak_cache(model)
+    ex = StatelessExecutor(ExecutorConfig(), model)
+    with pytest.raises(KVCacheRejected):
+        ex.score(SEQS)

@@ -1,0 +1,121 @@
+"""Reward pooling at the true last token, value-head adapters, and `both` mode."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest_models import random_tokens, tiny_backbone, tiny_causal, tiny_reward
+
+from worker.errors import ConfigError
+from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
+from worker.pooling import ValueHeadAdapter
+
+LENGTHS = (9, 21, 4, 14)
+
+
+def _seqs(seed: int = 0, eos_last: bool = True) -> list[SequenceInput]:
+    out = []
+    for i, n in enumerate(LENGTHS):
+        tokens = random_tokens(n, seed + i)
+        if eos_last:
+            tokens[-1] = 0  # eos == pad: a pad_token_id search would pool the wrong token
+        out.append(SequenceInput(tokens, prompt_len=2))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("packing", ["packed", "padded"])
+def test_reward_equals_hf_pooled_logit(arch: str, packing: str) -> None:
+    model = tiny_reward(arch)
+    ex = StatelessExecutor(ExecutorConfig(mode="reward", packing=packing), reward_model=model)
+    seqs = _seqs(eos_last=False)
+    got = [s.reward for s in ex.score(seqs).scores]
+    # HF's own pooling on a right-padded batch (pad id 0 never occurs inside these sequences).
+    width = max(len(s.tokens) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s.tokens)] = torch.tensor(s.tokens)
+        mask[i, : len(s.tokens)] = 1
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits[:, 0].double().numpy()
+    assert np.abs(np.array(got) - want).max() <= 1e-4
+
+
+def test_reward_pools_true_last_token_when_pad_equals_eos() -> None:
+    model = tiny_reward("llama")
+    ex = StatelessExecutor(ExecutorConfig(mode="reward"), reward_model=model)
+    seqs = _seqs(eos_last=True)
+    got = [s.reward for s in ex.score(seqs).scores]
+    for s, r in zip(seqs, got, strict=True):
+        with torch.no_grad():
+            hidden = model.model(input_ids=torch.tensor(s.tokens)[None]).last_hidden_state
+            want = float(model.score(hidden[0, -1]))
+        assert r == pytest.approx(want, abs=1e-4)
+
+
+def test_reward_mode_needs_no_prompt_len() -> None:
+    ex = StatelessExecutor(ExecutorConfig(mode="reward"), reward_model=tiny_reward("llama"))
+    out = ex.score([SequenceInput(random_tokens(7, 1)), SequenceInput([3])])
+    assert all(s.reward is not None and s.logps is None for s in out.scores)
+    assert out.metrics.scored_tokens == 0
+
+
+def test_both_mode_with_two_models() -> None:
+    ref, rew = tiny_causal("llama"), tiny_reward("qwen2")
+    both = StatelessExecutor(ExecutorConfig(mode="both"), ref, rew)
+    assert both.modes == ("reference", "reward", "both")
+    seqs = _seqs(seed=4)
+    out = both.score(seqs).scores
+    only_ref = StatelessExecutor(ExecutorConfig(), ref).score(seqs).scores
+    only_rew = StatelessExecutor(ExecutorConfig(mode="reward"), reward_model=rew).score(seqs).scores
+    for a, b, c in zip(out, only_ref, only_rew, strict=True):
+        assert np.abs(a.logps - b.logps).max() <= 1e-5
+        assert a.reward == pytest.approx(c.reward, abs=1e-5)
+    # per-call mode override on the same executor
+    assert both.score(seqs, mode="reward").scores[0].logps is None
+
+
+def test_one_model_both_surfaces_through_value_head() -> None:
+    """A causal LM plus a value head on its own backbone serves logps and rewards."""
+    ref = tiny_causal("llama")
+    torch.manual_seed(3)
+    head = torch.nn.Linear(32, 1)
+    ex = StatelessExecutor(ExecutorConfig(mode="both"), ref, reward_adapter=ValueHeadAdapter(head))
+    seqs = _seqs(seed=8)
+    out = ex.score(seqs).scores
+    for s, score in zip(seqs, out, strict=True):
+        with torch.no_grad():
+            hidden = ref.model(input_ids=torch.tensor(s.tokens)[None]).last_hidden_state
+            want = float(head(hidden[0, -1]))
+        assert score.reward == pytest.approx(want, abs=1e-5)
+        assert score.logps is not None
+
+
+def test_value_head_on_bare_backbone_with_token_scores() -> None:
+    base = tiny_backbone("gpt2")
+    torch.manual_seed(4)
+    head = torch.nn.Linear(32, 1)
+    ex = StatelessExecutor(
+        ExecutorConfig(mode="reward"),
+        reward_model=base,
+        reward_adapter=ValueHeadAdapter(head, token_level=True),
+    )
+    seqs = _seqs(seed=2)
+    out = ex.score(seqs).scores
+    for s, score in zip(seqs, out, strict=True):
+        with torch.no_grad():
+            hidden = base(input_ids=torch.tensor(s.tokens)[None]).last_hidden_state[0]
+            want = head(hidden)[:, 0].numpy()
+        assert score.token_scores is not None and score.token_scores.shape == (len(s.tokens),)
+        assert np.abs(score.token_scores - want).max() <= 1e-5
+        assert score.reward == pytest.approx(float(want[-1]), abs=1e-5)
+
+
+def test_reward_model_must_be_single_label() -> None:
+    with pytest.raises(ConfigError, match="num_labels"):
+        StatelessExecutor(ExecutorConfig(mode="reward"), reward_model=tiny_reward(num_labels=2))
+    with pytest.raises(ConfigError, match="reward head"):
+        StatelessExecutor(ExecutorConfig(mode="reward"), reward_model=tiny_causal("llama",
+                          num_labels=1))  # fmt: skip
