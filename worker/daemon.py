@@ -168,12 +168,11 @@ class Worker:
                     self._redis_ok()
                 except _REDIS_DOWN as exc:
                     self._redis_down(exc)
-                except redis.ResponseError as exc:
-                    if not streams.is_nogroup(exc):
-                        raise
-                    log.warning("group or stream gone (%s); recreating", exc)
-                    self._ensure_groups()
-                except Exception:  # the one broad except: log, count, keep serving
+                except Exception as exc:  # the one broad except: log, count, keep serving
+                    if streams.is_nogroup(exc):
+                        log.warning("group or stream gone (%s); recreating", exc)
+                        self._ensure_groups()
+                        continue
                     log.exception("worker loop error")
                     self.metrics.loop_errors.labels(where="loop").inc()
                     time.sleep(0.1)

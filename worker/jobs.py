@@ -7,6 +7,7 @@ code, or the dead-letter stream (plus a ``dead_letter`` result when the producer
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,7 @@ from worker.daemon import Outbox, Pending, job_info, seq_inputs
 from worker.errors import KVCacheRejected, ProtocolError, ScoringError
 from worker.noop import SequenceInput
 from worker.protocol import (
+    Limits,
     Result,
     SeqResult,
     decode_job,
@@ -32,13 +34,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _peek_limits(limits: Limits) -> Limits:
+    """Limits for finding the address of a job that failed decoding: arrays may be as long as
+    the payload allows (still bounded by ``max_payload_bytes``), so an oversized job is answered."""
+    return dataclasses.replace(limits, max_tokens=max(limits.max_tokens, limits.max_payload_bytes))
+
+
 def prepare_entry(worker: Worker, entry: streams.Entry, outbox: Outbox) -> None:
     """Decode and validate one entry: a good job joins the backlog, anything else is answered."""
     cfg = worker.config
     now_s = time.time()
     if entry.enqueued_ms:
         worker.metrics.queue_wait_seconds.observe(max(now_s - entry.enqueued_ms / 1000.0, 0.0))
-    env = peek_envelope(entry.payload, cfg.limits) if entry.payload is not None else {}
+    env = peek_envelope(entry.payload, _peek_limits(cfg.limits)) if entry.payload else {}
     job_id = env.get("id", entry.id)
     reply_to = env.get("reply_to")
     meta = env.get("meta")

@@ -114,7 +114,11 @@ def ensure_group(client: Any, stream: str, group: str, start_id: str = "0") -> b
 
 def is_nogroup(exc: BaseException) -> bool:
     """True for the error Redis raises when the stream or group is gone (e.g. after a flush)."""
-    return isinstance(exc, redis.ResponseError) and str(exc).startswith("NOGROUP")
+    if not isinstance(exc, redis.ResponseError):
+        return False
+    msg = str(exc)
+    # a blocked XREADGROUP whose stream is deleted gets "UNBLOCKED the stream key no longer exists"
+    return msg.startswith("NOGROUP") or (msg.startswith("UNBLOCKED") and "no longer" in msg)
 
 
 # ----------------------------------------------------------------------------- reading
