@@ -1,0 +1,131 @@
+"""The daemon's batch logic in-process (real Redis, a scripted scorer): poison isolation by
+splitting, KV-cache rejection, per-sequence errors, batching under the token budget."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+from prometheus_client import CollectorRegistry
+
+from tests.daemon_support import collect, enqueue
+from worker import keys
+from worker.config import RedisSettings, WorkerConfig
+from worker.daemon import Worker
+from worker.errors import KVCacheRejected, TooLong
+from worker.executor import SequenceScore
+from worker.metrics import WorkerMetrics
+from worker.noop import NoopScorer
+
+pytestmark = pytest.mark.redis
+POISON = 13
+
+
+class ScriptedScorer(NoopScorer):
+    """Noop scores, except: a batch holding token 13 raises; token 14 -> KV rejection;
+    a sequence of exactly 9 tokens gets a per-sequence TooLong. Records batch sizes."""
+
+    def __init__(self) -> None:
+        super().__init__(vocab_size=100)
+        self.calls: list[int] = []
+
+    def score(self, seqs: Any, *, mode: str, temperature: float = 1.0) -> Any:
+        self.calls.append(len(seqs))
+        flat = {int(t) for s in seqs for t in s.tokens}
+        if POISON in flat:
+            raise RuntimeError("poisoned batch")
+        if 14 in flat:
+            raise KVCacheRejected("model returned past_key_values")
+        out = super().score(seqs, mode=mode, temperature=temperature)
+        for i, s in enumerate(seqs):
+            if len(s.tokens) == 9:
+                out.scores[i] = SequenceScore(error=TooLong("9 tokens do not fit"))
+        return out
+
+
+def _run(redis_url: str, stream: str, max_jobs: int, **cfg: Any) -> tuple[Worker, ScriptedScorer]:
+    scorer = ScriptedScorer()
+    config = WorkerConfig(
+        streams=(stream,), consumer="inproc", metrics_port=None, max_jobs=max_jobs,
+        block_ms=100, claim_idle_ms=5000, **cfg,
+    )  # fmt: skip
+    worker = Worker(
+        config, RedisSettings(url=redis_url), scorer, metrics=WorkerMetrics(CollectorRegistry())
+    )
+    assert worker.run() == 0
+    return worker, scorer
+
+
+@pytest.mark.timeout(30)
+def test_poison_job_isolated_by_splitting(
+    redis_url: str, key_prefix: str, cleanup_keys: None
+) -> None:
+    client = redis.Redis.from_url(redis_url)
+    stream = keys.job_streams(key_prefix)[0]
+    reply = keys.reply_stream(stream, "c")
+    ids = [f"j{i}" for i in range(8)]
+    for i, job_id in enumerate(ids):
+        tokens = [1, 2, POISON if i == 5 else 3]
+        enqueue(client, stream, job_id, reply, [{"tokens": tokens, "prompt_len": 1}])
+    worker, scorer = _run(redis_url, stream, max_jobs=8)
+    results, _ = collect(client, reply, ids, timeout=5)
+    assert results["j5"].code == "internal" and "poisoned" in results["j5"].error["message"]
+    assert all(results[i].ok for i in ids if i != "j5")
+    assert scorer.calls[0] == 8 and len(scorer.calls) > 2  # one batch, then halves
+    reg = worker.metrics.registry
+    assert reg.get_sample_value("scoring_jobs_total", {"outcome": "ok"}) == 7
+    assert reg.get_sample_value("scoring_jobs_total", {"outcome": "internal"}) == 1
+    assert client.xpending(stream, "scoring")["pending"] == 0
+
+
+@pytest.mark.timeout(30)
+def test_kv_rejection_and_per_sequence_errors(
+    redis_url: str, key_prefix: str, cleanup_keys: None
+) -> None:
+    client = redis.Redis.from_url(redis_url)
+    stream = keys.job_streams(key_prefix)[0]
+    reply = keys.reply_stream(stream, "c")
+    enqueue(client, stream, "kv", reply, [{"tokens": [1, 14, 3], "prompt_len": 1}],
+            temperature=0.5)  # fmt: skip
+    enqueue(client, stream, "long", reply, [
+        {"tokens": [1, 2, 3], "prompt_len": 1}, {"tokens": list(range(1, 10)), "prompt_len": 1},
+    ])  # fmt: skip
+    enqueue(client, stream, "fine", reply, [{"tokens": [1, 2, 3], "prompt_len": 1}])
+    worker, _ = _run(redis_url, stream, max_jobs=3)
+    results, _ = collect(client, reply, ["kv", "long", "fine"], timeout=5)
+    assert results["kv"].code == "internal"
+    assert results["long"].code == "too_long" and results["long"].error["message"].startswith(
+        "seqs[1]"
+    )
+    assert results["fine"].ok
+    reg = worker.metrics.registry
+    assert reg.get_sample_value("scoring_kv_outputs_rejected_total") == 1
+
+
+@pytest.mark.timeout(30)
+def test_batches_respect_token_budget_and_group_by_mode(
+    redis_url: str, key_prefix: str, cleanup_keys: None
+) -> None:
+    client = redis.Redis.from_url(redis_url)
+    stream = keys.job_streams(key_prefix)[0]
+    reply = keys.reply_stream(stream, "c")
+    ids = []
+    for i in range(12):
+        mode = "reward" if i % 3 == 0 else "reference"
+        enqueue(client, stream, f"b{i}", reply, [{"tokens": [1, 2, 3, 4], "prompt_len": 1}],
+                mode=mode)  # fmt: skip
+        ids.append(f"b{i}")
+    worker, scorer = _run(redis_url, stream, max_jobs=12, max_batch_tokens=16)
+    results, dups = collect(client, reply, ids, timeout=5)
+    assert dups == 0 and all(r.ok for r in results.values())
+    assert all(n * 4 <= 16 for n in scorer.calls)  # each call within the token budget
+    assert sum(scorer.calls) == 12
+    for i in range(12):  # each job was scored in its own mode
+        res = results[f"b{i}"]
+        assert (res.seqs[0].reward is not None) == (i % 3 == 0)
+        assert (res.seqs[0].logps is not None) == (i % 3 != 0)
+    reg = worker.metrics.registry
+    assert reg.get_sample_value("scoring_batches_total") == len(scorer.calls)
+    assert reg.get_sample_value("scoring_queue_wait_seconds_count") == 12
+    assert reg.get_sample_value("scoring_end_to_end_seconds_count") == 12
