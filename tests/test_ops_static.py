@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import re
 import shlex
 import shutil
@@ -269,8 +270,19 @@ def test_compose_worker_and_producer_commands_parse() -> None:
     assert worker.redis_url.startswith("redis://redis:")
     assert worker.reference_model == "/opt/models/smollm2"
     assert worker.gguf_file.endswith(".gguf")
-    producer = _parse_cli(services["producer"]["command"])
-    assert producer.command in ("demo", "enqueue")
+    (script,) = services["producer"]["command"]
+    m = re.search(r"scoring-worker (enqueue [^;]*);", script)
+    assert m, "the producer runs `scoring-worker enqueue ...`"
+    producer = _parse_cli(shlex.split(m.group(1)))
+    assert producer.redis_url == worker.redis_url
+    mounts = _mounts(services["producer"])
+    host_file = _host_path(mounts, producer.file)
+    assert host_file is not None and host_file.is_file()
+    vocab = 49152  # SmolLM2's vocabulary: every sample token id must fit it
+    for line in host_file.read_text().splitlines():
+        row = json.loads(line)
+        assert min(row["tokens"]) >= 0 and max(row["tokens"]) < vocab
+        assert 0 < row["prompt_len"] < len(row["tokens"])
 
 
 # ------------------------------------------------------------------ Dockerfile
