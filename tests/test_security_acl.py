@@ -82,6 +82,7 @@ def _denials(admin: redis.Redis, users: set[str]) -> list[dict]:
     return [e for e in admin.acl_log() if e.get("username") in users]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_worker_and_producer_acl_users_work_end_to_end(
     acl_server: RedisServer, tmp_path: Path, key_prefix: str
@@ -138,6 +139,7 @@ def test_worker_user_cannot_write_outside_scoring_keys(acl_server: RedisServer) 
         w.config_get("*")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_hostile_reply_to_cannot_escape_the_acl_key_space(
     acl_server: RedisServer, tmp_path: Path, key_prefix: str
@@ -190,6 +192,7 @@ def test_producer_without_permission_gets_noperm_error(acl_server: RedisServer) 
         client.submit([{"tokens": [1, 2, 3], "prompt_len": 1}])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_passwords_never_reach_logs_or_metrics(
     acl_server: RedisServer, tmp_path: Path, key_prefix: str
@@ -233,6 +236,7 @@ def _non_loopback_ip() -> str | None:
     return None if ip.startswith("127.") else ip
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_metrics_bind_to_loopback_unless_told_otherwise(
     acl_server: RedisServer, tmp_path: Path, key_prefix: str
