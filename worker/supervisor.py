@@ -6,7 +6,7 @@ children are fresh ``python -m worker serve`` processes, not forks). Each child 
 
 * ``CUDA_VISIBLE_DEVICES=<id>`` (GPU mode), so its ``--device cuda`` / ``cuda:0`` is that GPU;
 * ``--consumer <base>-<i>`` (base: ``--consumer``, else ``POD_NAME``, else the hostname);
-* ``--metrics-port <base+i>`` when ``--metrics-port`` was given (``0`` stays ``0``).
+* ``--metrics-port <base+i>`` when ``--metrics-port`` was given (``0``/``-1`` stay as they are).
 
 A child that exits non-zero (or is killed) is restarted with exponential backoff
 (``restart_backoff_s`` doubling up to ``restart_backoff_max_s``); its backoff resets once it has
@@ -247,7 +247,9 @@ def build_children(
     specs = []
     for i, device in enumerate(devices):
         consumer = f"{base}-{i}"
-        port = None if port_base is None else (0 if int(port_base) == 0 else int(port_base) + i)
+        port = None if port_base is None else int(port_base)
+        if port is not None and port > 0:
+            port += i  # 0 (a free port) and -1 (no endpoint) stay as they are
         child_argv = [sys.executable, "-m", "worker", *global_flags, "serve", *serve_flags]
         child_argv += ["--consumer", consumer]
         if port is not None:
