@@ -1,0 +1,101 @@
+"""``scoring-worker demo`` end to end (what ``make demo`` runs): embedded Valkey, a real worker
+subprocess, the sample rollouts through the client, a table of scores, clean shutdown."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from worker.commands.demo import packaged_gguf
+from worker.samples import SAMPLES
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.slow, pytest.mark.redis]
+
+
+def _rows(out: str) -> dict[tuple[str, str], list[str]]:
+    """Table rows keyed by (prompt, completion) -> the remaining cells."""
+    rows = {}
+    for prompt, completions in SAMPLES:
+        shown = repr(prompt)[1:-1][:36]
+        for c in completions:
+            line = next(
+                (x for x in out.splitlines() if x.startswith(shown) and repr(c)[1:-1] in x), None
+            )
+            assert line is not None, f"no row for {prompt!r} {c!r} in:\n{out}"
+            rows[(prompt, c)] = line
+    return rows
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.timeout(600)
+def test_demo_default_runs_to_completion() -> None:
+    """The default (the packaged SmolLM2 GGUF when installed) with an embedded Valkey."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker", "demo", "--non-interactive"],
+        capture_output=True,
+        text=True,
+        timeout=580,
+        cwd=ROOT,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "embedded Valkey at redis://127.0.0.1:" in out
+    rows = _rows(out)
+    assert len(rows) == sum(len(c) for _, c in SAMPLES)
+    assert re.search(r"metrics:\s+http://127\.0\.0\.1:\d+/metrics", out)
+    assert "scoring_sequences_total" in out
+    assert "worker stopped (exit 0)" in proc.stderr
+    pid = int(re.search(r"worker: pid (\d+)", out).group(1))
+    assert _gone(pid)
+    if packaged_gguf() is not None:  # a real model: it knows where Paris is
+        assert "SmolLM2-135M" in out
+        assert " Paris. *" in rows[("The capital of France is", " Paris.")]
+        assert " Berlin. *" not in rows[("The capital of France is", " Berlin.")]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.usefixtures("cleanup_keys")
+def test_demo_tiny_model_external_redis_stops_on_ctrl_c(redis_url: str, key_prefix: str) -> None:
+    """``--model tiny`` against the machine's Redis, interactive, stopped with SIGINT."""
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "worker", "demo", "--model", "tiny",
+            "--redis-url", redis_url, "--queue", key_prefix,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )  # fmt: skip
+    out = ""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 240
+    while "press Ctrl-C" not in out and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        out += line
+    assert "press Ctrl-C" in out, out + (proc.stderr.read() if proc.stderr else "")
+    assert "scores are meaningless" in out
+    assert len(_rows(out)) == sum(len(c) for _, c in SAMPLES)
+    proc.send_signal(signal.SIGINT)
+    _rest, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "worker stopped (exit 0)" in err
+    pid = int(re.search(r"worker: pid (\d+)", out).group(1))
+    assert _gone(pid)
