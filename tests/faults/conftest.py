@@ -50,6 +50,13 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for r in REPORTS:
         for f in r.get("faults", []):
             tr.write_line(f"  {r['scenario']}: {f}")
+        notes = r.get("notes", {})
+        if "jobs_per_s" in notes:
+            tr.write_line(
+                f"  {r['scenario']}: {notes['jobs_per_s']} jobs/s, p50 {notes['p50_ms']} ms, "
+                f"p99 {notes['p99_ms']} ms, redis used_memory {notes['redis_used_memory_bytes']} B "
+                f"(peak {notes['redis_peak_used_memory_bytes']} B)"
+            )
     path = Path(os.environ.get("SCORING_FAULTS_REPORT", ROOT / "build" / "faults-summary.json"))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(REPORTS, indent=2) + "\n")
