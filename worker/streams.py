@@ -219,18 +219,33 @@ def write_results(
         else:
             split.append(d)
     pipe = client.pipeline(transaction=False)
-    for d in atomic:
-        pipe.eval(_RESULT_ACK, 2, d.reply_to, d.stream, group, d.entry_id, d.payload, maxlen)
+    atomic_replies: list[Any] = []
+    if cluster:  # redis-py's ClusterPipeline has no EVAL: one script call per result
+        for d in atomic:
+            try:
+                atomic_replies.append(
+                    client.eval(
+                        _RESULT_ACK, 2, d.reply_to, d.stream, group, d.entry_id, d.payload, maxlen
+                    )
+                )
+            except redis.ResponseError as exc:
+                atomic_replies.append(exc)
+    else:
+        for d in atomic:
+            pipe.eval(_RESULT_ACK, 2, d.reply_to, d.stream, group, d.entry_id, d.payload, maxlen)
     for d in split:
         pipe.xadd(d.reply_to, {PAYLOAD_FIELD: d.payload}, maxlen=maxlen, approximate=True)
-    replies = pipe.execute(raise_on_error=False) if atomic or split else []
+    queued = split or (atomic and not cluster)
+    replies = pipe.execute(raise_on_error=False) if queued else []
+    if not cluster:
+        atomic_replies, replies = replies[: len(atomic)], replies[len(atomic) :]
     to_ack = list(ack_only)
-    for d, reply in zip(atomic, replies[: len(atomic)], strict=True):
+    for d, reply in zip(atomic, atomic_replies, strict=True):
         if isinstance(reply, Exception):
             failures.append((d, str(reply)))
         elif not int(reply[0]):
             failures.append((d, _s(reply[1])))
-    for d, reply in zip(split, replies[len(atomic) :], strict=True):
+    for d, reply in zip(split, replies, strict=True):
         if isinstance(reply, Exception):
             failures.append((d, str(reply)))
         else:
