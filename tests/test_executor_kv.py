@@ -67,3 +67,12 @@ def test_leaking_model_constructs_fine() -> None:
     ex = StatelessExecutor(ExecutorConfig(), model)
     with pytest.raises(KVCacheRejected):
         ex.score(SEQS)
+
+
+def test_close_detaches_hooks() -> None:
+    model = tiny_causal("llama")
+    before = (len(model._forward_hooks), len(model.model._forward_hooks))
+    ex = StatelessExecutor(ExecutorConfig(), model)
+    assert len(model._forward_hooks) == before[0] + 1
+    ex.close()
+    assert (len(model._forward_hooks), len(model.model._forward_hooks)) == before

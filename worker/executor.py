@@ -251,9 +251,10 @@ class StatelessExecutor:
         self._kv_seen: dict[int, int] = {}  # id(tensor) -> bytes, for the batch in flight
         self._kv_probe = False
         self._last_slots = 0
+        self._hooks: list[Any] = []
         for model in self._models():
             for module in {id(m): m for m in (model, backbone_of(model))}.values():
-                module.register_forward_hook(self._kv_hook)
+                self._hooks.append(module.register_forward_hook(self._kv_hook))
         self._packed = config.packing != "padded"
         if config.self_check:
             self._self_check()
@@ -435,6 +436,13 @@ class StatelessExecutor:
             "torch": torch.__version__,
             "transformers": transformers.__version__,
         }
+
+    def close(self) -> None:
+        """Detach the executor's hooks from the models (they stay usable elsewhere)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self._listeners.clear()
 
     def add_fallback_listener(self, callback: Callable[[FallbackEvent], None]) -> None:
         """Call ``callback(event)`` on every run-time fallback (load-time: ``load_fallbacks``)."""
