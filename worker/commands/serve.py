@@ -96,6 +96,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--dtype", default=env_get("DTYPE", "auto"))
     m.add_argument("--attention-backend", default=env_get("ATTENTION_BACKEND", "auto"))
     m.add_argument(
+        "--packing",
+        choices=["auto", "packed", "padded"],
+        default=env_get("PACKING", "auto"),
+        help="padding-free packed rows or length-sorted padded buckets (executor)",
+    )
+    m.add_argument(
         "--trust-remote-code", action="store_true", default=env_bool(env_get("TRUST_REMOTE_CODE"))
     )
     m.add_argument(
@@ -204,6 +210,7 @@ def build_scorer(args: argparse.Namespace) -> Any:
         "dtype": args.dtype,
         "attention_backend": args.attention_backend,
         "max_batch_tokens": args.max_batch_tokens,
+        "packing": args.packing,
     }
     names = {f.name for f in dataclasses.fields(ExecutorConfig)}
     config = ExecutorConfig(**{k: v for k, v in wanted.items() if k in names})

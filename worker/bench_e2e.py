@@ -1,0 +1,228 @@
+"""End-to-end benchmark: the same ragged jobs through Redis and one worker vs in-process.
+
+``python -m worker.bench_e2e [--quick] [--redis-url URL] [--json PATH]`` (also
+``scoring-worker bench --suite e2e``). Without ``--redis-url`` an embedded Valkey is started.
+
+1. A tiny Llama (the worst case for queue overhead: the forward is cheap, so any per-job cost of
+   the queue shows) is saved to a temporary directory; ragged jobs are drawn with a fixed seed.
+2. In-process: one ``StatelessExecutor`` scores the jobs in chunks under the same
+   ``max_batch_tokens`` the worker uses (after a warm-up call).
+3. End to end: one ``python -m worker serve`` subprocess on the same model and flags; once it
+   serves (and a warm-up job came back) every job is ``XADD``-ed in one pipeline and the clock runs
+   until the last result is read from the reply stream.
+
+Prints jobs/s and tokens/s of both and the ratio (target: end-to-end >= 0.9x in-process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from worker import keys
+from worker.protocol import decode_result, encode_job
+
+GROUP = keys.DEFAULT_GROUP
+
+
+def build_model(directory: Path, vocab: int = 1024) -> str:
+    """Save the tiny benchmark Llama (seed 0) to ``directory``; returns its path."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    )  # fmt: skip
+    LlamaForCausalLM(config).eval().save_pretrained(directory)
+    return str(directory)
+
+
+def make_jobs(
+    n: int, seqs_per_job: int, min_len: int, max_len: int, vocab: int, seed: int = 0
+) -> list[list[dict[str, Any]]]:
+    """``n`` jobs of ``seqs_per_job`` ragged sequences (prompt a quarter of each)."""
+    rng = random.Random(seed)
+    jobs = []
+    for _ in range(n):
+        seqs = []
+        for _ in range(seqs_per_job):
+            length = rng.randint(min_len, max_len)
+            tokens = [rng.randrange(1, vocab) for _ in range(length)]
+            seqs.append({"tokens": tokens, "prompt_len": max(1, length // 4)})
+        jobs.append(seqs)
+    return jobs
+
+
+def run_in_process(
+    model: str, jobs: list[list[dict[str, Any]]], max_batch_tokens: int, packing: str
+) -> float:
+    """Seconds to score every job in-process, in chunks under ``max_batch_tokens``."""
+    from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
+
+    executor = StatelessExecutor.from_pretrained(
+        ExecutorConfig(
+            mode="reference", device="cpu", max_batch_tokens=max_batch_tokens, packing=packing
+        ),
+        reference_model=model,
+    )
+    as_inputs = [[SequenceInput(s["tokens"], s["prompt_len"]) for s in job] for job in jobs]
+    executor.score(as_inputs[0], mode="reference")  # warm-up
+    start = time.perf_counter()
+    chunk: list[Any] = []
+    tokens = 0
+    for job in as_inputs:
+        n = sum(len(s.tokens) for s in job)
+        if chunk and tokens + n > max_batch_tokens:
+            executor.score(chunk, mode="reference")
+            chunk, tokens = [], 0
+        chunk.extend(job)
+        tokens += n
+    if chunk:
+        executor.score(chunk, mode="reference")
+    return time.perf_counter() - start
+
+
+def _collect(client: redis.Redis, reply: str, n: int, timeout_s: float) -> int:
+    """Read ``reply`` until ``n`` distinct results arrived; returns how many were ok."""
+    seen: dict[str, bool] = {}
+    last = "0-0"
+    deadline = time.monotonic() + timeout_s
+    while len(seen) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(seen)}/{n} results after {timeout_s}s")
+        for _stream, entries in client.xread({reply: last}, count=10000, block=200) or []:
+            for entry_id, fields in entries:
+                last = entry_id.decode()
+                res = decode_result(fields[b"payload"])
+                seen.setdefault(res.id, res.ok)
+    return sum(seen.values())
+
+
+def run_end_to_end(
+    url: str,
+    model: str,
+    jobs: list[list[dict[str, Any]]],
+    max_batch_tokens: int,
+    packing: str,
+    log_path: Path,
+) -> float:
+    """Seconds from the first XADD to the last result through one subprocess worker."""
+    tag = f"bench{os.getpid()}"
+    stream = keys.job_streams(tag)[0]
+    reply = keys.reply_stream(stream, "bench")
+    client = redis.Redis.from_url(url)
+    client.delete(stream, reply)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "worker", "--log-level", "WARNING", "serve",
+             "--redis-url", url, "--queue", tag, "--reference-model", model, "--device", "cpu",
+             "--consumer", "bench", "--max-batch-tokens", str(max_batch_tokens),
+             "--packing", packing, "--metrics-port", "-1"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            warm = jobs[0]
+            client.xadd(stream, {"payload": encode_job("warm", "reference", reply, warm)})
+            _collect(client, reply, 1, timeout_s=300)  # the worker is loaded and serving
+            client.delete(reply)
+            payloads = [
+                encode_job(f"j{i}", "reference", reply, seqs) for i, seqs in enumerate(jobs)
+            ]
+            start = time.perf_counter()
+            pipe = client.pipeline(transaction=False)
+            for p in payloads:
+                pipe.xadd(stream, {"payload": p})
+            pipe.execute()
+            ok = _collect(client, reply, len(jobs), timeout_s=600)
+            elapsed = time.perf_counter() - start
+            if ok != len(jobs):
+                raise RuntimeError(f"{len(jobs) - ok} jobs failed; see {log_path}")
+            return elapsed
+        finally:
+            proc.terminate()
+            proc.wait(60)
+            client.delete(stream, reply, keys.dead_letter_stream(stream))
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Flags of the e2e benchmark."""
+    p = argparse.ArgumentParser(prog="bench_e2e", description=__doc__.splitlines()[0])
+    p.add_argument("--redis-url", default=None, help="default: an embedded Valkey")
+    p.add_argument("--jobs", type=int, default=400)
+    p.add_argument("--seqs-per-job", type=int, default=4)
+    p.add_argument("--min-len", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--max-batch-tokens", type=int, default=8192)
+    p.add_argument(
+        "--packing",
+        choices=["auto", "packed", "padded"],
+        default="padded",
+        help="executor packing on both paths (padded: the cheapest CPU forward, so the queue's "
+        "share of the time is largest)",
+    )
+    p.add_argument("--quick", action="store_true", help="100 jobs")
+    p.add_argument("--json", default=None, help="also write the figures to this file")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run both paths and print the comparison."""
+    args = parse_args(argv)
+    n_jobs = min(args.jobs, 100) if args.quick else args.jobs
+    jobs = make_jobs(n_jobs, args.seqs_per_job, args.min_len, args.max_len, vocab=1024)
+    tokens = sum(len(s["tokens"]) for job in jobs for s in job)
+    server = None
+    url = args.redis_url
+    if url is None:
+        from worker.embedded import EmbeddedRedis
+
+        server = EmbeddedRedis().start()
+        url = server.url
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
+            model = build_model(Path(tmp) / "model")
+            in_proc_s = run_in_process(model, jobs, args.max_batch_tokens, args.packing)
+            e2e_s = run_end_to_end(
+                url, model, jobs, args.max_batch_tokens, args.packing, Path(tmp) / "w.log"
+            )
+    finally:
+        if server is not None:
+            server.stop()
+    rows = {
+        "in-process": in_proc_s,
+        "redis + 1 worker": e2e_s,
+    }
+    print(
+        f"\nend-to-end benchmark: {n_jobs} jobs, {n_jobs * args.seqs_per_job} seqs, {tokens} "
+        f"tokens, tiny Llama on CPU, max_batch_tokens={args.max_batch_tokens}, {args.packing}"
+    )
+    print(f"{'path':<18} {'seconds':>9} {'jobs/s':>9} {'tokens/s':>10}")
+    for name, secs in rows.items():
+        print(f"{name:<18} {secs:>9.3f} {n_jobs / secs:>9.1f} {tokens / secs:>10.0f}")
+    ratio = in_proc_s / e2e_s
+    print(f"end-to-end / in-process throughput: {ratio:.2f}x (target >= 0.90x)")
+    if args.json:
+        figures = {
+            "jobs": n_jobs, "tokens": tokens, "in_process_s": in_proc_s, "e2e_s": e2e_s,
+            "in_process_jobs_per_s": n_jobs / in_proc_s, "e2e_jobs_per_s": n_jobs / e2e_s,
+            "ratio": ratio,
+        }  # fmt: skip
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
