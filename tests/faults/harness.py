@@ -449,15 +449,16 @@ def sigstop(after_s: float, stopped_s: float) -> Callable[..., None]:
         w = fleet.alive()[0]
         name = w.name  # type: ignore[attr-defined]
         w.signal(signal.SIGSTOP)
-        time.sleep(stopped_s)
         # Entries delivered to the stopped worker (a blocked XREADGROUP is still served) stay in
         # its pending list until the others reclaim them past the claim idle time.
-        held = len(
-            fleet.admin().xpending_range(
-                fleet.stream, "scoring", "-", "+", 10000, consumername=name
-            )
-        )
+        admin = fleet.admin()
+        held = 0
+        end = time.monotonic() + stopped_s
+        while time.monotonic() < end:
+            pel = admin.xpending_range(fleet.stream, "scoring", "-", "+", 10000, consumername=name)
+            held = max(held, len(pel))
+            time.sleep(0.1)
         w.signal(signal.SIGCONT)
-        out.append(f"SIGSTOP {name} for {stopped_s}s ({held} entries still its own), then SIGCONT")
+        out.append(f"SIGSTOP {name} for {stopped_s}s (held up to {held} entries), then SIGCONT")
 
     return run
