@@ -205,7 +205,7 @@ def test_kill9_mid_batch_every_job_still_answered(
 
 
 @pytest.mark.timeout(90)
-def test_slow_batch_keeps_its_lease(
+def test_slow_batch_keeps_its_lease_and_second_signal_exits_at_once(
     redis_url: str, key_prefix: str, cleanup_keys: None, tmp_path: Path
 ) -> None:
     """A 3 s batch with --claim-idle-ms 500: a thief running XAUTOCLAIM never gets the entry."""
@@ -234,6 +234,16 @@ def test_slow_batch_keeps_its_lease(
         assert results["long"].ok and results["long"].info["worker"] == "owner"
         assert dups == 0
         assert metric(worker.metrics_url, "scoring_leases_renewed_total") >= 3
+        # a second signal during a drain exits at once; the held entry stays pending
+        enqueue(client, stream, "abandoned", reply, [{"tokens": [1, 2, 3], "prompt_len": 1}])
+        wait_until(lambda: pending_of(client, stream, GROUP, "owner") == 1, 10, what="read")
+        t0 = time.monotonic()
+        worker.signal(signal.SIGTERM)
+        worker.wait_log(r"draining \(SIGTERM\)", 5)
+        worker.signal(signal.SIGTERM)
+        assert worker.wait_exit(10) == 1
+        assert time.monotonic() - t0 < 2.5  # before the 3 s batch could have finished
+        assert pending_of(client, stream, GROUP, "owner") == 1
     finally:
         worker.stop()
 

@@ -129,3 +129,23 @@ def test_batches_respect_token_budget_and_group_by_mode(
     assert reg.get_sample_value("scoring_batches_total") == len(scorer.calls)
     assert reg.get_sample_value("scoring_queue_wait_seconds_count") == 12
     assert reg.get_sample_value("scoring_end_to_end_seconds_count") == 12
+
+
+@pytest.mark.timeout(30)
+def test_burst_exits_when_drained(redis_url: str, key_prefix: str, cleanup_keys: None) -> None:
+    client = redis.Redis.from_url(redis_url)
+    parts = keys.job_streams(key_prefix, 2)
+    reply = keys.reply_stream(parts[0], "c")
+    ids = [f"p{i}" for i in range(6)]
+    for i, job_id in enumerate(ids):
+        enqueue(client, parts[i % 2], job_id, reply, [{"tokens": [1, 2, 3], "prompt_len": 1}])
+    scorer = ScriptedScorer()
+    config = WorkerConfig(streams=tuple(parts), consumer="burst", metrics_port=None, burst=True,
+                          block_ms=50)  # fmt: skip
+    worker = Worker(config, RedisSettings(url=redis_url), scorer,
+                    metrics=WorkerMetrics(CollectorRegistry()))  # fmt: skip
+    assert worker.run() == 0
+    assert worker.jobs_done == 6
+    results, _ = collect(client, reply, ids, timeout=2)
+    assert all(r.ok for r in results.values())
+    assert all(client.xpending(s, "scoring")["pending"] == 0 for s in parts)
