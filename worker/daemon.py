@@ -83,7 +83,7 @@ class Worker:
         self._factory = client_factory or (lambda: connect(redis_settings))
         self.client: Any = None
         self.in_flight = InFlight()
-        self._backlog: list[Pending] = []
+        self.backlog: list[Pending] = []
         self._stop = threading.Event()
         self._signals = 0
         self._drain_deadline: float | None = None
@@ -160,7 +160,7 @@ class Worker:
         )  # fmt: skip
         try:
             while True:
-                if self._stop.is_set() and not self._backlog:
+                if self._stop.is_set() and not self.backlog:
                     break
                 try:
                     if self._step():
@@ -219,7 +219,7 @@ class Worker:
         self._stop.wait(delay) if not self._stop.is_set() else time.sleep(delay)
         self.health.beat("loop")
 
-    def _dead_stream(self, stream: str) -> str:
+    def dead_stream_of(self, stream: str) -> str:
         return self.config.dead_letter_stream or dead_letter_stream(stream)
 
     # ----------------------------------------------------------------- one step
@@ -237,12 +237,12 @@ class Worker:
             if now - self._last_reclaim >= cfg.reclaim_every_s:
                 self._last_reclaim = now
                 got += self._prepare(self._reclaim(), outbox)
-            block = 0 if (self._backlog or got) else cfg.block_ms
+            block = 0 if (self.backlog or got) else cfg.block_ms
             got += self._prepare(self._read(block), outbox)
             # Fill the batch: poll without BLOCK (a server-side BLOCK timeout only fires on the
             # server's cron tick, ~100 ms at hz 10, far coarser than max_wait_ms).
             deadline = time.monotonic() + cfg.max_wait_ms / 1000.0
-            while self._backlog and self._backlog_tokens() < cfg.max_batch_tokens:
+            while self.backlog and self._backlog_tokens() < cfg.max_batch_tokens:
                 if self._room() <= 0:
                     break
                 more = self._read(0)
@@ -258,9 +258,9 @@ class Worker:
         if batch:
             self._run_batch(batch)
         self.metrics.in_flight.set(len(self.in_flight))
-        if cfg.max_jobs is not None and self.jobs_done >= cfg.max_jobs and not self._backlog:
+        if cfg.max_jobs is not None and self.jobs_done >= cfg.max_jobs and not self.backlog:
             return True
-        if cfg.burst and not got and not batch and not self._backlog:
+        if cfg.burst and not got and not batch and not self.backlog:
             return self._drained()
         return False
 
@@ -322,7 +322,7 @@ class Worker:
                 m.stream_lag.labels(stream=stream, group=group).set(st["lag"])
             m.stream_pending.labels(stream=stream, group=group).set(st["pending"])
             m.stream_consumers.labels(stream=stream, group=group).set(st["consumers"])
-            dead = self._dead_stream(stream)
+            dead = self.dead_stream_of(stream)
             m.dead_letter_length.labels(stream=dead).set(int(self.client.xlen(dead)))
 
     # ----------------------------------------------------------------- decode and validate
@@ -337,24 +337,24 @@ class Worker:
         return len(entries)
 
     def _backlog_tokens(self) -> int:
-        return sum(p.job.num_tokens for p in self._backlog)
+        return sum(p.job.num_tokens for p in self.backlog)
 
     def _take_batch(self) -> list[Pending]:
         """The oldest job plus following jobs of the same (mode, temperature) within budget."""
-        if not self._backlog:
+        if not self.backlog:
             return []
-        key = self._backlog[0].key
+        key = self.backlog[0].key
         batch: list[Pending] = []
         rest: list[Pending] = []
         tokens = 0
-        for p in self._backlog:
+        for p in self.backlog:
             n = p.job.num_tokens
             if p.key == key and (not batch or tokens + n <= self.config.max_batch_tokens):
                 batch.append(p)
                 tokens += n
             else:
                 rest.append(p)
-        self._backlog = rest
+        self.backlog = rest
         return batch
 
     def _run_batch(self, batch: list[Pending]) -> None:

@@ -83,7 +83,7 @@ def prepare_entry(worker: Worker, entry: streams.Entry, outbox: Outbox) -> None:
     except ScoringError as exc:
         answer(exc.code, exc.message)
         return
-    worker._backlog.append(Pending(entry=entry, job=job, inputs=inputs, read_at_s=now_s))
+    worker.backlog.append(Pending(entry=entry, job=job, inputs=inputs, read_at_s=now_s))
 
 
 def score_batch(worker: Worker, batch: list[Pending], outbox: Outbox) -> None:
@@ -194,7 +194,7 @@ def flush_outbox(worker: Worker, outbox: Outbox) -> None:
                 )  # fmt: skip
             except redis.ResponseError as exc:
                 log.warning("dead_letter result for %s not written: %s", dead_res.id, exc)
-        dead = worker._dead_stream(entry.stream)
+        dead = worker.dead_stream_of(entry.stream)
         streams.dead_letter(
             client, cfg.group, entry, dead, reason=reason, consumer=cfg.consumer,
             maxlen=cfg.dead_letter_maxlen,
