@@ -243,3 +243,18 @@ def test_straggler_is_killed_after_drain_deadline(tmp_path: Path) -> None:
     assert sup.run(install_signals=False) == 1
     assert time.monotonic() - t0 < 10
     assert sup.children[0].exit_code == -signal.SIGKILL
+
+
+def test_children_never_supervise_again() -> None:
+    env = {"SCORING_GPUS": "all", "SCORING_REPLICAS": "4", "SCORING_QUEUE": "q", "PATH": "/bin"}
+    (spec,) = build_children(_args(["serve", "--replicas", "1"], replicas=1), env=env)
+    assert "SCORING_GPUS" not in spec.env and "SCORING_REPLICAS" not in spec.env
+    assert spec.env["SCORING_QUEUE"] == "q"
+    assert spec.env["SCORING_SUPERVISED_CHILD"] == "1"
+
+
+def test_supervise_refuses_inside_a_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.supervisor import supervise
+
+    monkeypatch.setenv("SCORING_SUPERVISED_CHILD", "1")
+    assert supervise(_args(["serve", "--replicas", "2"], replicas=2)) == 2

@@ -59,6 +59,11 @@ SUPERVISOR_FLAGS: dict[str, bool] = {
     "--exit-on-give-up": False,
 }
 DRAIN_MARGIN_S = 10.0
+#: Env that would make a child supervise again (``serve`` reads them as flag defaults).
+SUPERVISOR_ENV = frozenset({"SCORING_REPLICAS", "SCORING_GPUS"})
+#: Set in every child; a child that still asks for a supervisor (say an abbreviated
+#: ``--replica 2`` that was not stripped) refuses instead of forking a tree of supervisors.
+CHILD_MARKER_ENV = "SCORING_SUPERVISED_CHILD"
 
 
 @dataclass(frozen=True)
@@ -254,8 +259,9 @@ def build_children(
         child_argv += ["--consumer", consumer]
         if port is not None:
             child_argv += ["--metrics-port", str(port)]
-        child_env = dict(base_env)
+        child_env = {k: v for k, v in base_env.items() if k not in SUPERVISOR_ENV}
         child_env["SCORING_REPLICA_INDEX"] = str(i)
+        child_env[CHILD_MARKER_ENV] = "1"
         if device is not None:
             child_env["CUDA_VISIBLE_DEVICES"] = device
         else:
@@ -487,6 +493,9 @@ class Supervisor:
 
 def supervise(args: argparse.Namespace) -> int:
     """Entry point called by ``serve`` when ``--replicas`` or ``--gpus`` is given."""
+    if os.environ.get(CHILD_MARKER_ENV):
+        log.error("--replicas/--gpus reached a supervised child (abbreviated flag?); refusing")
+        return 2
     try:
         specs = build_children(args)
         config = SupervisorConfig.from_args(args)
