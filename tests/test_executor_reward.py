@@ -25,10 +25,15 @@ def _seqs(seed: int = 0, eos_last: bool = True) -> list[SequenceInput]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
-@pytest.mark.parametrize("packing", ["packed", "padded"])
+@pytest.mark.parametrize("packing", ["packed", "padded", "rows"])
 def test_reward_equals_hf_pooled_logit(arch: str, packing: str) -> None:
     model = tiny_reward(arch)
-    ex = StatelessExecutor(ExecutorConfig(mode="reward", packing=packing), reward_model=model)
+    config = (
+        ExecutorConfig(mode="reward", packed_row_tokens=16)  # several packed rows per forward
+        if packing == "rows"
+        else ExecutorConfig(mode="reward", packing=packing)  # type: ignore[arg-type]
+    )
+    ex = StatelessExecutor(config, reward_model=model)
     seqs = _seqs(eos_last=False)
     got = [s.reward for s in ex.score(seqs).scores]
     # HF's own pooling on a right-padded batch (pad id 0 never occurs inside these sequences).

@@ -62,3 +62,22 @@ def test_plans_cover_every_sequence_within_budget(planner) -> None:  # type: ign
 def test_packed_ids_are_int64_tensors() -> None:
     b = pack([np.array([1, 2], dtype=np.int32)], [0])
     assert b.input_ids.dtype == torch.int64 and b.position_ids.dtype == torch.int64
+
+
+def test_pack_rows_isolates_tails_and_maps_starts() -> None:
+    from worker.packing import pack_rows, plan_packed_forwards
+
+    rows = [[SEQS[0], SEQS[1]], [SEQS[2]], [np.array([4, 4])]]
+    b = pack_rows(rows, [0, 1, 2, 3])
+    assert b.input_ids.shape == (3, 4) and b.packed and b.attention_mask is None
+    assert b.position_ids.tolist() == [[0, 1, 2, 0], [0, 1, 2, 3], [0, 1, 0, 1]]
+    flat = b.input_ids.reshape(-1)
+    for start, seq in zip(b.starts.tolist(), [SEQS[0], SEQS[1], SEQS[2], [4, 4]], strict=True):
+        assert flat[start : start + len(seq)].tolist() == list(seq)
+    lengths = [300, 200, 900, 50, 120, 1500]
+    forwards = plan_packed_forwards(lengths, 4096, 1024)
+    assert sorted(i for f in forwards for r in f for i in r) == list(range(6))
+    for f in forwards:
+        widths = [sum(lengths[i] for i in r) for r in f]
+        assert all(w <= 1024 or len(r) == 1 for w, r in zip(widths, f, strict=True))
+        assert len(f) * max(widths) <= 4096

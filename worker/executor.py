@@ -39,7 +39,15 @@ from worker.errors import (
 )
 from worker.loading import load_model, resolve_device, resolve_dtype
 from worker.logprobs import chunked_token_logps, logit_transform_for, naive_token_logps
-from worker.packing import ForwardBatch, gather_flat, pack, pad, plan_packed, plan_padded
+from worker.packing import (
+    ForwardBatch,
+    gather_flat,
+    pack_rows,
+    pad,
+    plan_packed,
+    plan_packed_forwards,
+    plan_padded,
+)
 from worker.pooling import (
     RewardAdapter,
     SequenceClassificationAdapter,
@@ -77,6 +85,9 @@ class ExecutorConfig:
     ``logprob_chunk_tokens * vocab * 4`` bytes). ``self_check`` runs a tiny probe at construction
     that compares the fast path against the model's own logits and packed rows against
     one-by-one forwards (packing falls back to padded buckets when they disagree).
+    ``packed_row_tokens`` caps one packed row for backends that build a dense block-diagonal mask
+    (sdpa, eager: attention cost grows with the row length squared); a forward then holds several
+    such rows. Flash/flex attention skip the cross-sequence blocks and pack up to the full budget.
     """
 
     mode: Mode = "reference"
@@ -89,6 +100,7 @@ class ExecutorConfig:
     device: str = "cpu"
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     packing: Literal["auto", "packed", "padded"] = "auto"
+    packed_row_tokens: int = 2048
     self_check: bool = True
 
     def __post_init__(self) -> None:
@@ -105,7 +117,7 @@ class ExecutorConfig:
             raise bad("temperature", "expected a finite number > 0")
         if self.output_dtype not in ("float32", "float64"):
             raise bad("output_dtype", "expected 'float32' or 'float64'")
-        for name in ("max_batch_tokens", "logprob_chunk_tokens"):
+        for name in ("max_batch_tokens", "logprob_chunk_tokens", "packed_row_tokens"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise bad(name, "expected an integer >= 1")
@@ -478,8 +490,14 @@ class StatelessExecutor:
         run = _Run()
         results: list[SequenceScore | None] = [None] * len(prepared)
         lengths = [len(p.ids) for p in prepared]
-        plan = plan_packed if self._packed else plan_padded
-        for group in plan(lengths, self.config.max_batch_tokens):
+        budget = self.config.max_batch_tokens
+        if self._packed:
+            row = self._row_tokens(self._backend)
+            forwards = plan_packed_forwards(lengths, budget, row)
+            plan = [[i for r in fwd for i in r] for fwd in forwards]
+        else:
+            plan = plan_padded(lengths, budget)
+        for group in plan:
             self._run_group(group, prepared, mode, temp, results, run)
         allocated, reserved = _read_peak(self.device)
         scored = sum(len(p.scored) for p in prepared if p.scored is not None)
@@ -641,7 +659,7 @@ class StatelessExecutor:
         packed = self._packed and backend in backends.PACKABLE
         self._kv_seen.clear()
         t0 = time.perf_counter()
-        scores = self._compute(seqs, group, mode, temp, packed=packed)
+        scores = self._compute(seqs, group, mode, temp, packed=packed, backend=backend)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         run.forward_s += time.perf_counter() - t0
@@ -667,28 +685,48 @@ class StatelessExecutor:
             )
         return scores
 
+    def _row_tokens(self, backend: str) -> int:
+        """Packed row cap: the whole budget where the kernel skips cross-sequence blocks."""
+        if backend.startswith("flash_attention") or backend == "flex_attention":
+            return self.config.max_batch_tokens
+        return self.config.packed_row_tokens
+
     def _compute(
-        self, seqs: list[_Prepared], group: list[int], mode: Mode, temp: float, *, packed: bool
+        self,
+        seqs: list[_Prepared],
+        group: list[int],
+        mode: Mode,
+        temp: float,
+        *,
+        packed: bool,
+        backend: str | None = None,
     ) -> list[SequenceScore]:
         """One forward per model for ``seqs``; no fallback or OOM handling here."""
         ids = [s.ids for s in seqs]
-        batch = pack(ids, group) if packed else pad(ids, group)
+        if packed:
+            rows = plan_packed([len(x) for x in ids], self._row_tokens(backend or self._backend))
+            order = [j for row in rows for j in row]  # batch order -> index into seqs
+            batch = pack_rows([[ids[j] for j in row] for row in rows], [group[j] for j in order])
+        else:
+            order = list(range(len(seqs)))
+            batch = pad(ids, group)
+        ordered = [seqs[j] for j in order]
         self._last_slots = batch.slot_tokens
         batch = batch.to(self.device)
         out_dtype = np.float64 if self.config.output_dtype == "float64" else np.float32
         scores = [SequenceScore() for _ in seqs]
         with torch.inference_mode():
             if mode in ("reference", "both"):
-                for score, logps in zip(scores, self._logps(batch, seqs, temp), strict=True):
-                    score.logps = logps.cpu().numpy().astype(out_dtype, copy=False)
+                for j, logps in zip(order, self._logps(batch, ordered, temp), strict=True):
+                    scores[j].logps = logps.cpu().numpy().astype(out_dtype, copy=False)
             if mode in ("reward", "both"):
                 assert self.reward_adapter is not None and self.reward_model is not None
                 rewarded = self.reward_adapter(self.reward_model, batch)
-                for j, score in enumerate(scores):
-                    score.reward = float(rewarded.rewards[j])
+                for k, j in enumerate(order):
+                    scores[j].reward = float(rewarded.rewards[k])
                     if rewarded.token_scores is not None:
-                        score.token_scores = (
-                            rewarded.token_scores[j].cpu().numpy().astype(out_dtype, copy=False)
+                        scores[j].token_scores = (
+                            rewarded.token_scores[k].cpu().numpy().astype(out_dtype, copy=False)
                         )
         return scores
 

@@ -85,6 +85,52 @@ def pack(seqs: Sequence[np.ndarray], seq_ids: Sequence[int]) -> ForwardBatch:
     )
 
 
+def pack_rows(rows: Sequence[Sequence[np.ndarray]], seq_ids: Sequence[int]) -> ForwardBatch:
+    """Several packed rows in one ``[R, T]`` forward; ``seq_ids`` follow the rows' order.
+
+    Each row concatenates its sequences with restarting ``position_ids``; a row shorter than the
+    longest is filled with a tail of pad tokens whose positions also restart at 0, so the tail is
+    one more isolated pseudo-sequence that no real token attends to (and that is never read).
+    With one row this is exactly ``pack``.
+    """
+    lengths = [len(s) for row in rows for s in row]
+    width = max(sum(len(s) for s in row) for row in rows)
+    ids = np.zeros((len(rows), width), dtype=np.int64)  # [R, T]
+    pos = np.zeros((len(rows), width), dtype=np.int64)  # [R, T]
+    starts: list[int] = []
+    for r, row in enumerate(rows):
+        col = 0
+        for seq in row:
+            ids[r, col : col + len(seq)] = seq
+            pos[r, col : col + len(seq)] = np.arange(len(seq))
+            starts.append(r * width + col)
+            col += len(seq)
+        pos[r, col:] = np.arange(width - col)  # isolated tail
+    return ForwardBatch(
+        input_ids=torch.from_numpy(ids),
+        position_ids=torch.from_numpy(pos),
+        attention_mask=None,
+        starts=torch.tensor(starts, dtype=torch.int64),
+        lengths=torch.tensor(lengths, dtype=torch.int64),
+        seq_ids=tuple(seq_ids),
+        packed=True,
+    )
+
+
+def plan_packed_forwards(
+    lengths: Sequence[int], max_batch_tokens: int, row_tokens: int
+) -> list[list[list[int]]]:
+    """Forwards of packed rows: rows of at most ``row_tokens`` (first-fit decreasing), grouped so
+    that ``rows * longest row`` stays within ``max_batch_tokens``. Returns forwards -> rows -> ids.
+
+    Short rows bound the quadratic cost of a dense block-diagonal mask (sdpa/eager); with a
+    varlen kernel (flash-attention) ``row_tokens = max_batch_tokens`` gives one row per forward.
+    """
+    rows = plan_packed(lengths, min(row_tokens, max_batch_tokens))
+    row_lengths = [sum(lengths[i] for i in row) for row in rows]
+    return [[rows[r] for r in fwd] for fwd in plan_padded(row_lengths, max_batch_tokens)]
+
+
 def pad(
     seqs: Sequence[np.ndarray], seq_ids: Sequence[int], *, pad_id: int = 0, side: str = "right"
 ) -> ForwardBatch:
