@@ -149,3 +149,31 @@ def test_burst_exits_when_drained(redis_url: str, key_prefix: str, cleanup_keys:
     results, _ = collect(client, reply, ids, timeout=2)
     assert all(r.ok for r in results.values())
     assert all(client.xpending(s, "scoring")["pending"] == 0 for s in parts)
+
+
+@pytest.mark.timeout(30)
+def test_load_time_fallback_is_counted_and_reported(
+    redis_url: str, key_prefix: str, cleanup_keys: None
+) -> None:
+    from worker.backends import FallbackEvent
+
+    client = redis.Redis.from_url(redis_url)
+    stream = keys.job_streams(key_prefix)[0]
+    reply = keys.reply_stream(stream, "c")
+    enqueue(client, stream, "fb", reply, [{"tokens": [1, 2, 3], "prompt_len": 1}])
+    scorer = ScriptedScorer()
+    scorer.load_fallbacks = [  # type: ignore[attr-defined]
+        FallbackEvent("flash_attention_2", "sdpa", "not_installed", "no flash-attn", "load"),
+        FallbackEvent("packed", "padded", "no_packing", "rows disagree", "load"),
+    ]
+    config = WorkerConfig(streams=(stream,), consumer="fb", metrics_port=None, max_jobs=1)
+    worker = Worker(config, RedisSettings(url=redis_url), scorer,
+                    metrics=WorkerMetrics(CollectorRegistry()))  # fmt: skip
+    assert worker.run() == 0
+    results, _ = collect(client, reply, ["fb"], timeout=2)
+    info = results["fb"].info
+    assert info["fallback"] is True
+    assert info["fallback_reason"] == "flash_attention_2->sdpa: not_installed (at load)"
+    labels = {"requested": "flash_attention_2", "used": "sdpa", "reason": "not_installed"}
+    reg = worker.metrics.registry
+    assert reg.get_sample_value("scoring_attention_fallbacks_total", labels) == 1

@@ -145,6 +145,8 @@ class Worker:
         self.health.model_ready = True
         backend = str(getattr(self.scorer, "info", {}).get("attention_backend") or "none")
         self.metrics.set_backend(backend)
+        for event in load_fallbacks(self.scorer):
+            self.metrics.record_fallback(event.requested, event.used, event.reason)
         while not self._connect():
             if self._stop.is_set():
                 return 0
@@ -397,3 +399,9 @@ def job_info(scorer: Any, consumer: str, **extra: Any) -> dict[str, Any]:
     info["worker"] = consumer
     info.update({k: v for k, v in extra.items() if v is not None})
     return info
+
+
+def load_fallbacks(scorer: Any) -> list[Any]:
+    """Attention-backend fallbacks the scorer took while loading (packing changes excluded)."""
+    events = getattr(scorer, "load_fallbacks", None) or []
+    return [e for e in events if getattr(e, "requested", "") != "packed"]

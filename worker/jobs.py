@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from worker import streams
-from worker.daemon import Outbox, Pending, job_info, seq_inputs
+from worker.daemon import Outbox, Pending, job_info, load_fallbacks, seq_inputs
 from worker.errors import KVCacheRejected, ProtocolError, ScoringError
 from worker.noop import SequenceInput
 from worker.protocol import (
@@ -124,11 +124,14 @@ def score_batch(worker: Worker, batch: list[Pending], outbox: Outbox) -> None:
     if m.backend and m.backend != "none":
         worker.metrics.set_backend(m.backend)
     reasons = [f"{f.requested}->{f.used}: {f.reason}" for f in m.fallbacks]
+    at_load = [
+        f"{f.requested}->{f.used}: {f.reason} (at load)" for f in load_fallbacks(worker.scorer)
+    ]
     common = {
         "attention_backend": m.backend,
         "requested_backend": m.requested_backend,
-        "fallback": bool(m.fallbacks),
-        "fallback_reason": "; ".join(reasons) if reasons else None,
+        "fallback": bool(reasons or at_load),
+        "fallback_reason": "; ".join(at_load + reasons) or None,
         "temperature": temperature,
         "compute_ms": round(compute_ms, 3),
     }
