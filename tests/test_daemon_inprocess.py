@@ -177,3 +177,37 @@ def test_load_time_fallback_is_counted_and_reported(
     labels = {"requested": "flash_attention_2", "used": "sdpa", "reason": "not_installed"}
     reg = worker.metrics.registry
     assert reg.get_sample_value("scoring_attention_fallbacks_total", labels) == 1
+
+
+@pytest.mark.parametrize(("batch_timeout_s", "alive_during_batch"), [(60.0, True), (0.2, False)])
+@pytest.mark.timeout(30)
+def test_long_batch_keeps_liveness_until_batch_timeout(
+    redis_url: str, key_prefix: str, cleanup_keys: None, batch_timeout_s: float,
+    alive_during_batch: bool,
+) -> None:  # fmt: skip
+    import threading
+    import time
+
+    from worker.health import HealthState
+
+    client = redis.Redis.from_url(redis_url)
+    stream = keys.job_streams(key_prefix)[0]
+    reply = keys.reply_stream(stream, "c")
+    enqueue(client, stream, "slow", reply, [{"tokens": [1, 2, 3], "prompt_len": 1}])
+    health = HealthState(stall_after_s=0.5)
+    config = WorkerConfig(streams=(stream,), consumer="live", metrics_port=None, max_jobs=1,
+                          claim_idle_ms=300, batch_timeout_s=batch_timeout_s)  # fmt: skip
+    worker = Worker(config, RedisSettings(url=redis_url), NoopScorer(delay_ms=1500),
+                    metrics=WorkerMetrics(CollectorRegistry()), health=health)  # fmt: skip
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    seen: list[bool] = []
+    while thread.is_alive():
+        if worker.batch_started_s is not None and time.monotonic() - worker.batch_started_s > 0.8:
+            seen.append(health.liveness()[0])
+        time.sleep(0.05)
+    thread.join()
+    assert seen, "the batch was never observed running"
+    assert all(seen) if alive_during_batch else not any(seen[-3:])
+    results, _ = collect(client, reply, ["slow"], timeout=2)
+    assert results["slow"].ok

@@ -106,6 +106,7 @@ class WorkerConfig:
     max_deliveries: int = 5
     dead_letter_stream: str | None = None
     drain_timeout_s: float = 60.0
+    batch_timeout_s: float = 1800.0  # /healthz fails once one batch computes longer than this
     result_maxlen: int = 10000
     dead_letter_maxlen: int = 100000
     stats_interval_s: float = 5.0
@@ -126,8 +127,8 @@ class WorkerConfig:
         for name in ("max_wait_ms", "block_ms", "result_maxlen", "dead_letter_maxlen"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.drain_timeout_s <= 0:
-            raise ConfigError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
+        if self.drain_timeout_s <= 0 or self.batch_timeout_s <= 0:
+            raise ConfigError("drain_timeout_s and batch_timeout_s must be > 0")
         if self.max_jobs is not None and self.max_jobs <= 0:
             raise ConfigError(f"max_jobs must be > 0, got {self.max_jobs}")
 

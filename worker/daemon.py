@@ -93,6 +93,7 @@ class Worker:
         self._last_stats = 0.0
         self._redis_failures = 0
         self.jobs_done = 0
+        self.batch_started_s: float | None = None
         self.http: HealthServer | None = None
         scorer.add_fallback_listener(self._on_fallback)
 
@@ -153,6 +154,7 @@ class Worker:
         leases = LeaseKeeper(
             self._factory, self.in_flight, group=cfg.group, consumer=cfg.consumer,
             interval_s=cfg.lease_interval_s, metrics=self.metrics, health=self.health,
+            busy=self.busy,
         ).start()  # fmt: skip
         self.health.started = True
         self.metrics.ready.set(1)
@@ -363,8 +365,19 @@ class Worker:
         from worker.jobs import score_batch
 
         outbox = Outbox()
-        score_batch(self, batch, outbox)
+        self.batch_started_s = time.monotonic()
+        try:
+            score_batch(self, batch, outbox)
+        finally:
+            self.batch_started_s = None
         self._flush(outbox)
+
+    def busy(self) -> bool:
+        """True while a batch computes and has run less than ``batch_timeout_s``: the lease thread
+        then beats ``loop`` for the main thread, so a long batch is not mistaken for a wedged loop
+        (a batch stuck past the limit still is)."""
+        started = self.batch_started_s
+        return started is not None and time.monotonic() - started < self.config.batch_timeout_s
 
     # ----------------------------------------------------------------- writing
     def _flush(self, outbox: Outbox) -> None:

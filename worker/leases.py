@@ -66,6 +66,7 @@ class LeaseKeeper:
         interval_s: float,
         metrics: WorkerMetrics,
         health: HealthState,
+        busy: Callable[[], bool] | None = None,
     ) -> None:
         self._factory = client_factory
         self._in_flight = in_flight
@@ -74,6 +75,7 @@ class LeaseKeeper:
         self._interval_s = interval_s
         self._metrics = metrics
         self._health = health
+        self._busy = busy
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
         self._client: Any = None
@@ -108,6 +110,8 @@ class LeaseKeeper:
             try:
                 self.renew_once()
                 self._health.beat("lease")
+                if self._busy is not None and self._busy():
+                    self._health.busy_beat("loop")  # the main thread is inside a batch
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 log.warning("lease renewal failed (Redis unreachable): %s", exc)
                 self._client = None  # a fresh connection next time

@@ -133,6 +133,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="reply streams are trimmed to about this many entries",
     )
     b.add_argument("--drain-timeout-s", type=float, default=_env_float("DRAIN_TIMEOUT_S", 60.0))
+    b.add_argument(
+        "--batch-timeout-s",
+        type=float,
+        default=_env_float("BATCH_TIMEOUT_S", 1800.0),
+        help="/healthz reports the worker stalled once one batch computes longer than this",
+    )
     b.add_argument("--max-seqs-per-job", type=int, default=_env_int("MAX_SEQS_PER_JOB", 4096))
     b.add_argument(
         "--max-tokens-per-job", type=int, default=_env_int("MAX_TOKENS_PER_JOB", 4 * 1024 * 1024)
@@ -184,6 +190,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         max_deliveries=args.max_deliveries,
         dead_letter_stream=args.dead_letter_stream,
         drain_timeout_s=args.drain_timeout_s,
+        batch_timeout_s=args.batch_timeout_s,
         result_maxlen=args.result_maxlen,
         burst=args.burst,
         max_jobs=args.max_jobs,
