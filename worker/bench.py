@@ -12,11 +12,13 @@ Scenarios:
   same shape with a 32,000 vocab; the naive loop pads fixed batches of 4 in arrival order.
   Real (unpadded) tokens per second.
 
-Peak memory on CPU: every measured side runs in a fresh subprocess (so one side's freed heap
-cannot hide the other's peak). After the model is built and warmed up, the process resets its RSS
-high-water mark (``/proc/self/clear_refs`` = 5) and records its RSS; the figure is
-``VmHWM - RSS before`` for the measured call: the extra resident memory that call needed.
-On CUDA it is ``torch.cuda.max_memory_allocated`` over the call.
+Both sides run in one process on the same model. Peak memory (CPU): tracemalloc cannot see
+torch's allocator, so before each side's measured call the process records its RSS and resets its
+RSS high-water mark (``/proc/self/clear_refs`` = 5); the figure is ``VmHWM - RSS before``, the
+extra resident memory that call needed. The executor is measured first, on a heap the naive side
+has not grown (glibc returns the naive side's multi-GB buffers to the OS, as they are mmaps).
+Time: best wall time of interleaved naive / executor runs after a warm-up, so both sides see the
+same machine load.
 """
 
 from __future__ import annotations
@@ -26,8 +28,6 @@ import gc
 import json
 import os
 import platform
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -120,86 +120,87 @@ def _rss_now() -> int:
     return 0
 
 
-def _measure(fn: Callable[[], Any], repeats: int) -> tuple[dict[str, Any], Any]:
-    """Best wall time over ``repeats``, the extra peak RSS of the first call, the last output."""
-    gc.collect()
-    before = _rss_now()
+def _clear_peak() -> bool:
+    """Reset this process's RSS high-water mark (Linux); False when not possible."""
     try:
         with open("/proc/self/clear_refs", "w") as fh:
             fh.write("5")
-        exact = True
+        return True
     except OSError:
-        exact = False
-    times = []
-    peak = 0
-    out = None
-    for i in range(repeats):
-        out = None
-        gc.collect()
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-        if i == 0:
-            peak = max(0, peak_rss_bytes() - before)
-    return {"seconds": min(times), "peak_extra_bytes": peak, "peak_exact": exact}, out
+        return False
 
 
-def run_phase(phase: str, quick: bool) -> dict[str, Any]:
-    """One side of one scenario, in this process (called in a fresh subprocess)."""
-    torch.manual_seed(SEED)
-    scenario, side = phase.split(":")
+def _peak_extra(fn: Callable[[], Any]) -> tuple[int, float, Any]:
+    """(extra peak RSS bytes, seconds, output) of one call of ``fn``."""
+    gc.collect()
+    before = _rss_now()
+    _clear_peak()
+    t0 = time.perf_counter()
+    out = fn()
+    seconds = time.perf_counter() - t0
+    return max(0, peak_rss_bytes() - before), seconds, out
+
+
+def _checksum(outputs: list[np.ndarray]) -> float:
+    return float(sum(float(np.sum(o, dtype=np.float64)) for o in outputs))
+
+
+def run_scenario(scenario: str, quick: bool) -> dict[str, dict[str, Any]]:
+    """Both sides of one scenario in this process: memory first, then interleaved timing."""
     vocab = DENSE["vocab"] if scenario == "dense" else RAGGED["vocab"]
     seqs = dense_inputs(quick) if scenario == "dense" else ragged_inputs(quick)
     model = build_model(vocab)
-    repeats = 1 if quick else 2
-    with torch.inference_mode():
-        if side == "naive":
-
-            def fn() -> Any:
-                return [
-                    logps
-                    for i in range(0, len(seqs), NAIVE_BATCH)
-                    for logps in naive_logps(model, seqs[i : i + NAIVE_BATCH])
-                ]
-
-            naive_logps(model, seqs[:1] if scenario == "dense" else seqs[:2])  # warm-up
-        else:
-            ex = StatelessExecutor(
-                ExecutorConfig(logprob_chunk_tokens=CHUNK_TOKENS, max_batch_tokens=16384), model
-            )
-            ex.score(seqs[:2])  # warm-up
-
-            def fn() -> Any:
-                return [s.logps for s in ex.score(seqs).scores]
-
-        result, outputs = _measure(fn, repeats)
-    real = sum(len(s.tokens) for s in seqs)
-    result.update(
-        real_tokens=real,
-        scored_tokens=sum(len(s.tokens) - (s.prompt_len or 0) for s in seqs),
-        tokens_per_s=real / result["seconds"],
-        checksum=float(sum(float(np.sum(o)) for o in outputs)),
+    ex = StatelessExecutor(
+        ExecutorConfig(logprob_chunk_tokens=CHUNK_TOKENS, max_batch_tokens=16384), model
     )
-    return result
 
+    def naive() -> list[np.ndarray]:
+        return [
+            logps
+            for i in range(0, len(seqs), NAIVE_BATCH)
+            for logps in naive_logps(model, seqs[i : i + NAIVE_BATCH])
+        ]
 
-def _subprocess_phase(phase: str, quick: bool) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "worker.bench", "--phase", phase] + (["--quick"] if quick else [])
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"bench phase {phase} failed:\n{done.stderr[-2000:]}")
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    def executor() -> list[np.ndarray]:
+        return [s.logps for s in ex.score(seqs).scores if s.logps is not None]
+
+    sides: dict[str, Callable[[], list[np.ndarray]]] = {"executor": executor, "naive": naive}
+    rounds = 1 if quick or scenario == "ragged" else 2
+    rows: dict[str, dict[str, Any]] = {}
+    with torch.inference_mode():
+        naive_logps(model, seqs[:1])  # warm-up: kernels, allocator, first-touch of weights
+        ex.score(seqs[:1])
+        # Memory: the executor first, on a heap the naive side has not grown; the naive side's
+        # multi-GB buffers are fresh mmaps either way.
+        for side, fn in sides.items():
+            peak, seconds, out = _peak_extra(fn)
+            rows[side] = {"peak_extra_bytes": peak, "times": [seconds], "checksum": _checksum(out)}
+        for _ in range(rounds):  # interleaved so both sides see the same machine load
+            for side, fn in sides.items():
+                t0 = time.perf_counter()
+                fn()
+                rows[side]["times"].append(time.perf_counter() - t0)
+    real = sum(len(s.tokens) for s in seqs)
+    scored = sum(len(s.tokens) - int(s.prompt_len or 0) for s in seqs)
+    for row in rows.values():
+        row.update(
+            seconds=min(row["times"]),
+            real_tokens=real,
+            scored_tokens=scored,
+            tokens_per_s=real / min(row["times"]),
+        )
+    ex.close()
+    return rows
 
 
 def run_all(quick: bool) -> dict[str, Any]:
-    """Every scenario, each side in its own subprocess; returns the JSON document."""
+    """Every scenario; returns the JSON document (a dict of rows plus metadata)."""
+    exact = _clear_peak()
     rows: dict[str, Any] = {}
     for scenario in ("dense", "ragged"):
-        naive = _subprocess_phase(f"{scenario}:naive", quick)
-        execu = _subprocess_phase(f"{scenario}:executor", quick)
-        agree = abs(naive["checksum"] - execu["checksum"]) <= 1e-4 * max(
-            1.0, abs(naive["checksum"])
-        )
+        sides = run_scenario(scenario, quick)
+        naive, execu = sides["naive"], sides["executor"]
+        tol = 1e-5 * max(1.0, abs(naive["checksum"]))
         rows[f"{scenario}_naive"] = {"scenario": scenario, "side": "naive", **naive}
         rows[f"{scenario}_executor"] = {"scenario": scenario, "side": "executor", **execu}
         ratio: dict[str, Any] = {
@@ -208,7 +209,7 @@ def run_all(quick: bool) -> dict[str, Any]:
             "time_ratio": execu["seconds"] / naive["seconds"],
             "tokens_per_s_ratio": execu["tokens_per_s"] / naive["tokens_per_s"],
             "peak_memory_ratio": execu["peak_extra_bytes"] / max(1, naive["peak_extra_bytes"]),
-            "logps_agree": agree,
+            "logps_agree": abs(naive["checksum"] - execu["checksum"]) <= tol,
         }
         if scenario == "dense":
             ratio["targets"] = {"peak_memory_ratio": "<= 0.2", "time_ratio": "<= 0.35"}
@@ -228,10 +229,12 @@ def run_all(quick: bool) -> dict[str, Any]:
         "ragged": {**RAGGED, "sequences": 16 if quick else RAGGED["sequences"]},
         "naive_batch": NAIVE_BATCH,
         "executor_chunk_tokens": CHUNK_TOKENS,
+        "peak_exact": exact,
         "memory_method": (
-            "each side in a fresh subprocess; after model build + warm-up the RSS high-water "
-            "mark is reset (/proc/self/clear_refs=5); peak_extra = VmHWM - RSS before the call"
+            "one process; per side: RSS before the call, RSS high-water mark reset "
+            "(/proc/self/clear_refs=5), peak_extra = VmHWM - RSS before; executor measured first"
         ),
+        "time_method": "best wall time of interleaved naive/executor runs after a warm-up",
     }
     return {"rows": rows, "meta": meta}
 
@@ -266,11 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="worker.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sequences, one repetition")
     parser.add_argument("--json", default="bench-results.json", help="where to write the rows")
-    parser.add_argument("--phase", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.phase:
-        print(json.dumps(run_phase(args.phase, args.quick)))
-        return 0
     doc = run_all(args.quick)
     print(format_table(doc))
     with open(args.json, "w") as fh:
