@@ -258,3 +258,29 @@ def test_supervise_refuses_inside_a_child(monkeypatch: pytest.MonkeyPatch) -> No
 
     monkeypatch.setenv("SCORING_SUPERVISED_CHILD", "1")
     assert supervise(_args(["serve", "--replicas", "2"], replicas=2)) == 2
+
+
+def test_serve_flags_reach_the_supervisor_config() -> None:
+    """`serve` registers the restart-policy flags, and they end up in SupervisorConfig."""
+    from worker.cli import build_parser
+    from worker.supervisor import SupervisorConfig
+
+    args = build_parser("serve").parse_args(
+        [
+            "serve",
+            "--scorer",
+            "noop",
+            "--replicas",
+            "2",
+            "--restart-limit",
+            "3",
+            "--restart-backoff-s",
+            "0.5",
+            "--exit-on-give-up",
+            "--drain-timeout-s",
+            "7",
+        ]
+    )
+    cfg = SupervisorConfig.from_args(args)
+    assert cfg.restart_limit == 3 and cfg.restart_backoff_s == 0.5
+    assert cfg.exit_on_give_up is True and cfg.drain_timeout_s == 7

@@ -165,6 +165,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="run N supervised worker processes",
     )
     o.add_argument("--gpus", default=env_get("GPUS"), help="'all' or '0,1': one worker per GPU")
+    from worker.supervisor import add_arguments as add_supervisor_arguments
+
+    add_supervisor_arguments(parser)  # restart policy flags of --replicas/--gpus
 
 
 def streams_from_args(args: argparse.Namespace) -> tuple[str, ...]:
