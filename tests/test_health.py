@@ -58,6 +58,11 @@ def test_liveness_fails_when_a_heartbeat_stalls_and_recovers_on_beat() -> None:
     clock = FakeClock()
     s = HealthState(stall_after_s=10.0, clock=clock)
     assert s.liveness()[0] is True
+    clock.t += 50
+    assert s.liveness()[0] is True  # loading the model (not started) never counts as a stall
+    s.started = True
+    s.beat("loop")
+    s.beat("lease")
     clock.t += 5
     s.beat("loop")
     clock.t += 6  # lease is 11 s old, loop 6 s
@@ -109,6 +114,7 @@ def test_http_endpoints_reflect_state(served: tuple[str, HealthState, WorkerMetr
 def test_healthz_503_when_stalled() -> None:
     clock = FakeClock()
     state = HealthState(stall_after_s=1.0, clock=clock)
+    state.started = True
     server = HealthServer(CollectorRegistry(), state, port=0).start()
     try:
         clock.t += 5

@@ -47,7 +47,8 @@ class HealthState:
         now = self._clock()
         with self._lock:
             ages = {k: round(now - v, 3) for k, v in self._beats.items()}
-        stalled = [k for k, age in ages.items() if age > self.stall_after_s]
+        # Before the loop starts (model loading) nothing can stall: loading is not a hang.
+        stalled = [k for k, age in ages.items() if self.started and age > self.stall_after_s]
         return not stalled, {"heartbeat_age_s": ages, "stalled": stalled}
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:

@@ -260,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(msg) from exc
         return int(supervise(args))
     from worker.daemon import Worker
+    from worker.health import HealthServer, HealthState
     from worker.metrics import WorkerMetrics
 
     config = worker_config(args)
@@ -268,9 +269,18 @@ def run(args: argparse.Namespace) -> int:
         ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
         client_name=f"scoring-worker:{config.consumer}"[:100].replace(" ", "_"),
     )  # fmt: skip
-    scorer = build_scorer(args)
     metrics = WorkerMetrics()
+    health = HealthState()
+    http = None
+    if config.metrics_port is not None:
+        # Up before the model loads: /healthz answers 200 and /readyz 503 while loading.
+        http = HealthServer(
+            metrics.registry, health, host=config.metrics_host, port=config.metrics_port
+        ).start()
+        log.info("metrics on http://%s:%d/metrics", http.host, http.port)
+    scorer = build_scorer(args)
     metrics.set_build_info(build_info(scorer))
-    worker = Worker(config, settings, scorer, metrics=metrics)
+    worker = Worker(config, settings, scorer, metrics=metrics, health=health)
+    worker.http = http
     worker.install_signal_handlers()
     return worker.run()
