@@ -152,3 +152,27 @@ def test_nogroup_detection() -> None:
     assert streams.is_nogroup(redis.ResponseError("UNBLOCKED the stream key no longer exists"))
     assert not streams.is_nogroup(redis.ResponseError("WRONGTYPE Operation"))
     assert not streams.is_nogroup(ValueError("NOGROUP"))
+
+
+def test_result_of_an_entry_taken_over_is_not_written(client: redis.Redis, key_prefix: str) -> None:
+    """A paused worker whose entry was reclaimed by another consumer does not answer it too."""
+    stream = keys.job_streams(key_prefix)[0]
+    streams.ensure_group(client, stream, G)
+    reply = keys.reply_stream(stream, "c")
+    client.xadd(stream, {"payload": b"j"})
+    (entry,) = streams.read_new(client, [stream], G, "c1", count=10, block_ms=None)
+    client.xclaim(stream, G, "c2", 0, [entry.id], justid=True)  # c2 reclaims it
+    superseded: list[streams.Delivery] = []
+    late = streams.Delivery(stream, entry.id, reply, b"late")
+    assert (
+        streams.write_results(client, G, [late], maxlen=100, consumer="c1", superseded=superseded)
+        == []
+    )
+    assert superseded == [late] and client.xlen(reply) == 0
+    assert client.xpending(stream, G)["pending"] == 1  # still c2's to answer
+    on_time = streams.Delivery(stream, entry.id, reply, b"r")
+    assert streams.write_results(client, G, [on_time], maxlen=100, consumer="c2") == []
+    assert client.xlen(reply) == 1 and client.xpending(stream, G)["pending"] == 0
+    # No longer pending at all: still answered (never lose a result to de-duplication).
+    assert streams.write_results(client, G, [late], maxlen=100, consumer="c1") == []
+    assert client.xlen(reply) == 2

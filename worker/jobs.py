@@ -177,11 +177,21 @@ def flush_outbox(worker: Worker, outbox: Outbox) -> None:
             streams.Delivery(e.stream, e.id, reply_to, encode_result(res))
             for e, reply_to, res, _ in outbox.results
         ]
-        failures = streams.write_results(client, cfg.group, deliveries, maxlen=cfg.result_maxlen)
+        superseded: list[streams.Delivery] = []
+        failures = streams.write_results(
+            client, cfg.group, deliveries, maxlen=cfg.result_maxlen, consumer=cfg.consumer,
+            superseded=superseded,
+        )  # fmt: skip
         failed = {(d.stream, d.entry_id): err for d, err in failures}
+        taken = {(d.stream, d.entry_id) for d in superseded}
         for entry, _reply_to, res, _read in outbox.results:
             err = failed.get((entry.stream, entry.id))
-            if err is not None:
+            if (entry.stream, entry.id) in taken:
+                log.info("%s/%s was taken over by another consumer; its result is theirs",
+                         entry.stream, entry.id)  # fmt: skip
+                worker.in_flight.discard(entry.stream, entry.id)
+                worker.metrics.superseded.inc()
+            elif err is not None:
                 log.warning("result of %s could not be written (%s); dead-lettering", res.id, err)
                 outbox.dead.append((entry, f"reply_failed: {err}", None, None))
             else:

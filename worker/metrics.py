@@ -165,6 +165,11 @@ class WorkerMetrics:
             ["reason"],
             registry=r,
         )
+        self.superseded = Counter(
+            "scoring_results_superseded_total",
+            "Results not written because another consumer had taken the entry over.",
+            registry=r,
+        )
         self.redelivered = Counter(
             "scoring_entries_redelivered_total", "Entries delivered more than once.", registry=r
         )

@@ -29,6 +29,10 @@ from worker.protocol import PAYLOAD_FIELD
 # ARGV: group, entry id, payload, maxlen. An unusable reply stream (wrong type) leaves the
 # entry pending and returns the error, so a result is never acked away unwritten.
 _RESULT_ACK = """
+if ARGV[5] ~= '' then
+  local p = redis.call('XPENDING', KEYS[2], ARGV[1], ARGV[2], ARGV[2], 1)
+  if #p > 0 and p[1][2] ~= ARGV[5] then return {2, p[1][2]} end
+end
 local id = redis.pcall('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*', 'payload', ARGV[3])
 if type(id) == 'table' and id.err then return {0, id.err} end
 redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
@@ -196,9 +200,20 @@ class Delivery:
 
 
 def write_results(
-    client: Any, group: str, deliveries: Sequence[Delivery], *, maxlen: int
+    client: Any,
+    group: str,
+    deliveries: Sequence[Delivery],
+    *,
+    maxlen: int,
+    consumer: str = "",
+    superseded: list[Delivery] | None = None,
 ) -> list[tuple[Delivery, str]]:
     """Write every result and ack its entry; returns ``(delivery, error)`` for those that failed.
+
+    With ``consumer`` set, the atomic script first checks who holds the entry: when another
+    consumer has taken it over (this worker was paused past the claim idle time), nothing is
+    written, since the new holder answers it; such deliveries go to ``superseded``. An entry
+    that is no longer pending at all is still answered (at-least-once wins over de-duplication).
 
     A result whose reply stream shares the job stream's slot goes in with its ack in one atomic
     script call; otherwise the result ``XADD`` completes before the ``XACK`` is sent. All calls of
@@ -225,14 +240,25 @@ def write_results(
             try:
                 atomic_replies.append(
                     client.eval(
-                        _RESULT_ACK, 2, d.reply_to, d.stream, group, d.entry_id, d.payload, maxlen
+                        _RESULT_ACK,
+                        2,
+                        d.reply_to,
+                        d.stream,
+                        group,
+                        d.entry_id,
+                        d.payload,
+                        maxlen,
+                        consumer,
                     )
                 )
             except redis.ResponseError as exc:
                 atomic_replies.append(exc)
     else:
         for d in atomic:
-            pipe.eval(_RESULT_ACK, 2, d.reply_to, d.stream, group, d.entry_id, d.payload, maxlen)
+            pipe.eval(
+                _RESULT_ACK, 2, d.reply_to, d.stream, group, d.entry_id, d.payload, maxlen,
+                consumer,
+            )  # fmt: skip
     for d in split:
         pipe.xadd(d.reply_to, {PAYLOAD_FIELD: d.payload}, maxlen=maxlen, approximate=True)
     queued = split or (atomic and not cluster)
@@ -243,6 +269,9 @@ def write_results(
     for d, reply in zip(atomic, atomic_replies, strict=True):
         if isinstance(reply, Exception):
             failures.append((d, str(reply)))
+        elif int(reply[0]) == 2:
+            if superseded is not None:
+                superseded.append(d)
         elif not int(reply[0]):
             failures.append((d, _s(reply[1])))
     for d, reply in zip(split, replies, strict=True):
