@@ -13,7 +13,8 @@
 
 Each path first runs one untimed warm-up pass over all jobs (first-time kernel and shape costs on
 CPU are large and would otherwise land on whichever path runs first), then ``--rounds`` timed
-passes; the best pass of each is compared.
+passes that alternate between the two paths (so both see the same machine load); the best pass
+of each is compared.
 
 Prints jobs/s and tokens/s of both and the ratio (target: end-to-end >= 0.9x in-process).
 """
@@ -70,49 +71,50 @@ def make_jobs(
     return jobs
 
 
-def run_in_process(
-    model: str,
-    jobs: list[list[dict[str, Any]]],
-    max_batch_tokens: int,
-    packing: str,
-    rounds: int,
-    threads: int,
-) -> float:
-    """Best seconds (over ``rounds`` timed passes, after one untimed warm-up pass) to score every
-    job in-process, in chunks under ``max_batch_tokens``."""
-    import torch
+class InProcess:
+    """The in-process path: one ``StatelessExecutor`` scoring the jobs in chunks under the same
+    ``max_batch_tokens`` the worker uses."""
 
-    from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
+    def __init__(
+        self,
+        model: str,
+        jobs: list[list[dict[str, Any]]],
+        max_batch_tokens: int,
+        packing: str,
+        threads: int,
+    ) -> None:
+        import torch
 
-    executor = StatelessExecutor.from_pretrained(
-        ExecutorConfig(
-            mode="reference",
-            device="cpu",
-            max_batch_tokens=max_batch_tokens,
-            packing=packing,  # type: ignore[arg-type]
-        ),
-        reference_model=model,
-    )
-    as_inputs = [[SequenceInput(s["tokens"], s["prompt_len"]) for s in job] for job in jobs]
-    torch.set_num_threads(threads)
+        from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
 
-    def one_pass() -> float:
+        self.executor = StatelessExecutor.from_pretrained(
+            ExecutorConfig(
+                mode="reference",
+                device="cpu",
+                max_batch_tokens=max_batch_tokens,
+                packing=packing,  # type: ignore[arg-type]
+            ),
+            reference_model=model,
+        )
+        self.jobs = [[SequenceInput(s["tokens"], s["prompt_len"]) for s in job] for job in jobs]
+        self.max_batch_tokens = max_batch_tokens
+        torch.set_num_threads(threads)
+
+    def one_pass(self) -> float:
+        """Seconds to score every job once."""
         start = time.perf_counter()
         chunk: list[Any] = []
         tokens = 0
-        for job in as_inputs:
+        for job in self.jobs:
             n = sum(len(s.tokens) for s in job)
-            if chunk and tokens + n > max_batch_tokens:
-                executor.score(chunk, mode="reference")
+            if chunk and tokens + n > self.max_batch_tokens:
+                self.executor.score(chunk, mode="reference")
                 chunk, tokens = [], 0
             chunk.extend(job)
             tokens += n
         if chunk:
-            executor.score(chunk, mode="reference")
+            self.executor.score(chunk, mode="reference")
         return time.perf_counter() - start
-
-    one_pass()  # warm-up: first-time kernel/shape costs are paid on both paths before timing
-    return min(one_pass() for _ in range(rounds))
 
 
 def _collect(client: Any, reply: str, n: int, timeout_s: float) -> int:
@@ -131,7 +133,64 @@ def _collect(client: Any, reply: str, n: int, timeout_s: float) -> int:
     return sum(seen.values())
 
 
-def run_end_to_end(
+class EndToEnd:
+    """The queue path: one ``python -m worker serve`` subprocess on the same model and flags;
+    a pass ``XADD``s every job in one pipeline and ends when the last result is read."""
+
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        jobs: list[list[dict[str, Any]]],
+        max_batch_tokens: int,
+        packing: str,
+        log_path: Path,
+        threads: int,
+    ) -> None:
+        tag = f"bench{os.getpid()}"
+        self.stream = keys.job_streams(tag)[0]
+        self.reply = keys.reply_stream(self.stream, "bench")
+        self.jobs = jobs
+        self.log_path = log_path
+        self.client = redis.Redis.from_url(url)
+        self.client.delete(self.stream, self.reply)
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "worker", "--log-level", "WARNING", "serve",
+             "--redis-url", url, "--queue", tag, "--reference-model", model, "--device", "cpu",
+             "--consumer", "bench", "--max-batch-tokens", str(max_batch_tokens),
+             "--packing", packing, "--metrics-port", "-1"],
+            stdout=self._log, stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)},
+        )  # fmt: skip
+
+    def one_pass(self, tag: str) -> float:
+        """Seconds from the first ``XADD`` of every job to the last result."""
+        self.client.delete(self.reply)
+        payloads = [
+            encode_job(f"{tag}{i}", "reference", self.reply, seqs)
+            for i, seqs in enumerate(self.jobs)
+        ]
+        start = time.perf_counter()
+        pipe = self.client.pipeline(transaction=False)
+        for p in payloads:
+            pipe.xadd(self.stream, {"payload": p})
+        pipe.execute()
+        ok = _collect(self.client, self.reply, len(self.jobs), timeout_s=600)
+        elapsed = time.perf_counter() - start
+        if ok != len(self.jobs):
+            raise RuntimeError(f"{len(self.jobs) - ok} jobs failed; see {self.log_path}")
+        return elapsed
+
+    def close(self) -> None:
+        """Stop the worker and delete the benchmark's keys."""
+        self.proc.terminate()
+        self.proc.wait(60)
+        self._log.close()
+        self.client.delete(self.stream, self.reply, keys.dead_letter_stream(self.stream))
+
+
+def run_side_by_side(
     url: str,
     model: str,
     jobs: list[list[dict[str, Any]]],
@@ -140,47 +199,22 @@ def run_end_to_end(
     log_path: Path,
     rounds: int,
     threads: int,
-) -> float:
-    """Best seconds (over ``rounds`` timed passes, after one warm-up pass) from the first XADD of
-    every job to the last result, through one subprocess worker."""
-    tag = f"bench{os.getpid()}"
-    stream = keys.job_streams(tag)[0]
-    reply = keys.reply_stream(stream, "bench")
-    client = redis.Redis.from_url(url)
-    client.delete(stream, reply)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", "--log-level", "WARNING", "serve",
-             "--redis-url", url, "--queue", tag, "--reference-model", model, "--device", "cpu",
-             "--consumer", "bench", "--max-batch-tokens", str(max_batch_tokens),
-             "--packing", packing, "--metrics-port", "-1"],
-            stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)},
-        )  # fmt: skip
-        try:
-
-            def one_pass(tag: str) -> float:
-                client.delete(reply)
-                payloads = [
-                    encode_job(f"{tag}{i}", "reference", reply, seqs) for i, seqs in enumerate(jobs)
-                ]
-                start = time.perf_counter()
-                pipe = client.pipeline(transaction=False)
-                for p in payloads:
-                    pipe.xadd(stream, {"payload": p})
-                pipe.execute()
-                ok = _collect(client, reply, len(jobs), timeout_s=600)
-                elapsed = time.perf_counter() - start
-                if ok != len(jobs):
-                    raise RuntimeError(f"{len(jobs) - ok} jobs failed; see {log_path}")
-                return elapsed
-
-            one_pass("warm")  # includes model load and the same first-time costs as in-process
-            return min(one_pass(f"r{r}-") for r in range(rounds))
-        finally:
-            proc.terminate()
-            proc.wait(60)
-            client.delete(stream, reply, keys.dead_letter_stream(stream))
+) -> tuple[float, float]:
+    """Best seconds of (in-process, end-to-end): one untimed warm-up pass of each (first-time
+    kernel and shape costs, the worker's model load), then ``rounds`` timed passes that alternate
+    between the two paths so both see the same machine load."""
+    in_proc = InProcess(model, jobs, max_batch_tokens, packing, threads)
+    e2e = EndToEnd(url, model, jobs, max_batch_tokens, packing, log_path, threads)
+    try:
+        in_proc.one_pass()
+        e2e.one_pass("warm")
+        in_times, e2e_times = [], []
+        for r in range(rounds):
+            in_times.append(in_proc.one_pass())
+            e2e_times.append(e2e.one_pass(f"r{r}-"))
+        return min(in_times), min(e2e_times)
+    finally:
+        e2e.close()
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -206,7 +240,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="torch intra-op threads on both paths (1 leaves a core for Redis and the producer, "
         "and keeps OpenMP spin-waits out of a loaded machine's figures)",
     )
-    p.add_argument("--rounds", type=int, default=2, help="timed passes per path (best is kept)")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="timed passes per path, alternating (best is kept)"
+    )
     p.add_argument("--quick", action="store_true", help="100 jobs, 1 timed round")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     return p.parse_args(argv)
@@ -229,10 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
             model = build_model(Path(tmp) / "model")
             rounds = 1 if args.quick else max(1, args.rounds)
-            in_proc_s = run_in_process(
-                model, jobs, args.max_batch_tokens, args.packing, rounds, args.threads
-            )
-            e2e_s = run_end_to_end(
+            in_proc_s, e2e_s = run_side_by_side(
                 url, model, jobs, args.max_batch_tokens, args.packing, Path(tmp) / "w.log",
                 rounds, args.threads,
             )  # fmt: skip
