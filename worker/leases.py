@@ -43,6 +43,11 @@ class InFlight:
                 if not ids:
                     del self._ids[stream]
 
+    def held(self, stream: str, ids: set[str]) -> set[str]:
+        """The subset of ``ids`` still held on ``stream``."""
+        with self._lock:
+            return ids & self._ids.get(stream, set())
+
     def snapshot(self) -> dict[str, list[str]]:
         """A copy of the held ids per stream."""
         with self._lock:
@@ -98,7 +103,8 @@ class LeaseKeeper:
         for stream, ids in self._in_flight.snapshot().items():
             renewed = streams.renew_leases(self._client, stream, self._group, self._consumer, ids)
             total += len(renewed)
-            lost = set(ids) - set(renewed)
+            # Entries acked since the snapshot are not pending any more: not lost, just done.
+            lost = self._in_flight.held(stream, set(ids) - set(renewed))
             if lost:
                 log.warning("%d in-flight entries of %s are no longer ours", len(lost), stream)
         if total:
