@@ -81,3 +81,24 @@ def test_pack_rows_isolates_tails_and_maps_starts() -> None:
         widths = [sum(lengths[i] for i in r) for r in f]
         assert all(w <= 1024 or len(r) == 1 for w, r in zip(widths, f, strict=True))
         assert len(f) * max(widths) <= 4096
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("impl", ["sdpa", "eager", "flex_attention"])
+def test_packed_rows_match_per_sequence_logits_in_transformers(impl: str) -> None:
+    """The packed layout (one row, position_ids restarting per sequence) isolates sequences in
+    transformers' sdpa, eager and flex_attention paths (flex compiles on CPU: tens of seconds)."""
+    from conftest_models import random_tokens, tiny_causal
+
+    model = tiny_causal("llama")
+    model.set_attn_implementation(impl)
+    seqs = [np.asarray(random_tokens(n, i)) for i, n in enumerate((12, 30, 5, 19, 2))]
+    batch = pack(seqs, list(range(len(seqs))))
+    with torch.no_grad():
+        packed = model(
+            input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False
+        ).logits[0]  # [T, V]
+        for start, s in zip(batch.starts.tolist(), seqs, strict=True):
+            alone = model(input_ids=torch.as_tensor(s)[None], use_cache=False).logits[0]
+            assert (packed[start : start + len(s)] - alone).abs().max().item() < 1e-4
