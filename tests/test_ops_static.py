@@ -470,3 +470,25 @@ def test_promtool_install_hint_is_exact() -> None:
         "apt-get",
         "install",
     ]
+
+
+def test_keda_cluster_triggers_cover_every_partition() -> None:
+    """The Redis Cluster variant: one redis-cluster-streams trigger per partition stream."""
+    dep = _deployment()
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    env = _container_env(c)
+    expected = keys.job_streams(env["SCORING_QUEUE"], int(env["SCORING_PARTITIONS"]))
+    (auth,) = _k8s("TriggerAuthentication")
+    (so,) = _k8s("ScaledObject", "keda-scaledobject-cluster.yaml")
+    assert so["spec"]["scaleTargetRef"]["name"] == dep["metadata"]["name"]
+    assert so["spec"]["minReplicaCount"] == 0
+    triggers = so["spec"]["triggers"]
+    assert [t["metadata"]["stream"] for t in triggers] == expected
+    slots = set()
+    for t in triggers:
+        assert t["type"] == "redis-cluster-streams"
+        assert t["metadata"]["consumerGroup"] == keys.DEFAULT_GROUP
+        assert all(":" in a for a in t["metadata"]["addresses"].split(","))
+        assert t["authenticationRef"]["name"] == auth["metadata"]["name"]
+        slots.add(keys.hash_tag(t["metadata"]["stream"]))
+    assert len(slots) == len(triggers)  # each partition in its own hash tag
