@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor, peak_rss_bytes
+from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
+from worker.memory import peak_rss_bytes
 
 SEED = 1234
 DENSE: dict[str, Any] = {"vocab": 128_256, "batch": 4, "length": 1024, "scored": 512}

@@ -9,12 +9,9 @@ written down in ``docs/executor.md``.
 
 from __future__ import annotations
 
-import array
 import logging
 import math
 import numbers
-import os
-import resource
 import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
@@ -37,8 +34,16 @@ from worker.errors import (
     TooLong,
     UnsupportedMode,
 )
+from worker.inputs import PreparedSequence, SequenceInput, is_int, prepare_sequence
+from worker.kvcache import cache_outputs, tensors_in
 from worker.loading import load_model, resolve_device, resolve_dtype
 from worker.logprobs import chunked_token_logps, logit_transform_for, naive_token_logps
+from worker.memory import (
+    device_total_bytes,
+    free_device_memory,
+    read_peak,
+    reset_peak,
+)
 from worker.packing import (
     ForwardBatch,
     gather_flat,
@@ -72,7 +77,6 @@ Mode = Literal["reference", "reward", "both"]
 MODES: tuple[str, ...] = get_args(Mode)
 _BACKENDS = ("auto", "flash_attention_2", "sdpa", "eager")
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
-_CACHE_KEYS = ("past_key_values", "cache", "presents", "past_key_value", "cache_params")
 
 
 @dataclass(frozen=True)
@@ -119,7 +123,7 @@ class ExecutorConfig:
             raise bad("output_dtype", "expected 'float32' or 'float64'")
         for name in ("max_batch_tokens", "logprob_chunk_tokens", "packed_row_tokens"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise bad(name, "expected an integer >= 1")
         if not isinstance(self.device, str) or not _valid_device(self.device):
             raise bad("device", "expected 'cpu', 'cuda', 'cuda:N' or 'auto'")
@@ -127,21 +131,6 @@ class ExecutorConfig:
             raise bad("dtype", f"expected one of {_DTYPES}")
         if self.packing not in ("auto", "packed", "padded"):
             raise bad("packing", "expected 'auto', 'packed' or 'padded'")
-
-
-@dataclass(frozen=True)
-class SequenceInput:
-    """One sequence to score: token ids and which of them are scored.
-
-    ``tokens``: 1-D ids (list, numpy array, torch tensor, ``array.array``). Exactly one of
-    ``prompt_len`` (tokens ``[prompt_len:]`` are scored; valid range ``[1, len)``) or ``mask``
-    (one 0/1 per token, 1 = scored, ``mask[0] == 0``, at least one 1) is required when log-probs
-    are requested; reward-only scoring accepts neither.
-    """
-
-    tokens: Any
-    prompt_len: int | None = None
-    mask: Sequence[int] | bytes | None = None
 
 
 @dataclass
@@ -184,14 +173,6 @@ class ScoreOutput:
 
     scores: list[SequenceScore]
     metrics: BatchMetrics
-
-
-@dataclass(frozen=True)
-class _Prepared:
-    """A validated sequence: int64 ids and the positions whose token is scored (or None)."""
-
-    ids: np.ndarray  # [L] int64
-    scored: np.ndarray | None  # [n] int64 positions t >= 1
 
 
 @dataclass
@@ -345,7 +326,7 @@ class StatelessExecutor:
         assert model is not None
         vocab = self.vocab_size
         seqs = [
-            _Prepared(ids=ids, scored=np.arange(1, len(ids), dtype=np.int64))
+            PreparedSequence(ids=ids, scored=np.arange(1, len(ids), dtype=np.int64))
             for ids in ((np.arange(n) * 7919 + 17 * n + 3) % vocab for n in (5, 9, 3))
         ]
         mode: Mode = "both" if "both" in self.modes else self.modes[0]
@@ -401,7 +382,7 @@ class StatelessExecutor:
             config = getattr(model, "config", None)
             for name in ("max_position_embeddings", "n_positions"):
                 value: Any = getattr(config, name, None)
-                if _is_int(value) and value > 0:
+                if is_int(value) and value > 0:
                     limits.append(int(value))
                     break
         return min(limits) if limits else None
@@ -486,7 +467,7 @@ class StatelessExecutor:
         started = time.perf_counter()
         mode, temp = self._call_args(mode, temperature)
         prepared = self._prepare(seqs, mode, temp)
-        _reset_peak(self.device)
+        reset_peak(self.device)
         run = _Run()
         results: list[SequenceScore | None] = [None] * len(prepared)
         lengths = [len(p.ids) for p in prepared]
@@ -499,7 +480,7 @@ class StatelessExecutor:
             plan = plan_padded(lengths, budget)
         for group in plan:
             self._run_group(group, prepared, mode, temp, results, run)
-        allocated, reserved = _read_peak(self.device)
+        allocated, reserved = read_peak(self.device)
         scored = sum(len(p.scored) for p in prepared if p.scored is not None)
         metrics = BatchMetrics(
             batch_size=len(prepared),
@@ -516,7 +497,7 @@ class StatelessExecutor:
             kv_rejected=False,
             peak_allocated_bytes=allocated,
             peak_reserved_bytes=reserved,
-            device_total_bytes=_device_total(self.device),
+            device_total_bytes=device_total_bytes(self.device),
             oom_splits=run.oom_splits,
             packed=run.packed_any,
             forwards=run.forwards,
@@ -540,7 +521,7 @@ class StatelessExecutor:
 
     def _prepare(
         self, seqs: Sequence[SequenceInput], mode: Mode, temperature: float
-    ) -> list[_Prepared]:
+    ) -> list[PreparedSequence]:
         if isinstance(seqs, (str, bytes)) or not isinstance(seqs, Sequence):
             raise BadRequest(f"expected a list of SequenceInput, got {type(seqs).__name__}")
         if len(seqs) == 0:
@@ -550,7 +531,7 @@ class StatelessExecutor:
         out = []
         for i, seq in enumerate(seqs):
             try:
-                out.append(_prepare_one(seq, vocab, limit, needs_scored))
+                out.append(prepare_sequence(seq, vocab, limit, needs_scored))
             except (BadRequest, TooLong) as exc:
                 raise type(exc)(f"sequence {i}: {exc.message}") from None
         return out
@@ -560,7 +541,7 @@ class StatelessExecutor:
     def _run_group(
         self,
         group: list[int],
-        prepared: list[_Prepared],
+        prepared: list[PreparedSequence],
         mode: Mode,
         temp: float,
         results: list[SequenceScore | None],
@@ -570,7 +551,7 @@ class StatelessExecutor:
         try:
             scores = self._run_with_fallback(group, prepared, mode, temp, run)
         except torch.OutOfMemoryError as exc:
-            _free_device_memory(self.device)
+            free_device_memory(self.device)
             if len(group) == 1:
                 n = len(prepared[group[0]].ids)
                 log.warning("sequence of %d tokens does not fit on %s", n, self.device)
@@ -590,7 +571,7 @@ class StatelessExecutor:
             results[i] = score
 
     def _run_with_fallback(
-        self, group: list[int], prepared: list[_Prepared], mode: Mode, temp: float, run: _Run
+        self, group: list[int], prepared: list[PreparedSequence], mode: Mode, temp: float, run: _Run
     ) -> list[SequenceScore]:
         """Run a batch; an attention-kernel error retries it on the next backend(s)."""
         seqs = [prepared[i] for i in group]
@@ -649,7 +630,7 @@ class StatelessExecutor:
 
     def _run_batch(
         self,
-        seqs: list[_Prepared],
+        seqs: list[PreparedSequence],
         group: list[int],
         mode: Mode,
         temp: float,
@@ -693,7 +674,7 @@ class StatelessExecutor:
 
     def _compute(
         self,
-        seqs: list[_Prepared],
+        seqs: list[PreparedSequence],
         group: list[int],
         mode: Mode,
         temp: float,
@@ -730,7 +711,9 @@ class StatelessExecutor:
                         )
         return scores
 
-    def _logps(self, batch: ForwardBatch, seqs: list[_Prepared], temp: float) -> list[torch.Tensor]:
+    def _logps(
+        self, batch: ForwardBatch, seqs: list[PreparedSequence], temp: float
+    ) -> list[torch.Tensor]:
         """Completion-only chunked log-probs for every sequence of ``batch``."""
         model = self.reference_model
         assert model is not None
@@ -756,11 +739,11 @@ class StatelessExecutor:
 
     def _kv_hook(self, module: nn.Module, args: Any, output: Any) -> Any:
         """Forward hook: tally (and in warn mode drop) any cache object in a model output."""
-        found = _cache_outputs(output)
+        found = cache_outputs(output)
         if not found:
             return None
         for _, value in found:
-            for tensor in _tensors_in(value):
+            for tensor in tensors_in(value):
                 self._kv_seen[id(tensor)] = tensor.numel() * tensor.element_size()
         if self.config.reject_kv_cache_outputs or self._kv_probe:
             return None
@@ -777,10 +760,6 @@ class StatelessExecutor:
 
 
 # --------------------------------------------------------------------- module helpers
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _positive_float(value: Any) -> bool:
@@ -814,165 +793,3 @@ def _close(a: SequenceScore, b: SequenceScore, tol: float) -> bool:
         return False
     both = a.reward is not None and b.reward is not None
     return not (both and abs(a.reward - b.reward) > tol * 10)  # type: ignore[operator]
-
-
-def _as_ids(tokens: Any) -> np.ndarray:
-    """``tokens`` as a 1-D integer array (not yet range-checked)."""
-    if isinstance(tokens, torch.Tensor):
-        arr = tokens.detach().cpu().numpy()
-    elif isinstance(tokens, (str, bytes, bytearray)) or tokens is None:
-        raise BadRequest(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
-    elif isinstance(tokens, array.array):
-        arr = (
-            np.frombuffer(tokens, dtype=tokens.typecode)
-            if tokens.typecode in "bBhHiIlLqQ"
-            else np.asarray(tokens)
-        )
-    else:
-        try:
-            arr = np.asarray(tokens)
-        except (TypeError, ValueError) as exc:
-            raise BadRequest(f"tokens are not an integer array: {exc}") from None
-    if arr.ndim != 1:
-        raise BadRequest(f"tokens must be 1-D, got shape {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iu":
-        raise BadRequest(f"tokens must be integers, got dtype {arr.dtype}")
-    return arr
-
-
-def _prepare_one(seq: Any, vocab: int, limit: int | None, needs_scored: bool) -> _Prepared:
-    if not isinstance(seq, SequenceInput):
-        raise BadRequest(f"expected SequenceInput, got {type(seq).__name__}")
-    arr = _as_ids(seq.tokens)
-    n = int(arr.size)
-    minimum = 2 if needs_scored else 1
-    if n < minimum:
-        raise BadRequest(f"needs at least {minimum} tokens, got {n}")
-    low, high = int(arr.min()), int(arr.max())
-    if low < 0 or high >= vocab:
-        bad = low if low < 0 else high
-        raise BadRequest(f"token id {bad} outside [0, {vocab})")
-    if limit is not None and n > limit:
-        raise TooLong(f"{n} tokens exceed the model's {limit} positions")
-    ids = arr.astype(np.int64)
-    if seq.prompt_len is not None and seq.mask is not None:
-        raise BadRequest("give prompt_len or mask, not both")
-    if seq.prompt_len is not None:
-        p = seq.prompt_len
-        if not _is_int(p):
-            raise BadRequest(f"prompt_len must be an int, got {type(p).__name__}")
-        if not 1 <= int(p) < n:
-            raise BadRequest(f"prompt_len {p} outside [1, {n})")
-        return _Prepared(ids=ids, scored=np.arange(int(p), n, dtype=np.int64))
-    if seq.mask is not None:
-        return _Prepared(ids=ids, scored=_mask_positions(seq.mask, n))
-    if needs_scored:
-        raise BadRequest("log-probs need prompt_len or mask")
-    return _Prepared(ids=ids, scored=None)
-
-
-def _mask_positions(mask: Any, n: int) -> np.ndarray:
-    if isinstance(mask, (bytes, bytearray, memoryview)):
-        m = np.frombuffer(bytes(mask), dtype=np.uint8)
-    elif isinstance(mask, torch.Tensor):
-        m = mask.detach().cpu().numpy()
-    else:
-        try:
-            m = np.asarray(mask)
-        except (TypeError, ValueError) as exc:
-            raise BadRequest(f"mask is not an array of 0/1: {exc}") from None
-    if m.ndim != 1 or m.size != n:
-        raise BadRequest(f"mask has {m.size} entries for {n} tokens")
-    if m.dtype.kind not in "iub" or not np.isin(m, (0, 1)).all():
-        raise BadRequest("mask values must be 0 or 1")
-    if m[0]:
-        raise BadRequest("mask[0] must be 0: the first token has no context to be scored from")
-    scored = np.flatnonzero(m).astype(np.int64)
-    if scored.size == 0:
-        raise BadRequest("mask scores no token")
-    return scored
-
-
-def _cache_outputs(output: Any) -> list[tuple[Any, Any]]:
-    """``(key, value)`` of every cache-like entry in a model output (empty when clean)."""
-    from transformers.cache_utils import Cache
-
-    found: list[tuple[Any, Any]] = []
-    if isinstance(output, dict):
-        items = list(output.items())
-    elif isinstance(output, (tuple, list)):
-        items = list(enumerate(output))
-    else:
-        items = [(k, v) for k, v in vars(output).items()] if hasattr(output, "__dict__") else []
-    for key, value in items:
-        if value is None:
-            continue
-        if isinstance(value, Cache) or (isinstance(key, str) and key in _CACHE_KEYS):
-            found.append((key, value))
-    return found
-
-
-def _tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
-    """Every tensor reachable from a cache object (lists, dicts, attributes), bounded depth."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if depth > 6:
-        return []
-    if isinstance(value, dict):
-        children: list[Any] = list(value.values())
-    elif isinstance(value, (list, tuple)):
-        children = list(value)
-    elif hasattr(value, "__dict__"):
-        children = list(vars(value).values())
-    else:
-        return []
-    out: list[torch.Tensor] = []
-    for child in children:
-        out.extend(_tensors_in(child, depth + 1))
-    return out
-
-
-def _reset_peak(device: torch.device) -> None:
-    """Start a per-call peak: CUDA peak stats, or the process's RSS high-water mark on Linux."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-    except OSError:
-        pass  # not Linux / not allowed: the peak is then the process lifetime's
-
-
-def _read_peak(device: torch.device) -> tuple[int, int]:
-    """(peak allocated, peak reserved) bytes since ``_reset_peak``; on CPU both are peak RSS."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
-    rss = peak_rss_bytes()
-    return rss, rss
-
-
-def peak_rss_bytes() -> int:
-    """The process's peak resident set size in bytes (VmHWM, else ``ru_maxrss``)."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-def _device_total(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _free_device_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
