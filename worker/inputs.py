@@ -39,6 +39,7 @@ class PreparedSequence:
 
 
 def is_int(value: Any) -> bool:
+    """True for an integer that is not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -69,6 +70,8 @@ def as_ids(tokens: Any) -> np.ndarray:
 def prepare_sequence(
     seq: Any, vocab: int, limit: int | None, needs_scored: bool
 ) -> PreparedSequence:
+    """Validate one ``SequenceInput`` (ids in ``[0, vocab)``, length within ``limit``, prompt_len
+    or mask) and return its int64 ids and scored positions; raises ``BadRequest``/``TooLong``."""
     if not isinstance(seq, SequenceInput):
         raise BadRequest(f"expected SequenceInput, got {type(seq).__name__}")
     arr = as_ids(seq.tokens)
@@ -100,6 +103,7 @@ def prepare_sequence(
 
 
 def mask_positions(mask: Any, n: int) -> np.ndarray:
+    """Positions whose mask entry is 1; checks length, 0/1 values, ``mask[0] == 0``, one scored."""
     if isinstance(mask, (bytes, bytearray, memoryview)):
         m = np.frombuffer(bytes(mask), dtype=np.uint8)
     elif isinstance(mask, torch.Tensor):

@@ -42,6 +42,7 @@ def peak_rss_bytes() -> int:
 
 
 def device_total_bytes(device: torch.device) -> int | None:
+    """Total memory of ``device`` (host RAM on CPU), or None when unknown."""
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
     try:
@@ -51,5 +52,6 @@ def device_total_bytes(device: torch.device) -> int | None:
 
 
 def free_device_memory(device: torch.device) -> None:
+    """Return cached CUDA blocks to the driver (after an out-of-memory error)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
