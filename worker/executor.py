@@ -266,8 +266,10 @@ class StatelessExecutor:
         reward_gguf_file: str | None = None,
         trust_remote_code: bool = False,
         revision: str | None = None,
+        reward_adapter: RewardAdapter | None = None,
     ) -> StatelessExecutor:
-        """Load models from local directories or hub ids (GGUF via ``gguf_file``) and build."""
+        """Load models from local directories or hub ids (GGUF via ``gguf_file``) and build;
+        ``reward_adapter`` replaces the default sequence-classification head reader."""
         if reference_model is None and reward_model is None:
             raise ConfigError("from_pretrained needs reference_model and/or reward_model")
         device = resolve_device(config.device)
@@ -288,7 +290,14 @@ class StatelessExecutor:
             if reward_model
             else None
         )
-        return cls(config, ref, rew, model_name=reference_model, reward_model_name=reward_model)
+        return cls(
+            config,
+            ref,
+            rew,
+            reward_adapter=reward_adapter,
+            model_name=reference_model,
+            reward_model_name=reward_model,
+        )
 
     def _place(self, model: nn.Module | None) -> Any:
         if model is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import logging
 import os
 import socket
@@ -92,6 +93,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--reward-model", default=env_get("REWARD_MODEL"))
     m.add_argument("--gguf-file", default=env_get("GGUF_FILE"))
     m.add_argument("--reward-gguf-file", default=env_get("REWARD_GGUF_FILE"))
+    m.add_argument(
+        "--reward-adapter",
+        default=env_get("REWARD_ADAPTER"),
+        help="'module:factory' returning a RewardAdapter for a non-standard reward head (imports "
+        "and runs that code); default: the *ForSequenceClassification head (num_labels=1)",
+    )
+    m.add_argument(
+        "--reward-token-scores",
+        action="store_true",
+        default=env_bool(env_get("REWARD_TOKEN_SCORES")),
+        help="also return the reward head's score at every token (token_scores in results)",
+    )
     m.add_argument("--device", default=env_get("DEVICE", "auto"))
     m.add_argument("--dtype", default=env_get("DTYPE", "auto"))
     m.add_argument("--attention-backend", default=env_get("ATTENTION_BACKEND", "auto"))
@@ -231,7 +244,30 @@ def build_scorer(args: argparse.Namespace) -> Any:
         gguf_file=args.gguf_file,
         reward_gguf_file=args.reward_gguf_file,
         trust_remote_code=args.trust_remote_code,
+        reward_adapter=reward_adapter_from_args(args) if args.reward_model else None,
     )
+
+
+def reward_adapter_from_args(args: argparse.Namespace) -> Any:
+    """The reward adapter named by ``--reward-adapter module:factory`` (called with
+    ``token_level=``), or the default sequence-classification adapter."""
+    token_level = bool(getattr(args, "reward_token_scores", False))
+    spec = getattr(args, "reward_adapter", None)
+    if not spec:
+        from worker.pooling import SequenceClassificationAdapter
+
+        return SequenceClassificationAdapter(token_level=token_level)
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"--reward-adapter must be 'module:factory', got {spec!r}")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"--reward-adapter {spec!r} cannot be loaded: {exc}") from exc
+    adapter = factory(token_level=token_level)
+    if not callable(adapter) or not hasattr(adapter, "token_level"):
+        raise ConfigError(f"--reward-adapter {spec!r} did not return a RewardAdapter")
+    return adapter
 
 
 def build_info(scorer: Any) -> dict[str, Any]:
