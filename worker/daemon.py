@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -62,6 +63,10 @@ class Outbox:
     )  # (entry, reason, result for the producer, reply_to)
 
 
+def _ignore_in_handler(_signum: int, _frame: Any) -> None:
+    """Installed for SIGTERM/SIGINT so they do not kill the process; the watcher thread acts."""
+
+
 class Worker:
     """A consumer of one or more job streams in one consumer group."""
 
@@ -86,6 +91,7 @@ class Worker:
         self.backlog: list[Pending] = []
         self._stop = threading.Event()
         self._signals = 0
+        self._wakeup: tuple[socket.socket, socket.socket] | None = None
         self._drain_deadline: float | None = None
         self._rotation = 0
         self._use_autoclaim = True
@@ -117,7 +123,8 @@ class Worker:
                   self.config.drain_timeout_s)  # fmt: skip
         os._exit(1)
 
-    def _on_signal(self, signum: int, _frame: Any) -> None:
+    def _on_signal(self, signum: int) -> None:
+        """Act on SIGTERM/SIGINT (called from the signal-watcher thread, never from a handler)."""
         self._signals += 1
         if self._signals > 1:
             log.warning("second signal %d: exiting now (held entries will be reclaimed)", signum)
@@ -125,10 +132,36 @@ class Worker:
         self.request_stop(signal.Signals(signum).name)
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM/SIGINT drain; a second one exits at once (main thread only)."""
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_signal)
-            signal.signal(signal.SIGINT, self._on_signal)
+        """SIGTERM/SIGINT drain; a second one exits at once (main thread only).
+
+        The Python-level handlers do nothing: the interpreter also writes each signal number
+        to a wakeup socket (``signal.set_wakeup_fd``) that a watcher thread reads and acts on.
+        Work done inside a handler runs on the main thread between bytecodes and can deadlock
+        on a non-reentrant lock the interrupted code holds (a metric's, an Event's, stderr's).
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return
+        rsock, wsock = socket.socketpair()
+        wsock.setblocking(False)
+        signal.set_wakeup_fd(wsock.fileno(), warn_on_full_buffer=False)
+        self._wakeup = (rsock, wsock)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _ignore_in_handler)
+        threading.Thread(target=self._watch_signals, args=(rsock,), name="signals",
+                         daemon=True).start()  # fmt: skip
+
+    def _watch_signals(self, rsock: socket.socket) -> None:
+        wanted = {int(signal.SIGTERM), int(signal.SIGINT)}
+        while True:
+            try:
+                data = rsock.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum in wanted:
+                    self._on_signal(signum)
 
     def _on_fallback(self, event: Any) -> None:
         self.metrics.record_fallback(event.requested, event.used, event.reason)

@@ -1,0 +1,46 @@
+"""Signals are acted on outside the signal handler, so a SIGTERM that lands while the main
+thread holds a non-reentrant lock (a metric's) cannot deadlock the worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from worker.config import RedisSettings, WorkerConfig
+from worker.daemon import Worker
+from worker.metrics import WorkerMetrics
+from worker.noop import NoopScorer
+
+
+@pytest.mark.timeout(20)
+def test_sigterm_while_main_thread_holds_a_metric_lock_drains() -> None:
+    config = WorkerConfig(streams=("scoring:{sig}:jobs",), consumer="sig", metrics_port=None)
+    worker = Worker(config, RedisSettings(), NoopScorer(),
+                    metrics=WorkerMetrics(CollectorRegistry()))  # fmt: skip
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    old_fd = signal.set_wakeup_fd(-1)
+    try:
+        worker.install_signal_handlers()
+        lock = worker.metrics.ready._value._lock  # what request_stop() takes via ready.set(0)
+        with lock:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.3)  # the Python-level handler runs here, on this thread, lock held
+        deadline = time.monotonic() + 5
+        while not worker.health.draining and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert worker.health.draining
+        assert worker.metrics.registry.get_sample_value("scoring_worker_draining") == 1
+        while worker.metrics.registry.get_sample_value("scoring_worker_ready") != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        signal.set_wakeup_fd(old_fd)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if worker._wakeup is not None:
+            for sock in worker._wakeup:
+                sock.close()
