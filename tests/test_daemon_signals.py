@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -41,6 +42,26 @@ def test_sigterm_while_main_thread_holds_a_metric_lock_drains() -> None:
         signal.set_wakeup_fd(old_fd)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if worker._drain_timer is not None:  # never run(): its drain deadline must not fire
+            worker._drain_timer.cancel()
         if worker._wakeup is not None:
-            for sock in worker._wakeup:
-                sock.close()
+            rsock, wsock = worker._wakeup
+            wsock.shutdown(socket.SHUT_WR)  # EOF ends the watcher thread's recv()
+            wsock.close()
+            rsock.close()
+
+
+@pytest.mark.timeout(20)
+def test_run_cancels_the_drain_deadline(
+    redis_url: str, key_prefix: str, cleanup_keys: None
+) -> None:
+    """A worker that drained in time must not be killed later by its drain deadline (an
+    in-process worker would take its host process down with it)."""
+    config = WorkerConfig(streams=(f"scoring:{{{key_prefix}}}:jobs",), consumer="c",
+                          metrics_port=None, drain_timeout_s=1.0)  # fmt: skip
+    worker = Worker(config, RedisSettings(url=redis_url), NoopScorer(),
+                    metrics=WorkerMetrics(CollectorRegistry()))  # fmt: skip
+    worker.request_stop("test")
+    assert worker.run() == 0
+    assert worker._drain_timer is not None and worker._drain_timer.finished.is_set()
+    time.sleep(1.5)  # past the deadline: this process is still alive

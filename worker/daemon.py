@@ -91,6 +91,7 @@ class Worker:
         self.backlog: list[Pending] = []
         self._stop = threading.Event()
         self._signals = 0
+        self._drain_timer: threading.Timer | None = None
         self._wakeup: tuple[socket.socket, socket.socket] | None = None
         self._drain_deadline: float | None = None
         self._rotation = 0
@@ -114,9 +115,9 @@ class Worker:
         self.metrics.ready.set(0)
         if self._drain_deadline is None:
             self._drain_deadline = time.monotonic() + self.config.drain_timeout_s
-            timer = threading.Timer(self.config.drain_timeout_s, self._drain_expired)
-            timer.daemon = True
-            timer.start()
+            self._drain_timer = threading.Timer(self.config.drain_timeout_s, self._drain_expired)
+            self._drain_timer.daemon = True
+            self._drain_timer.start()
 
     def _drain_expired(self) -> None:
         log.error("drain timeout of %.1fs passed; exiting (held entries will be reclaimed)",
@@ -169,6 +170,14 @@ class Worker:
 
     def run(self) -> int:
         """Serve until stopped (signal, ``--burst`` drained, ``--max-jobs`` reached); returns 0."""
+        try:
+            return self._serve()
+        finally:
+            # Drained in time: the drain deadline must not fire later (in-process use, tests).
+            if self._drain_timer is not None:
+                self._drain_timer.cancel()
+
+    def _serve(self) -> int:
         cfg = self.config
         if cfg.metrics_port is not None and self.http is None:
             self.http = HealthServer(
