@@ -17,7 +17,7 @@ import redis
 from worker import streams
 from worker.daemon import Outbox, Pending, job_info, load_fallbacks, seq_inputs
 from worker.errors import KVCacheRejected, ProtocolError, ScoringError
-from worker.noop import SequenceInput
+from worker.inputs import SequenceInput
 from worker.protocol import (
     Limits,
     Result,
