@@ -149,3 +149,44 @@ def pending_of(client: redis.Redis, stream: str, group: str, consumer: str | Non
     if consumer is None:
         return int(client.xpending(stream, group)["pending"])
     return len(client.xpending_range(stream, group, "-", "+", 10000, consumername=consumer))
+
+
+def kill9_reclaim_scenario(url: str, queue: str, tmp_path: Path, jobs: int) -> None:
+    """A noop worker with a 30 s batch holds entries and is killed with ``kill -9``; a second
+    worker (``--claim-idle-ms 800``) must reclaim and answer every job, once, and ack them all."""
+    from worker import keys
+
+    group = keys.DEFAULT_GROUP
+    client = redis.Redis.from_url(url)
+    stream = keys.job_streams(queue)[0]
+    reply = keys.reply_stream(stream, "c")
+
+    def args(consumer: str, *extra: str) -> list[str]:
+        return [
+            "--redis-url", url, "--queue", queue, "--consumer", consumer, "--scorer", "noop",
+            "--metrics-port", "0", "--claim-idle-ms", "800", *extra,
+        ]  # fmt: skip
+
+    slow = WorkerProc(args("slow", "--noop-delay-ms", "30000"), tmp_path / "slow.log")
+    fast = None
+    try:
+        slow.wait_ready()
+        ids = [f"k{i}" for i in range(jobs)]
+        for job_id in ids:
+            enqueue(client, stream, job_id, reply, [{"tokens": [1, 2, 3, 4], "prompt_len": 2}])
+        wait_until(lambda: pending_of(client, stream, group, "slow") > 0, 20, what="slow reads")
+        held = pending_of(client, stream, group, "slow")
+        slow.signal(signal.SIGKILL)
+        slow.wait_exit(10)
+        fast = WorkerProc(args("fast"), tmp_path / "fast.log")
+        results, dups = collect(client, reply, ids, timeout=60)
+        assert all(r.ok for r in results.values())
+        assert {r.info["worker"] for r in results.values()} == {"fast"}
+        assert dups == 0  # the killed worker never wrote anything
+        assert metric(fast.metrics_url, "scoring_entries_reclaimed_total") >= held
+        wait_until(lambda: pending_of(client, stream, group) == 0, 10, what="acks")
+        assert "Traceback" not in fast.log()
+    finally:
+        slow.stop()
+        if fast is not None:
+            fast.stop()

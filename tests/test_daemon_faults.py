@@ -12,7 +12,15 @@ import msgpack
 import pytest
 import redis
 
-from tests.daemon_support import WorkerProc, collect, enqueue, metric, pending_of, wait_until
+from tests.daemon_support import (
+    WorkerProc,
+    collect,
+    enqueue,
+    kill9_reclaim_scenario,
+    metric,
+    pending_of,
+    wait_until,
+)
 from worker import keys, streams
 from worker.protocol import decode_result
 
@@ -170,38 +178,7 @@ def test_max_deliveries_dead_letters_and_tells_the_producer(
 def test_kill9_mid_batch_every_job_still_answered(
     redis_url: str, key_prefix: str, cleanup_keys: None, tmp_path: Path
 ) -> None:
-    client = redis.Redis.from_url(redis_url)
-    stream = keys.job_streams(key_prefix)[0]
-    reply = keys.reply_stream(stream, "c")
-    slow = WorkerProc(
-        noop_args(redis_url, key_prefix, "slow", "--noop-delay-ms", "30000",
-                  "--claim-idle-ms", "800"),
-        tmp_path / "slow.log",
-    )  # fmt: skip
-    fast = None
-    try:
-        slow.wait_ready()
-        ids = [f"k{i}" for i in range(40)]
-        for job_id in ids:
-            enqueue(client, stream, job_id, reply, [{"tokens": [1, 2, 3, 4], "prompt_len": 2}])
-        wait_until(lambda: pending_of(client, stream, GROUP, "slow") > 0, 20, what="slow reads")
-        held = pending_of(client, stream, GROUP, "slow")
-        slow.signal(signal.SIGKILL)
-        slow.wait_exit(10)
-        fast = WorkerProc(
-            noop_args(redis_url, key_prefix, "fast", "--claim-idle-ms", "800"),
-            tmp_path / "fast.log",
-        )
-        results, dups = collect(client, reply, ids, timeout=60)
-        assert all(r.ok for r in results.values())
-        assert {r.info["worker"] for r in results.values()} == {"fast"}
-        assert dups == 0  # the killed worker never wrote anything
-        assert metric(fast.metrics_url, "scoring_entries_reclaimed_total") >= held
-        wait_until(lambda: pending_of(client, stream, GROUP) == 0, 10, what="acks")
-    finally:
-        slow.stop()
-        if fast is not None:
-            fast.stop()
+    kill9_reclaim_scenario(redis_url, key_prefix, tmp_path, jobs=40)
 
 
 @pytest.mark.timeout(90)

@@ -5,7 +5,6 @@ XPENDING + XCLAIM (XAUTOCLAIM's 6.2 reply is not used) and XINFO GROUPS has no l
 from __future__ import annotations
 
 import importlib.util
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from daemon_support import WorkerProc, collect, enqueue, metric, pending_of, wait_until
+from daemon_support import kill9_reclaim_scenario, wait_until
 
 from worker import keys, streams
 from worker.embedded import free_port
@@ -95,35 +94,4 @@ def test_streams_commands_on_redis_62(redis62_url: str, key_prefix: str) -> None
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_kill9_reclaim_on_redis_62(redis62_url: str, key_prefix: str, tmp_path: Path) -> None:
-    client = redis.Redis.from_url(redis62_url)
-    stream = keys.job_streams(key_prefix)[0]
-    reply = keys.reply_stream(stream, "c")
-
-    def args(consumer: str, *extra: str) -> list[str]:
-        return [
-            "--redis-url", redis62_url, "--queue", key_prefix, "--consumer", consumer,
-            "--scorer", "noop", "--metrics-port", "0", "--claim-idle-ms", "800", *extra,
-        ]  # fmt: skip
-
-    slow = WorkerProc(args("slow", "--noop-delay-ms", "30000"), tmp_path / "slow.log")
-    fast = None
-    try:
-        slow.wait_ready()
-        ids = [f"k{i}" for i in range(20)]
-        for job_id in ids:
-            enqueue(client, stream, job_id, reply, [{"tokens": [1, 2, 3, 4], "prompt_len": 2}])
-        wait_until(lambda: pending_of(client, stream, GROUP, "slow") > 0, 20, what="slow reads")
-        held = pending_of(client, stream, GROUP, "slow")
-        slow.signal(signal.SIGKILL)
-        slow.wait_exit(10)
-        fast = WorkerProc(args("fast"), tmp_path / "fast.log")
-        results, dups = collect(client, reply, ids, timeout=60)
-        assert all(r.ok for r in results.values()) and dups == 0
-        assert {r.info["worker"] for r in results.values()} == {"fast"}
-        assert metric(fast.metrics_url, "scoring_entries_reclaimed_total") >= held
-        wait_until(lambda: pending_of(client, stream, GROUP) == 0, 10, what="acks")
-        assert "Traceback" not in fast.log()
-    finally:
-        slow.stop()
-        if fast is not None:
-            fast.stop()
+    kill9_reclaim_scenario(redis62_url, key_prefix, tmp_path, jobs=20)
