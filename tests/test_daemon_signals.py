@@ -65,3 +65,54 @@ def test_run_cancels_the_drain_deadline(
     assert worker.run() == 0
     assert worker._drain_timer is not None and worker._drain_timer.finished.is_set()
     time.sleep(1.5)  # past the deadline: this process is still alive
+
+
+@pytest.mark.timeout(20)
+def test_drain_deadline_outside_run_is_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stop requested on a worker that is not serving (never ran, as when a signal arrives
+    for an in-process worker) arms a deadline that must not end the host process."""
+    exits: list[int] = []
+    monkeypatch.setattr("worker.daemon.os._exit", exits.append)
+    config = WorkerConfig(streams=("scoring:{idle}:jobs",), consumer="idle", metrics_port=None,
+                          drain_timeout_s=0.2)  # fmt: skip
+    worker = Worker(config, RedisSettings(), NoopScorer(),
+                    metrics=WorkerMetrics(CollectorRegistry()))  # fmt: skip
+    worker.request_stop("test")
+    assert worker._drain_timer is not None
+    worker._drain_timer.join(5)
+    assert worker._drain_timer.finished.is_set() and exits == []
+
+
+@pytest.mark.timeout(30)
+def test_drain_deadline_ends_a_worker_stuck_in_a_batch(
+    redis_url: str, key_prefix: str, cleanup_keys: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While serving, a drain that outlasts its deadline exits the process (status 1)."""
+    import threading
+
+    import redis
+    from daemon_support import enqueue
+
+    from worker import keys
+
+    exits: list[int] = []
+    monkeypatch.setattr("worker.daemon.os._exit", exits.append)
+    client = redis.Redis.from_url(redis_url)
+    stream = keys.job_streams(key_prefix)[0]
+    enqueue(client, stream, "slow", keys.reply_stream(stream, "c"),
+            [{"tokens": [1, 2, 3], "prompt_len": 1}])  # fmt: skip
+    config = WorkerConfig(streams=(stream,), consumer="stuck", metrics_port=None, max_jobs=1,
+                          drain_timeout_s=0.3)  # fmt: skip
+    worker = Worker(config, RedisSettings(url=redis_url), NoopScorer(delay_ms=1500),
+                    metrics=WorkerMetrics(CollectorRegistry()))  # fmt: skip
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while worker.batch_started_s is None:
+        assert time.monotonic() < deadline, "the batch never started"
+        time.sleep(0.02)
+    worker.request_stop("test")
+    time.sleep(0.8)  # past the deadline, the batch still running
+    assert exits == [1]
+    thread.join(10)
+    assert not thread.is_alive()

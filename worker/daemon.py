@@ -92,6 +92,8 @@ class Worker:
         self._stop = threading.Event()
         self._signals = 0
         self._drain_timer: threading.Timer | None = None
+        self._drain_lock = threading.Lock()
+        self._running = False
         self._wakeup: tuple[socket.socket, socket.socket] | None = None
         self._drain_deadline: float | None = None
         self._rotation = 0
@@ -113,13 +115,24 @@ class Worker:
         self.health.draining = True
         self.metrics.draining.set(1)
         self.metrics.ready.set(0)
-        if self._drain_deadline is None:
-            self._drain_deadline = time.monotonic() + self.config.drain_timeout_s
-            self._drain_timer = threading.Timer(self.config.drain_timeout_s, self._drain_expired)
-            self._drain_timer.daemon = True
-            self._drain_timer.start()
+        with self._drain_lock:
+            if self._drain_deadline is None:
+                self._drain_deadline = time.monotonic() + self.config.drain_timeout_s
+                timer = threading.Timer(self.config.drain_timeout_s, self._drain_expired)
+                timer.daemon = True
+                self._drain_timer = timer
+                timer.start()
 
     def _drain_expired(self) -> None:
+        """The drain deadline passed: end the process if this worker is still serving.
+
+        A worker that is not inside :meth:`run` (never started, or already drained) holds
+        nothing, so a deadline that fires then is ignored: an in-process worker stopped
+        outside ``run()`` must never take its host process down later.
+        """
+        with self._drain_lock:
+            if not self._running:
+                return
         log.error("drain timeout of %.1fs passed; exiting (held entries will be reclaimed)",
                   self.config.drain_timeout_s)  # fmt: skip
         os._exit(1)
@@ -170,12 +183,16 @@ class Worker:
 
     def run(self) -> int:
         """Serve until stopped (signal, ``--burst`` drained, ``--max-jobs`` reached); returns 0."""
+        with self._drain_lock:
+            self._running = True
         try:
             return self._serve()
         finally:
             # Drained in time: the drain deadline must not fire later (in-process use, tests).
-            if self._drain_timer is not None:
-                self._drain_timer.cancel()
+            with self._drain_lock:
+                self._running = False
+                if self._drain_timer is not None:
+                    self._drain_timer.cancel()
 
     def _serve(self) -> int:
         cfg = self.config
