@@ -1,6 +1,7 @@
 """Hostile input at the daemon's intake: random and mutated payloads XADDed to a live worker's
 stream never crash or wedge it, and each ends as a result (an error result when it names a reply
-stream and an id) or a dead letter; valid jobs sent afterwards are still answered.
+stream and an id) or a dead letter; valid jobs sent afterwards are still answered. Jobs over
+``--max-payload-bytes`` get ``bad_request`` wherever their ``id``/``reply_to`` sit in the map.
 
 The payloads come from a seeded generator (random bytes, mutated valid jobs, wrong schemas, huge
 headers, entries without the ``payload`` field), not hypothesis: one live worker answers them all
@@ -31,6 +32,7 @@ pytestmark = [
 ]
 
 N_PAYLOADS = int(os.environ.get("SCORING_FUZZ_INTAKE", "150"))
+MAX_PAYLOAD = 16384  # --max-payload-bytes of the worker: far above every hostile entry
 
 
 def _valid(rng: random.Random, reply: str, i: int) -> bytes:
@@ -102,6 +104,21 @@ def hostile_entries(seed: int, n: int, reply: str) -> list[dict[bytes, bytes]]:
     return out
 
 
+def oversized_payloads(reply: str) -> dict[str, bytes]:
+    """Job id -> a job payload over ``MAX_PAYLOAD``: big tokens bin, big int array, big unknown
+    key, with ``id``/``reply_to`` before or after the big value."""
+    big_bin = [{"tokens": struct.pack("<5000i", *range(5000)), "prompt_len": 1}]
+    big_array = [{"tokens": list(range(70_000, 80_000)), "prompt_len": 1}]
+    out = {"over-front": encode_job("over-front", "reference", reply, big_bin, meta={"k": 1})}
+    back = {"seqs": big_array, "v": 1, "mode": "reference", "id": "over-back", "reply_to": reply}
+    out["over-back"] = msgpack.packb(back, use_bin_type=True)
+    junk = {"junk": "x" * MAX_PAYLOAD, "v": 1, "mode": "reference", "seqs": big_bin[:0]}
+    junk.update(id="over-junk", reply_to=reply)
+    out["over-junk"] = msgpack.packb(junk, use_bin_type=True)
+    assert all(len(p) > MAX_PAYLOAD for p in out.values())
+    return out
+
+
 @pytest.mark.timeout(240)
 def test_hostile_entries_end_as_results_or_dead_letters(tmp_path: Path) -> None:
     server = RedisServer(tmp_path / "redis").start()
@@ -113,7 +130,7 @@ def test_hostile_entries_end_as_results_or_dead_letters(tmp_path: Path) -> None:
     worker = WorkerProc(
         ["--redis-url", server.url, "--queue", queue, "--scorer", "noop", "--metrics-port", "-1",
          "--block-ms", "200", "--claim-idle-ms", "1000", "--max-deliveries", "2",
-         "--max-tokens-per-job", "4096"],
+         "--max-tokens-per-job", "4096", "--max-payload-bytes", str(MAX_PAYLOAD)],
         tmp_path / "worker.log",
     )  # fmt: skip
     try:
@@ -122,6 +139,10 @@ def test_hostile_entries_end_as_results_or_dead_letters(tmp_path: Path) -> None:
         sent: dict[str, dict[bytes, bytes]] = {}
         for fields in entries:
             sent[admin.xadd(stream, fields).decode()] = fields
+        # Over --max-payload-bytes, address before or after the big value: answered, not dropped.
+        oversized = oversized_payloads(reply)
+        for payload in oversized.values():
+            sent[admin.xadd(stream, {"payload": payload}).decode()] = {b"payload": payload}
         # Valid jobs after the garbage: the worker is not wedged.
         good = []
         for i in range(5):
@@ -151,7 +172,8 @@ def test_hostile_entries_end_as_results_or_dead_letters(tmp_path: Path) -> None:
             if entry_id in dead_ids:
                 continue
             env = protocol.peek_envelope(fields.get(b"payload", b""))
-            job_id, to = env.get("id"), env.get("reply_to")
+            # No readable id: the result carries the stream entry id (docs/protocol.md).
+            job_id, to = env.get("id", entry_id), env.get("reply_to")
             if to == reply and job_id in got:
                 continue
             if job_id and to and to != reply:  # a mutated reply_to: the answer went there
@@ -167,6 +189,10 @@ def test_hostile_entries_end_as_results_or_dead_letters(tmp_path: Path) -> None:
             unaccounted.append((entry_id, fields))
         assert not unaccounted, f"{len(unaccounted)} entries vanished, e.g. {unaccounted[:3]}"
         assert all(r.ok for g in good for r in got[g])
+        for job_id, payload in oversized.items():
+            assert [r.code for r in got[job_id]] == ["bad_request"], job_id
+            message = got[job_id][0].error["message"]
+            assert message == f"payload is {len(payload)} bytes, over the limit of {MAX_PAYLOAD}"
         errors = [r for rs in got.values() for r in rs if not r.ok]
         assert errors, "hostile input should produce error results"
         assert {r.code for r in errors} <= set(protocol.ERROR_CODES)

@@ -3,7 +3,8 @@
 Whatever bytes arrive, ``decode_job`` returns a schema-valid ``Job`` or raises ``ProtocolError``
 (never another exception), returns quickly, and allocates memory bounded by the payload size, not
 by the sizes that the payload's headers claim. ``decode_result`` (producers) and ``peek_envelope``
-(error addressing) get the same treatment.
+(error addressing: never raises, agrees with ``decode_job``, reads oversized payloads) get the
+same treatment.
 
 CI runs a bounded number of examples per property. For a long run::
 
@@ -107,12 +108,31 @@ def _decode_result_or_protocol_error(payload: bytes) -> Result | None:
     return res
 
 
+def _check_envelope(payload: bytes, limits: Limits, job: Job | None) -> None:
+    """``peek_envelope`` never raises, returns well-typed fields, and agrees with ``decode_job``
+    on every job that decodes."""
+    env = protocol.peek_envelope(payload, limits)
+    assert isinstance(env, dict) and set(env) <= {"v", "id", "reply_to", "meta"}
+    if "v" in env:
+        assert isinstance(env["v"], int) and not isinstance(env["v"], bool)
+    if "id" in env:
+        assert isinstance(env["id"], str) and 0 < len(env["id"]) <= MAX_ID_CHARS
+    if "reply_to" in env:
+        assert isinstance(env["reply_to"], str) and 0 < len(env["reply_to"]) <= MAX_KEY_CHARS
+    if "meta" in env:
+        assert len(msgpack.packb(env["meta"], use_bin_type=True)) <= 2 * limits.max_meta_bytes
+    if job is not None:
+        assert env.get("v", 1) == 1  # (decode_job also takes 1.0 and true, which peek omits)
+        assert env["id"] == job.id and env["reply_to"] == job.reply_to
+        if "meta" in env:
+            assert msgpack.packb(env["meta"]) == msgpack.packb(job.meta)
+
+
 def _check_all(payload: bytes) -> None:
     for limits in LIMITS:
-        _decode_job_or_protocol_error(payload, limits)
+        job = _decode_job_or_protocol_error(payload, limits)
+        _check_envelope(payload, limits, job)
     _decode_result_or_protocol_error(payload)
-    env = protocol.peek_envelope(payload)
-    assert isinstance(env, dict) and set(env) <= {"id", "reply_to", "meta"}
 
 
 # ----------------------------------------------------------------------------- strategies
@@ -289,6 +309,28 @@ def test_valid_jobs_round_trip_exactly(job_and_fields: tuple[bytes, dict[str, An
         assert spec.mask == (bytes(seq["mask"]) if "mask" in seq else None)
     env = protocol.peek_envelope(payload)
     assert env["id"] == f["job_id"] and env["reply_to"] == f["reply_to"]
+
+
+@FUZZ
+@given(valid_jobs(), st.randoms(use_true_random=False), st.integers(1025, 20_000))
+def test_envelope_of_an_oversized_job_is_read_in_any_key_order(
+    job_and_fields: tuple[bytes, dict[str, Any]], rnd: Any, junk_bytes: int
+) -> None:
+    """A valid job grown past ``max_payload_bytes`` by an extra value, keys in any order: the
+    decoder rejects it with the size message and ``peek_envelope`` still reads its address."""
+    payload, f = job_and_fields
+    body = msgpack.unpackb(payload)
+    body["junk"] = rnd.choice([b"x" * junk_bytes, "y" * junk_bytes, [0] * junk_bytes])
+    items = list(body.items())
+    rnd.shuffle(items)
+    big = msgpack.packb(dict(items), use_bin_type=True)
+    limits = Limits(max_payload_bytes=1024)
+    with pytest.raises(ProtocolError, match="over the limit of 1024"):
+        protocol.decode_job(big, limits)
+    env = protocol.peek_envelope(big, limits)
+    assert env["v"] == 1 and env["id"] == f["job_id"] and env["reply_to"] == f["reply_to"]
+    if f["meta"] is not None and len(msgpack.packb(f["meta"])) <= limits.max_meta_bytes:
+        assert msgpack.packb(env["meta"]) == msgpack.packb(f["meta"])
 
 
 @FUZZ

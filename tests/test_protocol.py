@@ -103,7 +103,7 @@ def test_bounds_are_enforced_before_allocation() -> None:
 
 def test_peek_envelope_reads_reply_address_of_invalid_job() -> None:
     env = protocol.peek_envelope(_job(v=9, meta=[1]))
-    assert env == {"id": "job-1", "reply_to": "scoring:{q}:replies:c1", "meta": [1]}
+    assert env == {"v": 9, "id": "job-1", "reply_to": "scoring:{q}:replies:c1", "meta": [1]}
     assert protocol.peek_envelope(b"garbage") == {}
 
 

@@ -8,6 +8,8 @@ anything proportional to it is allocated, and pickle is never involved.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import sys
 from array import array
@@ -266,7 +268,7 @@ def encode_job(
     return msgpack.packb(body, use_bin_type=True)
 
 
-def _unpack(payload: bytes, limits: Limits) -> Any:
+def _unpack(payload: bytes | memoryview, limits: Limits) -> Any:
     """msgpack-decode with every container and string bounded by ``limits``."""
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"payload must be bytes, got {type(payload).__name__}")
@@ -302,29 +304,153 @@ def _unpack(payload: bytes, limits: Limits) -> Any:
         )
     except Exception as exc:  # msgpack raises a zoo of exception types for bad input
         raise ProtocolError(
-            f"payload is not valid msgpack: {exc}", raw=bytes(payload[:256])
+            f"payload is not valid msgpack: {_unpack_hint(exc, limits)}", raw=bytes(payload[:256])
         ) from exc
 
 
-def peek_envelope(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
-    """Best-effort read of ``id``, ``reply_to`` and ``meta`` from a payload that may be invalid.
+def _unpack_hint(exc: Exception, limits: Limits) -> str:
+    """The unpacker's error, prefixed with the protocol rule it breaks when that is known."""
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, UnicodeDecodeError):
+        rule = "str values must be valid UTF-8 (send bytes as bin, e.g. use_bin_type=True)"
+    elif "max_ext_len" in text:
+        rule = "ext types (including msgpack timestamps) are not accepted"
+    elif "map key" in text:
+        rule = "map keys must be str or bin (also inside meta)"
+    elif "max_str_len" in text:
+        rule = f"a str is longer than {limits.max_meta_bytes} bytes"
+    elif isinstance(exc, msgpack.StackError):
+        rule = "containers nested too deep"
+    else:
+        return text
+    return f"{rule} ({text})"
 
-    Used to address an error result. Returns only the keys that are readable and well-typed.
+
+#: Top-level keys ``peek_envelope`` reads, and the most wire bytes each value may take (meta:
+#: ``Limits.max_meta_bytes``); a longer value is skipped unread.
+_PEEK_BOUNDS: dict[str, int | None] = {
+    "v": 9,
+    "id": 3 + 4 * MAX_ID_CHARS,
+    "reply_to": 3 + 4 * MAX_KEY_CHARS,
+    "meta": None,
+}
+#: The usual (fixstr) encoding of each wanted key, matched without decoding.
+_PEEK_KEY_BYTES = {msgpack.packb(k): k for k in _PEEK_BOUNDS}
+_STR_8_16_32 = (0xD9, 0xDA, 0xDB)
+_PEEK_MAX_PAIRS = 1024  # a valid job has < 10 top-level keys; _unpack rejects maps above 1024
+_PEEK_READ_SIZE = 64 * 1024
+_PEEK_MIN_BUFFER = 1024 * 1024
+
+
+def _top_level_spans(payload: bytes, max_buffer: int) -> dict[str, tuple[int, int]]:
+    """Byte spans ``(start, end)`` of the values of the ``_PEEK_BOUNDS`` keys of a top-level map.
+
+    Never builds a value: the unpacker only skips over them (without the length checks that
+    apply to built values) and reads the payload in ``_PEEK_READ_SIZE`` chunks, so its buffer
+    holds one chunk or the single str/bin being skipped (at most ``max_buffer`` bytes; a longer
+    one ends the walk), never a decoded tree. Returns what was found before the payload ended or
+    turned out to be garbage; the last occurrence of a duplicated key wins (as in ``decode_job``).
     """
+    size = len(payload)
+    read_size = max(1, min(size, _PEEK_READ_SIZE))
+    unpacker = msgpack.Unpacker(
+        io.BytesIO(payload),
+        read_size=read_size,
+        max_buffer_size=max(min(size, max_buffer), read_size),
+        raw=False,
+        # This unpacker builds nothing (read_map_header and skip only; the wanted values are
+        # decoded from their spans afterwards): the bounds are the bytes that are there.
+        max_str_len=size,
+        max_bin_len=size,
+        max_array_len=size,
+        max_map_len=size,
+        max_ext_len=size,
+    )
+    spans: dict[str, tuple[int, int]] = {}
     try:
-        body = _unpack(payload, limits)
-    except ProtocolError:
+        pairs = unpacker.read_map_header()
+        for _ in range(min(pairs, _PEEK_MAX_PAIRS)):
+            key_start = unpacker.tell()
+            unpacker.skip()
+            value_start = unpacker.tell()
+            unpacker.skip()
+            if value_start - key_start > 16:  # longer than any wanted key's encoding
+                continue
+            raw_key = payload[key_start:value_start]
+            key = _PEEK_KEY_BYTES.get(raw_key)
+            if key is None and raw_key[0] in _STR_8_16_32:
+                try:  # a wanted key in a longer str encoding is still that key
+                    key = msgpack.unpackb(raw_key, raw=False)
+                except Exception:  # not UTF-8, ...: not a key we want
+                    continue
+            if key in _PEEK_BOUNDS:
+                spans[key] = (value_start, unpacker.tell())
+    except Exception:  # not a map, truncated, nested too deep, ...: keep what was found
+        pass
+    return spans
+
+
+def _unpack_scalar(data: memoryview, max_len: int) -> Any:
+    """Decode a small top-level value (``v``, ``id``, ``reply_to``) strictly; ``None`` if it is
+    not valid msgpack. Containers come back empty or fail, so nothing big is built."""
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            max_str_len=max_len,
+            max_bin_len=max_len,
+            max_array_len=0,
+            max_map_len=0,
+            max_ext_len=0,
+        )
+    except Exception:
+        return None
+
+
+def peek_envelope(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """Best-effort read of ``v``, ``id``, ``reply_to`` and ``meta`` from a payload that may be
+    invalid, to address an error result; never raises.
+
+    Works on payloads that break a limit (over ``max_payload_bytes``, too many tokens, a bad
+    ``meta``...): the top-level map is walked without decoding the other values. Memory beyond the
+    payload is one read buffer of at most ``max(limits.max_payload_bytes, 1 MiB)`` (it must hold
+    the largest single str/bin skipped; past a longer one the walk stops with what it found) plus
+    the few small values read. Returns only the keys that are readable and well-typed: ``v``
+    (int), ``id`` (1..128 chars), ``reply_to`` (1..512 chars), ``meta`` (left out unless it
+    decodes under the same strict rules as ``decode_job`` within ``limits.max_meta_bytes`` wire
+    bytes).
+    """
+    if not isinstance(payload, (bytes, bytearray, memoryview)) or not len(payload):
         return {}
-    if not isinstance(body, dict):
-        return {}
+    if not isinstance(payload, bytes):
+        payload = bytes(payload)
+    max_buffer = max(limits.max_payload_bytes, _PEEK_MIN_BUFFER)
+    view = memoryview(payload)
     out: dict[str, Any] = {}
-    if isinstance(body.get("id"), str) and 0 < len(body["id"]) <= MAX_ID_CHARS:
-        out["id"] = body["id"]
-    reply_to = body.get("reply_to")
-    if isinstance(reply_to, str) and 0 < len(reply_to) <= MAX_KEY_CHARS:
-        out["reply_to"] = reply_to
-    if "meta" in body:
-        out["meta"] = body["meta"]
+    for key, (start, end) in _top_level_spans(payload, max_buffer).items():
+        bound = _PEEK_BOUNDS[key]
+        if bound is None:  # meta
+            bound = limits.max_meta_bytes
+            if end - start <= bound:
+                meta_limits = Limits(
+                    max_payload_bytes=bound,
+                    max_seqs=limits.max_seqs,
+                    max_tokens=limits.max_tokens,
+                    max_meta_bytes=bound,
+                )
+                with contextlib.suppress(ProtocolError):
+                    out["meta"] = _unpack(view[start:end], meta_limits)
+            continue
+        if end - start > bound:
+            continue
+        value = _unpack_scalar(view[start:end], bound)
+        if key == "v":
+            if isinstance(value, int) and not isinstance(value, bool):
+                out["v"] = value
+        elif isinstance(value, str) and 0 < len(value) <= (
+            MAX_ID_CHARS if key == "id" else MAX_KEY_CHARS
+        ):
+            out[key] = value
     return out
 
 
@@ -378,7 +504,12 @@ def decode_job(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> Job:
         if isinstance(raw_tokens, list):
             n = len(raw_tokens)
         if n is None:
-            raise ProtocolError(f"seqs[{i}].tokens must be int32 bin or an array of ints", raw=raw)
+            hint = ""
+            if isinstance(raw_tokens, str):
+                hint = " (got str: pack bytes as bin, e.g. use_bin_type=True)"
+            raise ProtocolError(
+                f"seqs[{i}].tokens must be int32 bin or an array of ints{hint}", raw=raw
+            )
         total += n
         if total > limits.max_tokens:
             raise ProtocolError(f"job has more than {limits.max_tokens} tokens", raw=raw)
