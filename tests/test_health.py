@@ -1,4 +1,5 @@
-"""HealthState logic and the HTTP endpoint (/metrics, /healthz, /readyz) on a free port."""
+"""HealthState logic, the gauges bound to it, and the HTTP endpoint (/metrics, /healthz, /readyz,
+/startupz) on a free port."""
 
 from __future__ import annotations
 
@@ -74,6 +75,58 @@ def test_liveness_fails_when_a_heartbeat_stalls_and_recovers_on_beat() -> None:
     assert s.liveness()[0] is True
 
 
+def test_startup_only_needs_the_model() -> None:
+    s = HealthState()
+    assert s.startup() == (False, {"model_ready": False})
+    s.model_ready = True
+    assert s.startup() == (True, {"model_ready": True})
+    s.draining = True  # neither draining nor Redis matter once started up
+    assert s.startup()[0] is True
+
+
+def test_bound_ready_gauge_follows_readiness_when_redis_flips() -> None:
+    metrics = WorkerMetrics(CollectorRegistry())
+    state = HealthState()
+    metrics.bind_health(state)
+
+    def ready() -> float | None:
+        return metrics.registry.get_sample_value("scoring_worker_ready")
+
+    def loaded() -> float | None:
+        return metrics.registry.get_sample_value("scoring_model_loaded")
+
+    assert (ready(), loaded()) == (0.0, 0.0)  # loading the model
+    state.model_ready = True
+    assert (ready(), loaded()) == (0.0, 1.0)  # loaded, not serving yet
+    state.started = state.redis_ok = True
+    assert ready() == 1.0
+    state.redis_ok = False  # Redis went away: no code path has to set the gauge
+    assert ready() == 0.0
+    assert loaded() == 1.0
+    state.redis_ok = True
+    assert ready() == 1.0
+    state.draining = True
+    assert ready() == 0.0
+    state.draining = False
+    # After binding, set() is accepted but ignored: the gauge keeps following the state.
+    metrics.ready.set(0)
+    metrics.model_loaded.set(0)
+    assert (ready(), loaded()) == (1.0, 1.0)
+    state.redis_ok = False
+    metrics.ready.set(1)
+    assert ready() == 0.0
+
+
+def test_bind_health_again_rebinds_to_the_new_state() -> None:
+    metrics = WorkerMetrics(CollectorRegistry())
+    old, new = HealthState(), _ready_state()
+    metrics.bind_health(old)
+    metrics.bind_health(new)
+    assert metrics.registry.get_sample_value("scoring_worker_ready") == 1.0
+    new.redis_ok = False
+    assert metrics.registry.get_sample_value("scoring_worker_ready") == 0.0
+
+
 @pytest.fixture
 def served() -> Iterator[tuple[str, HealthState, WorkerMetrics]]:
     metrics = WorkerMetrics(CollectorRegistry())
@@ -108,6 +161,39 @@ def test_http_endpoints_reflect_state(served: tuple[str, HealthState, WorkerMetr
     assert code == 200 and json.loads(body)["stalled"] == []
     assert _get(base + "/livez")[0] == 200
     assert _get(base + "/nope")[0] == 404
+
+
+@pytest.mark.timeout(20)
+def test_startupz_503_while_the_model_loads_then_200(
+    served: tuple[str, HealthState, WorkerMetrics],
+) -> None:
+    base, state, _ = served
+    code, body, ctype = _get(base + "/startupz")
+    assert code == 503 and ctype == "application/json"
+    assert json.loads(body) == {"ok": False, "model_ready": False}
+    # /healthz answers 200 meanwhile, which is why the startup probe must not use it
+    assert _get(base + "/healthz")[0] == 200
+    state.model_ready = True
+    code, body, _ = _get(base + "/startupz?probe=1")
+    assert code == 200 and json.loads(body) == {"ok": True, "model_ready": True}
+    assert _get(base + "/readyz")[0] == 503  # started up is not ready: Redis not reached yet
+    state.draining = True
+    assert _get(base + "/startupz")[0] == 200
+
+
+@pytest.mark.timeout(20)
+def test_metrics_endpoint_exports_bound_gauges(
+    served: tuple[str, HealthState, WorkerMetrics],
+) -> None:
+    base, state, metrics = served
+    metrics.bind_health(state)
+    body = _get(base + "/metrics")[1]
+    assert b"scoring_worker_ready 0.0" in body and b"scoring_model_loaded 0.0" in body
+    state.model_ready = state.started = state.redis_ok = True
+    body = _get(base + "/metrics")[1]
+    assert b"scoring_worker_ready 1.0" in body and b"scoring_model_loaded 1.0" in body
+    state.redis_ok = False
+    assert b"scoring_worker_ready 0.0" in _get(base + "/metrics")[1]
 
 
 @pytest.mark.timeout(20)

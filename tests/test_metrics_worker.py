@@ -183,3 +183,26 @@ def test_every_metric_follows_naming_conventions(m: WorkerMetrics) -> None:
         for sample in family.samples:
             for label in sample.labels:
                 assert label not in ("job_id", "id"), f"{family.name} has a high-cardinality label"
+
+
+def test_state_gauges_start_at_zero_and_model_loaded_is_exported(m: WorkerMetrics) -> None:
+    for name in ("scoring_worker_up", "scoring_worker_ready", "scoring_model_loaded",
+                 "scoring_worker_draining"):  # fmt: skip
+        assert _v(m, name) == 0.0, name
+    m.model_loaded.set(1)  # settable by hand until bind_health() ties it to a HealthState
+    assert _v(m, "scoring_model_loaded") == 1.0
+
+
+def test_bind_health_ties_ready_and_model_loaded_to_the_health_state(m: WorkerMetrics) -> None:
+    from worker.health import HealthState
+
+    state = HealthState()
+    m.ready.set(1)
+    m.bind_health(state)
+    assert _v(m, "scoring_worker_ready") == 0.0  # the state, not the value set before
+    state.model_ready = state.started = state.redis_ok = True
+    assert (_v(m, "scoring_worker_ready"), _v(m, "scoring_model_loaded")) == (1.0, 1.0)
+    state.redis_ok = False
+    assert _v(m, "scoring_worker_ready") == 0.0
+    m.ready.set(1)  # ignored after binding (prometheus-client set_function semantics)
+    assert _v(m, "scoring_worker_ready") == 0.0

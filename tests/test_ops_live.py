@@ -370,8 +370,10 @@ def test_health_during_start_and_redis_loss(
     args[args.index("--metrics-port") + 1] = str(port)
     w = _start(workers, tmp_path, args)
     seen_before_ready: set[int] = set()
+    startup_before_ready: list[int] = []
 
     def ready() -> bool:
+        startup_before_ready.append(_status(base + "/startupz"))
         code = _status(base + "/readyz")
         if code != 200:
             seen_before_ready.add(code)
@@ -383,6 +385,12 @@ def test_health_during_start_and_redis_loss(
     assert seen_before_ready and seen_before_ready <= {0, 503}
     assert "serving" in w.log()
     assert _status(base + "/healthz") == 200
+    # /startupz: refused or 503 until the model is loaded, then 200 for good (never back to 503)
+    assert set(startup_before_ready) <= {0, 503, 200}
+    first_ok = startup_before_ready.index(200) if 200 in startup_before_ready else None
+    if first_ok is not None:
+        assert set(startup_before_ready[first_ok:]) == {200}
+    assert _status(base + "/startupz") == 200
     reconnects = value(scrape(base + "/metrics"), "scoring_redis_reconnects_total")
 
     own_redis.stop()
@@ -390,6 +398,7 @@ def test_health_during_start_and_redis_loss(
     _, body = _get(base + "/readyz")
     assert json.loads(body)["redis_ok"] is False
     assert _status(base + "/healthz") == 200  # alive: restarting the pod would not help
+    assert _status(base + "/startupz") == 200  # started up: the startup probe is done for good
     fams = scrape(base + "/metrics")
     assert value(fams, "scoring_redis_reconnects_total") > reconnects  # type: ignore[operator]
 

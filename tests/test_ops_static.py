@@ -126,6 +126,16 @@ def test_dashboard_variables_use_exported_names_and_labels() -> None:
         assert label in catalog[metric][1] | {"instance", "job"}, (var["name"], label)
 
 
+def test_dashboard_variables_come_from_the_stream_length() -> None:
+    """scoring_stream_length is exported for every stream on every Redis version; the lag series
+    is absent where Redis cannot tell the lag (< 7), which would empty the variables."""
+    d = {v["name"]: v for v in dashboard()["templating"]["list"]}
+    for name in ("queue", "stream"):
+        query = d[name]["query"]["query"]
+        assert query.startswith("label_values(scoring_stream_length"), (name, query)
+        assert d[name]["definition"] == query
+
+
 def test_dashboard_stream_variable_matches_partitioned_and_plain_streams() -> None:
     """The queue variable's regex extracts the logical queue from every partition's stream key,
     and the stream variable's selector (with one queue chosen) matches exactly its partitions."""
@@ -152,7 +162,7 @@ def test_dashboard_covers_what_operators_need() -> None:
         "scoring_last_batch_peak_reserved_bytes", "scoring_device_memory_total_bytes",
         "scoring_attention_fallbacks_total", "scoring_kv_outputs_rejected_total",
         "scoring_dead_lettered_total", "scoring_oom_splits_total", "scoring_worker_up",
-        "scoring_build_info",
+        "scoring_model_loaded", "scoring_build_info",
     }  # fmt: skip
     assert needed <= used, sorted(needed - used)
 
@@ -170,6 +180,49 @@ def test_alert_rules_cover_the_failure_modes() -> None:
         "ScoringWorkerDown", "ScoringQueueLagGrowing", "ScoringErrorRate", "ScoringDeadLetters",
         "ScoringKVOutputsRejected", "ScoringAttentionFallbackRate", "ScoringMemoryNearDeviceLimit",
     } <= names  # fmt: skip
+
+
+def _rule(name: str) -> dict[str, Any]:
+    (rule,) = [r for r in alert_rules() if r["alert"] == name]
+    return rule
+
+
+def _up_matchers(expr: str) -> list[tuple[str, str]]:
+    """(label, regex) of every ``up{label=~"regex"}`` selector in ``expr``."""
+    return re.findall(r'up\{(\w+)=~"([^"]*)"\}', expr)
+
+
+def test_worker_down_alert_matches_every_scrape_set_up_in_ops() -> None:
+    """ScoringWorkerDown finds the workers' `up` series whatever scrapes them: the compose job,
+    the PodMonitor (its jobLabel, or the Operator's default job), and annotation-based scraping
+    (job="kubernetes-pods", which sets `pod`)."""
+    matchers = _up_matchers(_rule("ScoringWorkerDown")["expr"])
+    assert {label for label, _ in matchers} == {"job", "pod"}
+
+    def matched(series: dict[str, str]) -> bool:
+        return any(
+            label in series and re.fullmatch(regex, series[label]) for label, regex in matchers
+        )
+
+    prom = yaml.safe_load((OPS / "prometheus/prometheus.yml").read_text())
+    (job,) = [j["job_name"] for j in prom["scrape_configs"] if j.get("dns_sd_configs")]
+    assert matched({"job": job})
+    (pm,) = _k8s("PodMonitor")
+    dep = _deployment()
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert matched({"job": pod_labels[pm["spec"]["jobLabel"]]})
+    assert matched({"job": f"ml/{pm['metadata']['name']}"})  # the Operator's default job
+    pod = f"{dep['metadata']['name']}-7d9f8c6b5-x2x4q"  # ReplicaSet hash, pod suffix
+    assert matched({"job": "kubernetes-pods", "pod": pod})
+    assert not matched({"job": "kubernetes-pods", "pod": "redis-master-0"})
+    assert not matched({"job": "prometheus"})
+
+
+def test_loop_stopped_alert_ignores_model_loading_and_draining() -> None:
+    refs = promql_refs(_rule("ScoringWorkerLoopStopped")["expr"])
+    assert {"scoring_worker_up", "scoring_model_loaded", "scoring_worker_draining"} <= set(
+        refs.metrics
+    )
 
 
 def test_keda_prometheus_query_uses_exported_names() -> None:
@@ -347,6 +400,11 @@ def test_deployment_gpu_probes_grace_and_consumer_name() -> None:
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    # /healthz answers 200 while the model loads: the startup probe needs /startupz to bound it
+    startup = c["startupProbe"]
+    assert startup["httpGet"]["path"] == "/startupz"
+    budget_s = startup["failureThreshold"] * startup["periodSeconds"]
+    assert 15 * 60 <= budget_s <= 60 * 60, f"model load budget {budget_s} s"
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert c[probe]["httpGet"]["port"] in ports
     env = _container_env(c)
@@ -359,6 +417,40 @@ def test_deployment_gpu_probes_grace_and_consumer_name() -> None:
     assert annotations["prometheus.io/scrape"] == "true"
     assert int(annotations["prometheus.io/port"]) == ports["metrics"]
     assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+@pytest.mark.timeout(30)
+def test_deployment_probe_paths_are_served_by_the_worker() -> None:
+    """Every probe path of the Deployment (and the Dockerfile's check URL) is a path the worker's
+    HealthServer answers: 503 while the model loads where that matters, never 404."""
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry
+
+    from worker.health import HealthServer, HealthState
+
+    (c,) = _deployment()["spec"]["template"]["spec"]["containers"]
+    paths = {
+        p: c[p]["httpGet"]["path"] for p in ("startupProbe", "livenessProbe", "readinessProbe")
+    }
+    state = HealthState()
+    server = HealthServer(CollectorRegistry(), state, port=0).start()
+
+    def code(path: str) -> int:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.port}{path}", timeout=5) as r:
+                return int(r.status)
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    try:
+        loading = {probe: code(path) for probe, path in paths.items()}
+        assert loading == {"startupProbe": 503, "livenessProbe": 200, "readinessProbe": 503}
+        state.model_ready = state.started = state.redis_ok = True
+        assert {probe: code(path) for probe, path in paths.items()} == dict.fromkeys(paths, 200)
+    finally:
+        server.stop()
 
 
 def test_deployment_env_names_are_serve_flags() -> None:
@@ -387,6 +479,46 @@ def test_secret_refs_line_up() -> None:
         assert ref["parameter"] == "password"
 
 
+def _lag_and_pending_by_stream(
+    triggers: list[dict[str, Any]],
+) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """stream -> (its lagCount trigger, its pendingEntriesCount trigger); exactly one of each."""
+    lag: dict[str, dict[str, Any]] = {}
+    pending: dict[str, dict[str, Any]] = {}
+    for t in triggers:
+        meta = t["metadata"]
+        # KEDA's redis(-cluster)-streams scaler: with consumerGroup set, lagCount wins over
+        # pendingEntriesCount, so one trigger cannot measure both.
+        if "lagCount" in meta:
+            assert "pendingEntriesCount" not in meta, meta
+            assert meta["stream"] not in lag, f"two lag triggers on {meta['stream']}"
+            lag[meta["stream"]] = t
+        else:
+            assert "pendingEntriesCount" in meta, meta
+            assert meta["stream"] not in pending, f"two pending triggers on {meta['stream']}"
+            pending[meta["stream"]] = t
+    assert list(lag) == list(pending), "every lag trigger needs a pending trigger on its stream"
+    return {stream: (lag[stream], pending[stream]) for stream in lag}
+
+
+def _check_lag_and_pending_pair(lag: dict[str, Any], pending: dict[str, Any]) -> None:
+    from worker.config import WorkerConfig
+
+    lm, pm = lag["metadata"], pending["metadata"]
+    assert lag["type"] == pending["type"]
+    assert lm["consumerGroup"] == pm["consumerGroup"] == keys.DEFAULT_GROUP
+    assert int(lm["lagCount"]) > 0
+    assert int(lm["activationLagCount"]) >= 0
+    # A pending trigger is what keeps pods holding prefetched entries: its target is one full
+    # prefetch, so it never asks for more pods than it takes to hold what is pending.
+    read_count = WorkerConfig(streams=("s",)).read_count
+    assert int(pm["pendingEntriesCount"]) == read_count
+    lag_conn = {k: v for k, v in lm.items() if k not in ("lagCount", "activationLagCount")}
+    pending_conn = {k: v for k, v in pm.items() if k != "pendingEntriesCount"}
+    assert lag_conn == pending_conn  # same server, stream and group
+    assert lag["authenticationRef"] == pending["authenticationRef"]
+
+
 def test_keda_redis_triggers_cover_every_partition() -> None:
     dep = _deployment()
     (c,) = dep["spec"]["template"]["spec"]["containers"]
@@ -397,16 +529,27 @@ def test_keda_redis_triggers_cover_every_partition() -> None:
     assert so["spec"]["scaleTargetRef"]["name"] == dep["metadata"]["name"]
     assert so["spec"]["minReplicaCount"] == 0  # lagCount is the trigger that wakes from zero
     triggers = so["spec"]["triggers"]
-    assert [t["metadata"]["stream"] for t in triggers] == expected
-    for t in triggers:
-        assert t["type"] == "redis-streams"
-        assert t["metadata"]["consumerGroup"] == keys.DEFAULT_GROUP
-        assert int(t["metadata"]["lagCount"]) > 0
-        assert int(t["metadata"]["activationLagCount"]) >= 0
-        assert t["authenticationRef"]["name"] == auth["metadata"]["name"]
+    pairs = _lag_and_pending_by_stream(triggers)
+    assert list(pairs) == expected
+    for lag, pending in pairs.values():
+        assert lag["type"] == "redis-streams"
+        _check_lag_and_pending_pair(lag, pending)
+        assert lag["authenticationRef"]["name"] == auth["metadata"]["name"]
     (alt,) = _k8s("ScaledObject", "keda-scaledobject-prometheus.yaml")
     assert alt["spec"]["scaleTargetRef"]["name"] == dep["metadata"]["name"]
     assert alt["spec"]["minReplicaCount"] >= 1  # worker gauges cannot wake a fleet from zero
+
+
+def test_keda_prometheus_query_counts_pending_and_survives_a_missing_lag_series() -> None:
+    """Pending entries are in the sum, and each side falls back to 0 on its own: on Redis < 7
+    the worker exports no lag series, which must not blank the whole query."""
+    (so,) = _k8s("ScaledObject", "keda-scaledobject-prometheus.yaml")
+    (trigger,) = so["spec"]["triggers"]
+    query = trigger["metadata"]["query"]
+    assert "scoring_stream_pending" in promql_refs(query).metrics
+    for metric in ("scoring_stream_lag", "scoring_stream_pending"):
+        pattern = rf"\(sum\(max by \(stream\) \({metric}\{{.*?\}}\)\) or vector\(0\)\)"
+        assert re.search(pattern, query), f"{metric} side lacks `or vector(0)`: {query}"
 
 
 def test_podmonitor_selects_the_worker_pods_and_port() -> None:
@@ -473,7 +616,8 @@ def test_promtool_install_hint_is_exact() -> None:
 
 
 def test_keda_cluster_triggers_cover_every_partition() -> None:
-    """The Redis Cluster variant: one redis-cluster-streams trigger per partition stream."""
+    """The Redis Cluster variant: a lag and a pending redis-cluster-streams trigger per partition
+    stream."""
     dep = _deployment()
     (c,) = dep["spec"]["template"]["spec"]["containers"]
     env = _container_env(c)
@@ -482,13 +626,13 @@ def test_keda_cluster_triggers_cover_every_partition() -> None:
     (so,) = _k8s("ScaledObject", "keda-scaledobject-cluster.yaml")
     assert so["spec"]["scaleTargetRef"]["name"] == dep["metadata"]["name"]
     assert so["spec"]["minReplicaCount"] == 0
-    triggers = so["spec"]["triggers"]
-    assert [t["metadata"]["stream"] for t in triggers] == expected
+    pairs = _lag_and_pending_by_stream(so["spec"]["triggers"])
+    assert list(pairs) == expected
     slots = set()
-    for t in triggers:
-        assert t["type"] == "redis-cluster-streams"
-        assert t["metadata"]["consumerGroup"] == keys.DEFAULT_GROUP
-        assert all(":" in a for a in t["metadata"]["addresses"].split(","))
-        assert t["authenticationRef"]["name"] == auth["metadata"]["name"]
-        slots.add(keys.hash_tag(t["metadata"]["stream"]))
-    assert len(slots) == len(triggers)  # each partition in its own hash tag
+    for stream, (lag, pending) in pairs.items():
+        assert lag["type"] == "redis-cluster-streams"
+        _check_lag_and_pending_pair(lag, pending)
+        assert all(":" in a for a in lag["metadata"]["addresses"].split(","))
+        assert lag["authenticationRef"]["name"] == auth["metadata"]["name"]
+        slots.add(keys.hash_tag(stream))
+    assert len(slots) == len(pairs)  # each partition in its own hash tag

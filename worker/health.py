@@ -1,7 +1,10 @@
-"""Liveness/readiness state and the HTTP endpoint (``/metrics``, ``/healthz``, ``/readyz``).
+"""Liveness/readiness state and the HTTP endpoint (``/metrics``, ``/healthz``, ``/readyz``,
+``/startupz``).
 
-``/healthz`` answers 200 while the consumer loop and the lease thread have made progress
-recently (a wedged loop makes the orchestrator restart the pod); ``/readyz`` answers 200 while the
+The endpoint opens before the model loads. ``/startupz`` answers 503 until the model is loaded and
+200 from then on (a startup probe on it gives a hung load a deadline); ``/healthz`` answers 200
+while the consumer loop and the lease thread have made progress recently (a wedged loop makes the
+orchestrator restart the pod), and always while the model loads; ``/readyz`` answers 200 while the
 model is loaded and warmed, Redis is reachable and the worker is not draining.
 """
 
@@ -20,7 +23,11 @@ log = logging.getLogger(__name__)
 
 
 class HealthState:
-    """Thread-safe flags and heartbeats read by ``/healthz`` and ``/readyz``."""
+    """Thread-safe flags and heartbeats read by ``/healthz``, ``/readyz`` and ``/startupz``.
+
+    ``WorkerMetrics.bind_health`` derives the ``scoring_worker_ready`` and
+    ``scoring_model_loaded`` gauges from the same flags, so the metrics and the probes agree.
+    """
 
     def __init__(self, *, stall_after_s: float = 120.0, clock: Any = time.monotonic) -> None:
         self.stall_after_s = stall_after_s
@@ -51,6 +58,13 @@ class HealthState:
         stalled = [k for k, age in ages.items() if self.started and age > self.stall_after_s]
         return not stalled, {"heartbeat_age_s": ages, "stalled": stalled}
 
+    def startup(self) -> tuple[bool, dict[str, Any]]:
+        """(started up, details): true once the model is loaded, and from then on.
+
+        Redis and draining do not matter here: a startup probe only bounds the model load.
+        """
+        return bool(self.model_ready), {"model_ready": self.model_ready}
+
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """(ready, details): model loaded, Redis reachable, started and not draining."""
         details = {
@@ -75,6 +89,9 @@ def _handler(registry: CollectorRegistry, state: HealthState) -> type[BaseHTTPRe
                 self._send_json(200 if ok else 503, {"ok": ok, **details})
             elif path == "/readyz":
                 ok, details = state.readiness()
+                self._send_json(200 if ok else 503, {"ok": ok, **details})
+            elif path == "/startupz":
+                ok, details = state.startup()
                 self._send_json(200 if ok else 503, {"ok": ok, **details})
             else:
                 self._send(404, b"not found\n", "text/plain")

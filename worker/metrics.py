@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import platform
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+if TYPE_CHECKING:
+    from worker.health import HealthState
 
 # Buckets sized for GPU batches: milliseconds to minutes.
 SECONDS_BUCKETS = (
@@ -214,7 +217,13 @@ class WorkerMetrics:
         )
         # --- state and build info
         self.up = Gauge("scoring_worker_up", "1 while the worker loop runs.", registry=r)
+        # ready and model_loaded follow the HealthState once bind_health() has been called.
         self.ready = Gauge("scoring_worker_ready", "1 while /readyz answers 200.", registry=r)
+        self.model_loaded = Gauge(
+            "scoring_model_loaded",
+            "1 once the model is loaded (/startupz answers 200); 0 while it loads.",
+            registry=r,
+        )
         self.draining = Gauge(
             "scoring_worker_draining", "1 while draining after SIGTERM.", registry=r
         )
@@ -226,6 +235,31 @@ class WorkerMetrics:
         self.build = Info(
             "scoring_build", "Version, model, dtype, device and library versions.", registry=r
         )
+
+    # ----------------------------------------------------------------- health binding
+    def bind_health(self, health: HealthState) -> None:
+        """Derive ``scoring_worker_ready`` and ``scoring_model_loaded`` from ``health`` per scrape.
+
+        ``scoring_worker_ready`` is then ``health.readiness()[0]`` (exactly what ``/readyz``
+        answers: it drops to 0 while Redis is unreachable, draining, or before the model is
+        loaded) and ``scoring_model_loaded`` is ``health.model_ready`` (what ``/startupz``
+        answers), with no code path having to remember to set them.
+
+        Uses prometheus-client's ``Gauge.set_function``: after binding, the gauges' ``set``,
+        ``inc`` and ``dec`` still run without error but no longer change what is exported (the
+        exported sample comes from the function only). So a leftover ``metrics.ready.set(0)`` is
+        harmless, but it is dead code: change ``health`` instead. Calling this again rebinds the
+        gauges to the new ``health``.
+        """
+
+        def ready() -> float:
+            return float(health.readiness()[0])
+
+        def model_loaded() -> float:
+            return float(bool(health.model_ready))
+
+        self.ready.set_function(ready)
+        self.model_loaded.set_function(model_loaded)
 
     # ----------------------------------------------------------------- recording helpers
     def set_build_info(self, info: Mapping[str, Any]) -> None:
