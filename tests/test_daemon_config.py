@@ -9,6 +9,7 @@ import pytest
 from worker.commands import serve
 from worker.config import WorkerConfig
 from worker.errors import ConfigError
+from worker.protocol import DEFAULT_LIMITS, Limits
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -40,6 +41,30 @@ def test_streams_from_queue_partitions_or_explicit(monkeypatch: pytest.MonkeyPat
     assert limits.max_seqs == 3
 
 
+def test_limit_flags_env_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("MAX_PAYLOAD_BYTES", "MAX_SEQS_PER_JOB", "MAX_TOKENS_PER_JOB", "MAX_META_BYTES"):
+        monkeypatch.delenv(f"SCORING_{name}", raising=False)
+    assert serve.worker_config(_parse([])).limits == DEFAULT_LIMITS
+    monkeypatch.setenv("SCORING_MAX_PAYLOAD_BYTES", "1048576")
+    monkeypatch.setenv("SCORING_MAX_META_BYTES", "1024")
+    monkeypatch.setenv("SCORING_MAX_TOKENS_PER_JOB", "5000")
+    limits = serve.worker_config(_parse(["--max-seqs-per-job", "7"])).limits
+    assert limits == Limits(
+        max_payload_bytes=1048576, max_seqs=7, max_tokens=5000, max_meta_bytes=1024
+    )
+    limits = serve.worker_config(_parse(["--max-payload-bytes", "4096"])).limits
+    assert limits.max_payload_bytes == 4096  # the flag wins over the environment
+
+
+@pytest.mark.parametrize(
+    "flag",
+    ["--max-payload-bytes", "--max-seqs-per-job", "--max-tokens-per-job", "--max-meta-bytes"],
+)
+def test_limit_flags_must_be_positive(flag: str) -> None:
+    with pytest.raises(ConfigError, match=flag):
+        serve.worker_config(_parse([flag, "0"]))
+
+
 def test_executor_scorer_needs_a_model() -> None:
     with pytest.raises(ConfigError, match="reference-model"):
         serve.build_scorer(_parse(["--scorer", "executor"]))
@@ -69,3 +94,14 @@ def test_lease_interval_is_a_third_of_claim_idle() -> None:
     cfg = WorkerConfig(streams=("s",), claim_idle_ms=3000)
     assert cfg.lease_interval_s == pytest.approx(1.0)
     assert cfg.reclaim_every_s == pytest.approx(1.5)
+
+
+def test_isolation_and_consumer_cleanup_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = serve.worker_config(_parse(["--stream", "scoring:{q}:jobs"]))
+    assert cfg.isolate_after_deliveries == 2 and cfg.forget_consumer
+    monkeypatch.setenv("SCORING_ISOLATE_AFTER_DELIVERIES", "3")
+    monkeypatch.setenv("SCORING_KEEP_CONSUMER", "1")
+    cfg = serve.worker_config(_parse(["--stream", "scoring:{q}:jobs"]))
+    assert cfg.isolate_after_deliveries == 3 and not cfg.forget_consumer
+    with pytest.raises(ConfigError, match="isolate_after_deliveries"):
+        WorkerConfig(streams=("s",), isolate_after_deliveries=0)

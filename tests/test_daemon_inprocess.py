@@ -36,7 +36,8 @@ class ScriptedScorer(NoopScorer):
         if POISON in flat:
             raise RuntimeError("poisoned batch")
         if 14 in flat:
-            raise KVCacheRejected("model returned past_key_values")
+            raise KVCacheRejected("model returned past_key_values", kv_output_tensors=4,
+                                  kv_output_bytes=4096)  # fmt: skip
         out = super().score(seqs, mode=mode, temperature=temperature)
         for i, s in enumerate(seqs):
             if len(s.tokens) == 9:
@@ -101,6 +102,7 @@ def test_kv_rejection_and_per_sequence_errors(
     assert results["fine"].ok
     reg = worker.metrics.registry
     assert reg.get_sample_value("scoring_kv_outputs_rejected_total") == 1
+    assert reg.get_sample_value("scoring_kv_output_bytes_total") == 4096  # the rejected bytes
 
 
 @pytest.mark.timeout(30)

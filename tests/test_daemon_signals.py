@@ -26,7 +26,7 @@ def test_sigterm_while_main_thread_holds_a_metric_lock_drains() -> None:
     old_fd = signal.set_wakeup_fd(-1)
     try:
         worker.install_signal_handlers()
-        lock = worker.metrics.ready._value._lock  # what request_stop() takes via ready.set(0)
+        lock = worker.metrics.draining._value._lock  # request_stop() takes it (draining.set)
         with lock:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.3)  # the Python-level handler runs here, on this thread, lock held
@@ -34,10 +34,10 @@ def test_sigterm_while_main_thread_holds_a_metric_lock_drains() -> None:
         while not worker.health.draining and time.monotonic() < deadline:
             time.sleep(0.02)
         assert worker.health.draining
-        assert worker.metrics.registry.get_sample_value("scoring_worker_draining") == 1
-        while worker.metrics.registry.get_sample_value("scoring_worker_ready") != 0:
-            assert time.monotonic() < deadline
+        while worker.metrics.registry.get_sample_value("scoring_worker_draining") != 1:
+            assert time.monotonic() < deadline  # the watcher took the lock once it was free
             time.sleep(0.02)
+        assert worker.metrics.registry.get_sample_value("scoring_worker_ready") == 0
     finally:
         signal.set_wakeup_fd(old_fd)
         for sig, handler in previous.items():

@@ -42,7 +42,7 @@ def test_cache_output_is_rejected_and_counted() -> None:
     err = info.value
     assert err.code == "internal"
     assert err.kv_output_tensors == 4  # type: ignore[attr-defined]  # 2 layers x (k, v)
-    assert err.kv_output_bytes == 4 * 1 * 2 * 13 * 8 * 4  # type: ignore[attr-defined]
+    assert err.kv_output_bytes == 4 * 1 * 2 * 13 * 8 * 4
 
 
 def test_cache_output_warn_and_drop(caplog: pytest.LogCaptureFixture) -> None:

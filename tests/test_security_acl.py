@@ -34,7 +34,7 @@ WORKER_ACL = (
     "resetkeys ~scoring:* resetchannels -@all "
     "+ping +hello +client|setname +client|setinfo +info +eval "
     "+xreadgroup +xautoclaim +xclaim +xpending +xrange +xack +xadd "
-    "+xgroup|create +xinfo|groups +xinfo|consumers +xlen"
+    "+xgroup|create +xgroup|delconsumer +xinfo|groups +xinfo|consumers +xlen"
 )
 PRODUCER_ACL = (
     "resetkeys %W~scoring:*:jobs ~scoring:*:replies:* resetchannels -@all "

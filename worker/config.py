@@ -104,6 +104,10 @@ class WorkerConfig:
     claim_idle_ms: int = 30000
     reclaim_interval_ms: int | None = None  # default: claim_idle_ms / 2
     max_deliveries: int = 5
+    # an entry delivered more often than this runs in a batch of its own (poison isolation)
+    isolate_after_deliveries: int = 2
+    # delete this consumer from its groups on a clean stop when it holds nothing
+    forget_consumer: bool = True
     dead_letter_stream: str | None = None
     drain_timeout_s: float = 60.0
     batch_timeout_s: float = 1800.0  # /healthz fails once one batch computes longer than this
@@ -121,7 +125,13 @@ class WorkerConfig:
             raise ConfigError("a worker needs at least one stream")
         if not self.group or not self.consumer:
             raise ConfigError("group and consumer must be non-empty")
-        for name in ("max_batch_tokens", "read_count", "claim_idle_ms", "max_deliveries"):
+        for name in (
+            "max_batch_tokens",
+            "read_count",
+            "claim_idle_ms",
+            "max_deliveries",
+            "isolate_after_deliveries",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("max_wait_ms", "block_ms", "result_maxlen", "dead_letter_maxlen"):

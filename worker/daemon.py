@@ -9,6 +9,7 @@ Commands on the wire live in ``worker.streams``; this module is the logic around
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -85,6 +86,7 @@ class Worker:
         self.scorer = scorer
         self.metrics = metrics or WorkerMetrics()
         self.health = health or HealthState()
+        self.metrics.bind_health(self.health)  # ready/model_loaded read health at scrape
         self._factory = client_factory or (lambda: connect(redis_settings))
         self.client: Any = None
         self.in_flight = InFlight()
@@ -99,6 +101,7 @@ class Worker:
         self._rotation = 0
         self._use_autoclaim = True
         self._last_reclaim = 0.0
+        self._suspects_waiting = False
         self._last_stats = 0.0
         self._redis_failures = 0
         self.jobs_done = 0
@@ -114,7 +117,6 @@ class Worker:
         self._stop.set()
         self.health.draining = True
         self.metrics.draining.set(1)
-        self.metrics.ready.set(0)
         with self._drain_lock:
             if self._drain_deadline is None:
                 self._drain_deadline = time.monotonic() + self.config.drain_timeout_s
@@ -216,7 +218,6 @@ class Worker:
             busy=self.busy,
         ).start()  # fmt: skip
         self.health.started = True
-        self.metrics.ready.set(1)
         log.info(
             "worker %s serving %s (group %s) on %s",
             cfg.consumer, ",".join(cfg.streams), cfg.group, self.redis_settings.redacted_url,
@@ -230,8 +231,13 @@ class Worker:
                         break
                     self._redis_ok()
                 except _REDIS_DOWN as exc:
+                    self._release_orphans()
                     self._redis_down(exc)
                 except Exception as exc:  # the one broad except: log, count, keep serving
+                    self._release_orphans()
+                    if streams.is_transient(exc):  # OOM, READONLY after a failover, ...
+                        self._redis_down(exc)
+                        continue
                     if streams.is_nogroup(exc):
                         log.warning("group or stream gone (%s); recreating", exc)
                         self._ensure_groups()
@@ -239,11 +245,12 @@ class Worker:
                     log.exception("worker loop error")
                     self.metrics.loop_errors.labels(where="loop").inc()
                     time.sleep(0.1)
+            self._forget_consumer()
         finally:
             leases.stop()
             self.metrics.up.set(0)
             self.metrics.in_flight.set(0)
-            self.metrics.ready.set(0)
+            self.health.started = False
         log.info("worker %s stopped after %d jobs", cfg.consumer, self.jobs_done)
         return 0
 
@@ -261,6 +268,35 @@ class Worker:
         except _REDIS_DOWN as exc:
             self._redis_down(exc)
             return False
+
+    def _release_orphans(self) -> None:
+        """After a step failed part-way, stop renewing entries whose outcome was lost with it
+        (held, but neither in the backlog nor written): their leases lapse and they are
+        reclaimed after ``claim_idle_ms``, by this worker or another. Without this they would
+        be renewed forever and never answered."""
+        keep = {(p.entry.stream, p.entry.id) for p in self.backlog}
+        released = 0
+        for stream, ids in self.in_flight.snapshot().items():
+            for entry_id in ids:
+                if (stream, entry_id) not in keep:
+                    self.in_flight.discard(stream, entry_id)
+                    released += 1
+        if released:
+            log.warning("released %d held entries after a failed step; they will be reclaimed",
+                        released)  # fmt: skip
+
+    def _forget_consumer(self) -> None:
+        """On a clean stop, delete this consumer from its groups where it holds nothing, so
+        replaced pods do not pile up as dead consumers (``XGROUP DELCONSUMER``)."""
+        if not self.config.forget_consumer or self.client is None:
+            return
+        for stream in self.config.streams:
+            try:
+                if streams.forget_consumer(self.client, stream, self.config.group,
+                                           self.config.consumer):  # fmt: skip
+                    log.info("left group %s on %s", self.config.group, stream)
+            except redis.RedisError as exc:
+                log.warning("could not leave group %s on %s: %s", self.config.group, stream, exc)
 
     def _ensure_groups(self) -> None:
         for stream in self.config.streams:
@@ -297,7 +333,10 @@ class Worker:
         outbox = Outbox()
         got = 0
         if not self._stop.is_set():
-            if now - self._last_reclaim >= cfg.reclaim_every_s:
+            # Suspects (entries whose batch never finished) are taken one by one: the next
+            # as soon as the previous one is done, not a reclaim interval later.
+            suspects_next = self._suspects_waiting and not self._suspect_held()
+            if suspects_next or now - self._last_reclaim >= cfg.reclaim_every_s:
                 self._last_reclaim = now
                 got += self._prepare(self._reclaim(), outbox)
             block = 0 if (self.backlog or got) else cfg.block_ms
@@ -347,15 +386,25 @@ class Worker:
             self.in_flight.add(e.stream, e.id)
         return entries
 
+    def _suspect_held(self) -> bool:
+        limit = self.config.isolate_after_deliveries
+        return any(p.entry.deliveries > limit for p in self.backlog)
+
     def _reclaim(self) -> list[streams.Entry]:
         held = self.in_flight.snapshot()
         out: list[streams.Entry] = []
+        waiting: list[str] = []
+        take_suspect = not self._suspect_held()
         for stream in self.config.streams:
             claimed, deleted = streams.reclaim_idle(
                 self.client, stream, self.config.group, self.config.consumer,
                 min_idle_ms=self.config.claim_idle_ms, count=self.config.read_count,
                 use_autoclaim=self._use_autoclaim,
+                isolate_after=self.config.isolate_after_deliveries, take_suspect=take_suspect,
+                waiting=waiting,
             )  # fmt: skip
+            if any(e.deliveries > self.config.isolate_after_deliveries for e in claimed):
+                take_suspect = False  # one suspect at a time, over all partitions
             if deleted:
                 log.warning("%d pending entries of %s were deleted before reclaim", len(deleted),
                             stream)  # fmt: skip
@@ -368,6 +417,7 @@ class Worker:
         if out:
             self.metrics.reclaimed.inc(len(out))
             log.info("reclaimed %d idle entries", len(out))
+        self._suspects_waiting = bool(waiting)
         return out
 
     def _drained(self) -> bool:
@@ -379,14 +429,25 @@ class Worker:
     def _sample_stats(self) -> None:
         m, group = self.metrics, self.config.group
         for stream in self.config.streams:
-            st = streams.stream_stats(self.client, stream, group)
+            dead = self.dead_stream_of(stream)
+            try:
+                st = streams.stream_stats(self.client, stream, group)
+                dead_len = int(self.client.xlen(dead))
+            except redis.ResponseError as exc:  # e.g. a key of the wrong type: skip, keep serving
+                if streams.is_transient(exc) or streams.is_nogroup(exc):
+                    raise
+                log.warning("stream stats of %s unavailable: %s", stream, exc)
+                m.loop_errors.labels(where="stats").inc()
+                continue
             m.stream_length.labels(stream=stream).set(st["length"])
             if st["lag"] is not None:
                 m.stream_lag.labels(stream=stream, group=group).set(st["lag"])
+            else:  # unknown (Redis < 7 after reads, or trimmed): no series beats a stale one
+                with contextlib.suppress(KeyError):
+                    m.stream_lag.remove(stream, group)
             m.stream_pending.labels(stream=stream, group=group).set(st["pending"])
             m.stream_consumers.labels(stream=stream, group=group).set(st["consumers"])
-            dead = self.dead_stream_of(stream)
-            m.dead_letter_length.labels(stream=dead).set(int(self.client.xlen(dead)))
+            m.dead_letter_length.labels(stream=dead).set(dead_len)
 
     # ----------------------------------------------------------------- decode and validate
     def _prepare(self, entries: list[streams.Entry], outbox: Outbox) -> int:
@@ -406,11 +467,21 @@ class Worker:
         """The oldest job plus following jobs of the same (mode, temperature) within budget."""
         if not self.backlog:
             return []
-        key = self.backlog[0].key
+        first = self.backlog[0]
+        if first.entry.deliveries > self.config.isolate_after_deliveries:
+            # Delivered again after its batch never finished (the worker died mid-batch): it
+            # runs alone, so a job that crashes the process cannot take batch-mates with it to
+            # the dead-letter stream.
+            self.backlog = self.backlog[1:]
+            return [first]
+        key = first.key
         batch: list[Pending] = []
         rest: list[Pending] = []
         tokens = 0
         for p in self.backlog:
+            if p.entry.deliveries > self.config.isolate_after_deliveries:
+                rest.append(p)
+                continue
             n = p.job.num_tokens
             if p.key == key and (not batch or tokens + n <= self.config.max_batch_tokens):
                 batch.append(p)

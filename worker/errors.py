@@ -75,7 +75,15 @@ class InternalError(ScoringError):
 
 
 class KVCacheRejected(InternalError):
-    """The model returned a KV cache despite ``use_cache=False``; the batch was rejected."""
+    """The model returned a KV cache despite ``use_cache=False``; the batch was rejected.
+
+    ``kv_output_tensors`` and ``kv_output_bytes`` say how much cache the model returned.
+    """
+
+    def __init__(self, message: str, *, kv_output_tensors: int = 0, kv_output_bytes: int = 0):
+        super().__init__(message)
+        self.kv_output_tensors = kv_output_tensors
+        self.kv_output_bytes = kv_output_bytes
 
 
 class AttentionBackendError(ScoringError):

@@ -663,13 +663,11 @@ class StatelessExecutor:
             run.kv_tensors += tensors
             run.kv_bytes += nbytes
             if self.config.reject_kv_cache_outputs:
-                err = KVCacheRejected(
+                raise KVCacheRejected(
                     f"model returned a KV cache despite use_cache=False "
-                    f"({tensors} tensors, {nbytes} bytes); batch rejected"
-                )
-                err.kv_output_tensors = tensors  # type: ignore[attr-defined]
-                err.kv_output_bytes = nbytes  # type: ignore[attr-defined]
-                raise err
+                    f"({tensors} tensors, {nbytes} bytes); batch rejected",
+                    kv_output_tensors=tensors, kv_output_bytes=nbytes,
+                )  # fmt: skip
             log.warning(
                 "model returned a KV cache (%d tensors, %d bytes); dropped", tensors, nbytes
             )

@@ -7,7 +7,6 @@ code, or the dead-letter stream (plus a ``dead_letter`` result when the producer
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -19,7 +18,6 @@ from worker.daemon import Outbox, Pending, job_info, load_fallbacks, seq_inputs
 from worker.errors import KVCacheRejected, ProtocolError, ScoringError
 from worker.inputs import SequenceInput
 from worker.protocol import (
-    Limits,
     Result,
     SeqResult,
     decode_job,
@@ -34,19 +32,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _peek_limits(limits: Limits) -> Limits:
-    """Limits for finding the address of a job that failed decoding: arrays may be as long as
-    the payload allows (still bounded by ``max_payload_bytes``), so an oversized job is answered."""
-    return dataclasses.replace(limits, max_tokens=max(limits.max_tokens, limits.max_payload_bytes))
-
-
 def prepare_entry(worker: Worker, entry: streams.Entry, outbox: Outbox) -> None:
     """Decode and validate one entry: a good job joins the backlog, anything else is answered."""
     cfg = worker.config
     now_s = time.time()
     if entry.enqueued_ms:
         worker.metrics.queue_wait_seconds.observe(max(now_s - entry.enqueued_ms / 1000.0, 0.0))
-    env = peek_envelope(entry.payload, _peek_limits(cfg.limits)) if entry.payload else {}
+    env = peek_envelope(entry.payload, cfg.limits) if entry.payload else {}
     job_id = env.get("id", entry.id)
     reply_to = env.get("reply_to")
     meta = env.get("meta")
@@ -96,6 +88,7 @@ def score_batch(worker: Worker, batch: list[Pending], outbox: Outbox) -> None:
         out = worker.scorer.score(seqs, mode=mode, temperature=temperature)
     except KVCacheRejected as exc:
         worker.metrics.kv_rejected.inc()
+        worker.metrics.kv_bytes.inc(exc.kv_output_bytes)
         log.error("batch of %d jobs rejected: %s", len(batch), exc)
         _fail(worker, batch, outbox, "internal", exc.message)
         return
@@ -170,7 +163,14 @@ def _fail(worker: Worker, batch: list[Pending], outbox: Outbox, code: str, messa
 
 def flush_outbox(worker: Worker, outbox: Outbox) -> None:
     """Write every result (result before ack), then every dead letter; items leave the outbox
-    as they are done so a retry after a connection error does not rewrite them."""
+    as they are done so a retry after a connection error does not rewrite them.
+
+    A write the server refuses for now (memory full, failover: :func:`streams.is_transient`)
+    stays in the outbox and :class:`streams.TransientRedisError` is raised, so the caller backs
+    off and retries as after a lost connection. A result refused for good (the reply stream is
+    not a stream) dead-letters its job. An entry that cannot even be dead-lettered is released
+    (its lease lapses) and stays pending, to be retried after ``claim_idle_ms``.
+    """
     cfg, client = worker.config, worker.client
     if outbox.results:
         deliveries = [
@@ -184,34 +184,54 @@ def flush_outbox(worker: Worker, outbox: Outbox) -> None:
         )  # fmt: skip
         failed = {(d.stream, d.entry_id): err for d, err in failures}
         taken = {(d.stream, d.entry_id) for d in superseded}
-        for entry, _reply_to, res, _read in outbox.results:
+        retry: list[Any] = []
+        for item in outbox.results:
+            entry, _reply_to, res, _read = item
             err = failed.get((entry.stream, entry.id))
             if (entry.stream, entry.id) in taken:
                 log.info("%s/%s was taken over by another consumer; its result is theirs",
                          entry.stream, entry.id)  # fmt: skip
                 worker.in_flight.discard(entry.stream, entry.id)
                 worker.metrics.superseded.inc()
+            elif err is not None and streams.is_transient(err):
+                retry.append(item)
             elif err is not None:
                 log.warning("result of %s could not be written (%s); dead-lettering", res.id, err)
                 outbox.dead.append((entry, f"reply_failed: {err}", None, None))
             else:
                 _finish(worker, entry, res.code or "ok")
-        outbox.results.clear()
+        outbox.results[:] = retry
+        if retry:
+            first = failed[(retry[0][0].stream, retry[0][0].id)]
+            raise streams.TransientRedisError(f"{len(retry)} results refused for now: {first}")
     while outbox.dead:
         entry, reason, dead_res, reply_to = outbox.dead[0]
-        if dead_res is not None and reply_to is not None:
-            try:
-                client.xadd(
-                    reply_to, {"payload": encode_result(dead_res)}, maxlen=cfg.result_maxlen,
-                    approximate=True,
-                )  # fmt: skip
-            except redis.ResponseError as exc:
-                log.warning("dead_letter result for %s not written: %s", dead_res.id, exc)
         dead = worker.dead_stream_of(entry.stream)
-        streams.dead_letter(
-            client, cfg.group, entry, dead, reason=reason, consumer=cfg.consumer,
-            maxlen=cfg.dead_letter_maxlen,
-        )  # fmt: skip
+        try:
+            done = streams.dead_letter(
+                client, cfg.group, entry, dead, reason=reason, consumer=cfg.consumer,
+                maxlen=cfg.dead_letter_maxlen, reply_to=reply_to,
+                result=encode_result(dead_res) if dead_res is not None else None,
+                result_maxlen=cfg.result_maxlen,
+            )  # fmt: skip
+        except redis.ResponseError as exc:
+            if streams.is_transient(exc):
+                raise
+            log.error("%s/%s cannot be dead-lettered to %s (%s); it stays pending",
+                      entry.stream, entry.id, dead, streams.error_text(exc))  # fmt: skip
+            worker.metrics.loop_errors.labels(where="dead_letter").inc()
+            worker.in_flight.discard(entry.stream, entry.id)
+            outbox.dead.pop(0)
+            continue
+        if done == "superseded":
+            log.info("%s/%s was taken over by another consumer; not dead-lettered",
+                     entry.stream, entry.id)  # fmt: skip
+            worker.in_flight.discard(entry.stream, entry.id)
+            worker.metrics.superseded.inc()
+            outbox.dead.pop(0)
+            continue
+        if done != "ok" and dead_res is not None:
+            log.warning("dead_letter result for %s not written: %s", dead_res.id, done[16:])
         worker.metrics.dead_lettered.labels(reason=reason.split(":", 1)[0]).inc()
         log.warning("dead-lettered %s/%s to %s: %s", entry.stream, entry.id, dead, reason)
         _finish(worker, entry, "dead_letter")

@@ -39,15 +39,109 @@ redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
 return {1, id}
 """
 
-# Dead-letter + ack in one atomic step. KEYS: dead stream, job stream.
-# ARGV: group, entry id, maxlen, then field/value pairs.
+# Dead-letter + (optional) producer's dead_letter result + ack in one atomic step.
+# KEYS: dead stream, job stream[, reply stream]. ARGV: group, entry id, maxlen, consumer,
+# result payload ('' for none), result maxlen, then field/value pairs. Like _RESULT_ACK it first
+# checks who holds the entry (another consumer took it over: nothing is done) and leaves the
+# entry pending when the dead-letter XADD fails. A failed result write is reported, not fatal.
 _DEAD_ACK = """
+if ARGV[4] ~= '' then
+  local p = redis.call('XPENDING', KEYS[2], ARGV[1], ARGV[2], ARGV[2], 1)
+  if #p > 0 and p[1][2] ~= ARGV[4] then return {2, p[1][2]} end
+end
 local args = {'XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*'}
-for i = 4, #ARGV do args[#args + 1] = ARGV[i] end
-local id = redis.call(unpack(args))
+for i = 7, #ARGV do args[#args + 1] = ARGV[i] end
+local id = redis.pcall(unpack(args))
+if type(id) == 'table' and id.err then return {0, id.err} end
+local note = ''
+if KEYS[3] and ARGV[5] ~= '' then
+  local r = redis.pcall('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'payload', ARGV[5])
+  if type(r) == 'table' and r.err then note = r.err end
+end
 redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
-return id
+return {1, note}
 """
+
+# Lease renewal: reset the idle time of the given ids this consumer still owns, atomically
+# with the ownership check. KEYS: job stream. ARGV: group, consumer, ids...
+_RENEW = """
+local out = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p > 0 and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    out[#out + 1] = ARGV[i]
+  end
+end
+return out
+"""
+
+# Forget this consumer when it holds nothing. KEYS: job stream. ARGV: group, consumer.
+_FORGET = """
+local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
+if type(p) == 'table' and p.err then return -1 end
+if #p > 0 then return 0 end
+redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+# Errors a Redis server answers while it cannot take writes for a while (memory full, a
+# replica being promoted, a script running long, a cluster resharding or failing over). A
+# write that got one is retried later, never treated as a bad reply stream.
+TRANSIENT_ERRORS = ("OOM", "READONLY", "BUSY", "TRYAGAIN", "CLUSTERDOWN", "LOADING",
+                    "MASTERDOWN", "NOREPLICAS", "MOVED", "ASK", "CONNECTION",
+                    "TIMEOUT")  # fmt: skip
+
+
+class TransientRedisError(redis.ConnectionError):
+    """A write the server refused for now (see :data:`TRANSIENT_ERRORS`); retried with backoff
+    like a lost connection."""
+
+
+_TRANSIENT_TYPES: tuple[type[BaseException], ...] = (
+    redis.ConnectionError,  # BusyLoadingError (LOADING) is one
+    redis.TimeoutError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ClusterDownError,  # MasterDownError is one
+    redis.exceptions.AskError,  # MovedError is one
+)
+
+
+_CODES: tuple[tuple[type[BaseException], str], ...] = (
+    (redis.exceptions.OutOfMemoryError, "OOM"),
+    (redis.exceptions.ReadOnlyError, "READONLY"),
+    (redis.exceptions.BusyLoadingError, "LOADING"),
+    (redis.exceptions.TryAgainError, "TRYAGAIN"),
+    (redis.exceptions.MasterDownError, "MASTERDOWN"),
+    (redis.exceptions.ClusterDownError, "CLUSTERDOWN"),
+    (redis.exceptions.MovedError, "MOVED"),
+    (redis.exceptions.AskError, "ASK"),
+    (redis.ConnectionError, "CONNECTION"),
+    (redis.TimeoutError, "TIMEOUT"),
+)
+
+
+def error_text(error: BaseException) -> str:
+    """``str(error)`` with the Redis error code put back where redis-py took it off."""
+    for cls, code in _CODES:
+        if isinstance(error, cls):
+            return f"{code} {error}"
+    return str(error)
+
+
+def is_transient(error: BaseException | str) -> bool:
+    """True when ``error`` (an exception or a Redis error string, as a script's ``pcall``
+    returns it) is one to retry later. redis-py strips the code from the messages of the errors
+    it maps to a class, hence the class check."""
+    if isinstance(error, BaseException):
+        if isinstance(error, _TRANSIENT_TYPES):
+            return True
+        if not isinstance(error, redis.ResponseError):
+            return False
+    code = str(error).lstrip("-").split(" ", 1)[0].upper()
+    return code in TRANSIENT_ERRORS
 
 
 @dataclass
@@ -251,7 +345,7 @@ def write_results(
                         consumer,
                     )
                 )
-            except redis.ResponseError as exc:
+            except (redis.ResponseError, redis.ConnectionError) as exc:
                 atomic_replies.append(exc)
     else:
         for d in atomic:
@@ -268,7 +362,7 @@ def write_results(
     to_ack = list(ack_only)
     for d, reply in zip(atomic, atomic_replies, strict=True):
         if isinstance(reply, Exception):
-            failures.append((d, str(reply)))
+            failures.append((d, error_text(reply)))
         elif int(reply[0]) == 2:
             if superseded is not None:
                 superseded.append(d)
@@ -276,7 +370,7 @@ def write_results(
             failures.append((d, _s(reply[1])))
     for d, reply in zip(split, replies, strict=True):
         if isinstance(reply, Exception):
-            failures.append((d, str(reply)))
+            failures.append((d, error_text(reply)))
         else:
             to_ack.append(d)
     ack(client, group, [(d.stream, d.entry_id) for d in to_ack])
@@ -305,9 +399,21 @@ def dead_letter(
     reason: str,
     consumer: str,
     maxlen: int,
-) -> None:
+    reply_to: str | None = None,
+    result: bytes | None = None,
+    result_maxlen: int | None = None,
+) -> str:
     """Move ``entry`` to ``dead_stream`` (fields: payload, reason, stream, id, deliveries,
-    consumer, at_ms) and ack it, atomically when the two keys share a slot."""
+    consumer, at_ms), write ``result`` (the producer's ``dead_letter`` error) to ``reply_to``
+    when given, and ack the entry.
+
+    Where the keys share a slot (always on a standalone server) this is one script: it first
+    checks that ``consumer`` still holds the entry (returns ``"superseded"`` and does nothing
+    when another consumer took it over), and it leaves the entry pending when the dead-letter
+    write fails (raising :class:`TransientRedisError` for a refusal to retry, else
+    ``redis.ResponseError``). A result that cannot be written does not stop the dead-lettering
+    (the return value then says ``"ok; result not written: ..."``). Returns ``"ok"`` otherwise.
+    """
     fields: list[Any] = [
         "payload",
         entry.payload if entry.payload is not None else b"",
@@ -324,14 +430,54 @@ def dead_letter(
         "at_ms",
         int(time.time() * 1000),
     ]
-    if not is_cluster(client) or same_slot(dead_stream, entry.stream):
-        client.eval(_DEAD_ACK, 2, dead_stream, entry.stream, group, entry.id, maxlen, *fields)
-        return
-    client.xadd(
-        dead_stream, dict(zip(fields[::2], fields[1::2], strict=True)), maxlen=maxlen,
-        approximate=True,
-    )  # fmt: skip
+    cluster = is_cluster(client)
+    with_reply = reply_to is not None and result is not None
+    if not cluster or (
+        same_slot(dead_stream, entry.stream)
+        and (not with_reply or same_slot(str(reply_to), entry.stream))
+    ):
+        keys = [dead_stream, entry.stream] + ([str(reply_to)] if with_reply else [])
+        reply = client.eval(
+            _DEAD_ACK, len(keys), *keys, group, entry.id, maxlen, consumer,
+            result if with_reply else b"", result_maxlen or maxlen, *fields,
+        )  # fmt: skip
+        code, detail = int(reply[0]), _s(reply[1])
+        if code == 2:
+            return "superseded"
+        if code == 0:
+            if is_transient(detail):
+                raise TransientRedisError(detail)
+            raise redis.ResponseError(detail)
+        return f"ok; result not written: {detail}" if detail else "ok"
+    # Keys in different Cluster slots: result, dead letter, then ack (never ack first).
+    note = "ok"
+    if with_reply:
+        try:
+            client.xadd(
+                reply_to, {PAYLOAD_FIELD: result}, maxlen=result_maxlen or maxlen,
+                approximate=True,
+            )  # fmt: skip
+        except redis.ResponseError as exc:
+            if is_transient(exc):
+                raise TransientRedisError(str(exc)) from exc
+            note = f"ok; result not written: {exc}"
+    try:
+        client.xadd(
+            dead_stream, dict(zip(fields[::2], fields[1::2], strict=True)), maxlen=maxlen,
+            approximate=True,
+        )  # fmt: skip
+    except redis.ResponseError as exc:
+        if is_transient(exc):
+            raise TransientRedisError(str(exc)) from exc
+        raise
     client.xack(entry.stream, group, entry.id)
+    return note
+
+
+def forget_consumer(client: Any, stream: str, group: str, consumer: str) -> bool:
+    """Delete ``consumer`` from ``group`` if it holds no pending entry (atomic check-and-delete),
+    so a fleet whose pods come and go does not pile up dead consumer names. True if deleted."""
+    return int(client.eval(_FORGET, 1, stream, group, consumer)) == 1
 
 
 # ----------------------------------------------------------------------------- leases and reclaim
@@ -345,15 +491,10 @@ def renew_leases(
     Returns the renewed ids."""
     if not entry_ids:
         return []
-    lo = min(entry_ids, key=_id_key)
-    hi = max(entry_ids, key=_id_key)
-    owned_rows = client.xpending_range(stream, group, lo, hi, len(entry_ids) + 1024, consumer)
-    owned = {_s(r["message_id"]) for r in owned_rows}
-    ids = [i for i in entry_ids if i in owned]
-    if not ids:
-        return []
-    claimed = client.xclaim(stream, group, consumer, 0, ids, justid=True)
-    return [_s(i) for i in claimed]
+    # One script: the ownership check and the claim cannot be split by another consumer's
+    # XAUTOCLAIM (which would otherwise be taken back from it).
+    renewed = client.eval(_RENEW, 1, stream, group, consumer, *entry_ids)
+    return [_s(i) for i in renewed or []]
 
 
 def _id_key(entry_id: str) -> tuple[int, int]:
@@ -370,14 +511,35 @@ def reclaim_idle(
     min_idle_ms: int,
     count: int,
     use_autoclaim: bool,
+    isolate_after: int | None = None,
+    take_suspect: bool = True,
+    waiting: list[str] | None = None,
 ) -> tuple[list[Entry], list[str]]:
     """Take over entries idle longer than ``min_idle_ms`` (their consumer died).
 
     Returns ``(entries, deleted_ids)``: the claimed entries with their delivery counts (already
     bumped by the claim), and ids that were pending but deleted from the stream (trimmed).
+
+    With ``isolate_after`` set, entries already delivered that many times are *suspects* (their
+    batch never finished, maybe because one of them kills the worker). Every claim bumps the
+    delivery count of everything claimed, so claiming suspects in bulk would let one poison
+    job that crashes the worker push its unattempted batch-mates to ``max_deliveries`` too.
+    Suspects are therefore claimed one at a time (none when ``take_suspect`` is false); the
+    ids of those left idle go to ``waiting``.
     """
     deleted: list[str] = []
     claimed: list[Entry] = []
+    if isolate_after is not None:
+        rows = client.xpending_range(stream, group, "-", "+", count, idle=min_idle_ms)
+        suspects = [_s(r["message_id"]) for r in rows if r["times_delivered"] >= isolate_after]
+        if suspects:
+            normal = [_s(r["message_id"]) for r in rows if r["times_delivered"] < isolate_after]
+            ids = normal + suspects[:1] if take_suspect else normal
+            if waiting is not None:
+                waiting.extend(suspects[1:] if take_suspect else suspects)
+            claimed, deleted = _claim_ids(client, stream, group, consumer, min_idle_ms, ids)
+            _set_delivery_counts(client, stream, group, claimed)
+            return claimed, deleted
     if use_autoclaim:
         start = "0-0"
         while len(claimed) < count:
@@ -394,21 +556,38 @@ def reclaim_idle(
             if start == "0-0":
                 break
     else:
-        rows = client.xpending_range(stream, group, "-", "+", count * 4)
+        # XPENDING ... IDLE (Redis >= 6.2) lists only entries idle long enough, so live
+        # workers' older entries cannot hide a dead worker's newer ones.
+        rows = client.xpending_range(stream, group, "-", "+", count, idle=min_idle_ms)
         ids = [_s(r["message_id"]) for r in rows if r["time_since_delivered"] >= min_idle_ms]
-        if ids:
-            for entry_id, fields in client.xclaim(stream, group, consumer, min_idle_ms, ids):
-                if entry_id is not None and fields is not None:
-                    claimed.append(_entry(stream, entry_id, fields))
-            got = {e.id for e in claimed}
-            deleted = [i for i in ids if i not in got and not client.xrange(stream, i, i)]
-            if deleted:
-                client.xack(stream, group, *deleted)
+        claimed, deleted = _claim_ids(client, stream, group, consumer, min_idle_ms, ids)
+    _set_delivery_counts(client, stream, group, claimed)
+    return claimed, deleted
+
+
+def _claim_ids(
+    client: Any, stream: str, group: str, consumer: str, min_idle_ms: int, ids: list[str]
+) -> tuple[list[Entry], list[str]]:
+    """``XCLAIM`` ``ids`` (still idle ``min_idle_ms``); ids deleted from the stream meanwhile
+    are acked away and returned second."""
+    claimed: list[Entry] = []
+    if not ids:
+        return claimed, []
+    for entry_id, fields in client.xclaim(stream, group, consumer, min_idle_ms, ids):
+        if entry_id is not None and fields is not None:
+            claimed.append(_entry(stream, entry_id, fields))
+    got = {e.id for e in claimed}
+    deleted = [i for i in ids if i not in got and not client.xrange(stream, i, i)]
+    if deleted:
+        client.xack(stream, group, *deleted)
+    return claimed, deleted
+
+
+def _set_delivery_counts(client: Any, stream: str, group: str, claimed: list[Entry]) -> None:
     if claimed:
         counts = delivery_counts(client, stream, group, [e.id for e in claimed])
         for e in claimed:
             e.deliveries = counts.get(e.id, e.deliveries)
-    return claimed, deleted
 
 
 def delivery_counts(

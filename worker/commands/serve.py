@@ -17,7 +17,7 @@ from typing import Any
 from worker import keys
 from worker.config import RedisSettings, WorkerConfig, env_bool, env_get
 from worker.errors import ConfigError
-from worker.protocol import Limits
+from worker.protocol import DEFAULT_LIMITS, Limits
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +140,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     b.add_argument("--max-deliveries", type=int, default=_env_int("MAX_DELIVERIES", 5))
     b.add_argument(
+        "--isolate-after-deliveries",
+        type=int,
+        default=_env_int("ISOLATE_AFTER_DELIVERIES", 2),
+        help="an entry delivered more often (its batch never finished: a job may crash the "
+        "worker) is claimed alone and runs in a batch of its own",
+    )
+    b.add_argument(
+        "--keep-consumer",
+        action="store_true",
+        default=os.environ.get("SCORING_KEEP_CONSUMER", "").lower() in ("1", "true", "yes"),
+        help="on a clean stop, keep this consumer in its groups (default: leave them when it "
+        "holds nothing, so replaced pods do not pile up as dead consumers)",
+    )
+    b.add_argument(
         "--result-maxlen",
         type=int,
         default=_env_int("RESULT_MAXLEN", 10000),
@@ -152,9 +166,31 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=_env_float("BATCH_TIMEOUT_S", 1800.0),
         help="/healthz reports the worker stalled once one batch computes longer than this",
     )
-    b.add_argument("--max-seqs-per-job", type=int, default=_env_int("MAX_SEQS_PER_JOB", 4096))
-    b.add_argument(
-        "--max-tokens-per-job", type=int, default=_env_int("MAX_TOKENS_PER_JOB", 4 * 1024 * 1024)
+    lim = parser.add_argument_group("job limits (a job breaking one gets bad_request)")
+    lim.add_argument(
+        "--max-payload-bytes",
+        type=int,
+        default=_env_int("MAX_PAYLOAD_BYTES", DEFAULT_LIMITS.max_payload_bytes),
+        help="largest job payload in bytes (default 64 MiB); bound entries in Redis too with "
+        "proto-max-bulk-len",
+    )
+    lim.add_argument(
+        "--max-seqs-per-job",
+        type=int,
+        default=_env_int("MAX_SEQS_PER_JOB", DEFAULT_LIMITS.max_seqs),
+        help="most sequences in one job (default 4096)",
+    )
+    lim.add_argument(
+        "--max-tokens-per-job",
+        type=int,
+        default=_env_int("MAX_TOKENS_PER_JOB", DEFAULT_LIMITS.max_tokens),
+        help="most tokens in one job, summed over its sequences (default 4194304)",
+    )
+    lim.add_argument(
+        "--max-meta-bytes",
+        type=int,
+        default=_env_int("MAX_META_BYTES", DEFAULT_LIMITS.max_meta_bytes),
+        help="largest packed meta, and longest str anywhere in a job, in bytes (default 65536)",
     )
     b.add_argument(
         "--burst",
@@ -204,6 +240,8 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         block_ms=args.block_ms,
         claim_idle_ms=args.claim_idle_ms,
         max_deliveries=args.max_deliveries,
+        isolate_after_deliveries=args.isolate_after_deliveries,
+        forget_consumer=not args.keep_consumer,
         dead_letter_stream=args.dead_letter_stream,
         drain_timeout_s=args.drain_timeout_s,
         batch_timeout_s=args.batch_timeout_s,
@@ -212,8 +250,33 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         max_jobs=args.max_jobs,
         metrics_host=args.metrics_host,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-        limits=Limits(max_seqs=args.max_seqs_per_job, max_tokens=args.max_tokens_per_job),
+        limits=limits_from_args(args),
     )
+
+
+#: ``Limits`` field -> the serve flag that sets it.
+LIMIT_FLAGS = {
+    "max_payload_bytes": "--max-payload-bytes",
+    "max_seqs": "--max-seqs-per-job",
+    "max_tokens": "--max-tokens-per-job",
+    "max_meta_bytes": "--max-meta-bytes",
+}
+
+
+def limits_from_args(args: argparse.Namespace) -> Limits:
+    """The decode ``Limits`` of parsed serve args (``ConfigError`` for a value <= 0)."""
+    values = {
+        "max_payload_bytes": args.max_payload_bytes,
+        "max_seqs": args.max_seqs_per_job,
+        "max_tokens": args.max_tokens_per_job,
+        "max_meta_bytes": args.max_meta_bytes,
+    }
+    for name, value in values.items():
+        if value <= 0:
+            flag = LIMIT_FLAGS[name]
+            env = "SCORING_" + flag[2:].upper().replace("-", "_")
+            raise ConfigError(f"{flag} (env {env}) must be > 0, got {value}")
+    return Limits(**values)
 
 
 def build_scorer(args: argparse.Namespace) -> Any:
