@@ -186,3 +186,37 @@ def test_a_clean_stop_leaves_the_group_when_holding_nothing(
     assert names == ({"other"} if forget else {"other", "leaver"})
     results, _ = collect(client, reply, ["j1"], timeout=5)
     assert results["j1"].ok
+
+
+@pytest.mark.timeout(60)
+def test_reply_streams_without_a_ttl_get_one(
+    redis_url: str, key_prefix: str, cleanup_keys: None
+) -> None:
+    """A result written to a reply stream nobody reads any more (its client closed and deleted
+    it; a late duplicate recreates it) must not leave a key behind forever; a TTL the client
+    keeps refreshing is left alone; ``reply_ttl_s=0`` sets none."""
+    client = redis.Redis.from_url(redis_url)
+    stream = keys.job_streams(key_prefix)[0]
+    orphan, kept, dead = (keys.reply_stream(stream, n) for n in ("orphan", "kept", "dead"))
+    client.xadd(kept, {"x": "1"})
+    client.expire(kept, 100_000)  # what a live client keeps refreshing
+    for job_id, reply in (("a", orphan), ("b", kept)):
+        enqueue(client, stream, job_id, reply, [{"tokens": [1, 2, 3], "prompt_len": 1}])
+    enqueue(client, stream, "c", dead, [{"tokens": [1, 2, 3], "prompt_len": 1}],
+            deadline_ms=1)  # fmt: skip  # an error result takes the same path
+    config = WorkerConfig(streams=(stream,), consumer="ttl", metrics_port=None, max_jobs=3,
+                          block_ms=100, reply_ttl_s=600)  # fmt: skip
+    worker = Worker(config, RedisSettings(url=redis_url), NoopScorer(),
+                    metrics=WorkerMetrics(CollectorRegistry()))  # fmt: skip
+    assert worker.run() == 0
+    assert 0 < client.ttl(orphan) <= 600
+    assert client.ttl(kept) > 600
+    assert 0 < client.ttl(dead) <= 600
+    client.delete(orphan)
+    enqueue(client, stream, "d", orphan, [{"tokens": [1, 2, 3], "prompt_len": 1}])
+    config = WorkerConfig(streams=(stream,), consumer="ttl", metrics_port=None, max_jobs=1,
+                          block_ms=100, reply_ttl_s=0)  # fmt: skip
+    worker = Worker(config, RedisSettings(url=redis_url), NoopScorer(),
+                    metrics=WorkerMetrics(CollectorRegistry()))  # fmt: skip
+    assert worker.run() == 0
+    assert client.ttl(orphan) == -1

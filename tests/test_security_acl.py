@@ -33,7 +33,7 @@ PRODUCER_PASSWORD = "prd-77a0b2-Secr3t"
 WORKER_ACL = (
     "resetkeys ~scoring:* resetchannels -@all "
     "+ping +hello +client|setname +client|setinfo +info +eval "
-    "+xreadgroup +xautoclaim +xclaim +xpending +xrange +xack +xadd "
+    "+xreadgroup +xautoclaim +xclaim +xpending +xrange +xack +xadd +ttl +expire "
     "+xgroup|create +xgroup|delconsumer +xinfo|groups +xinfo|consumers +xlen"
 )
 PRODUCER_ACL = (

@@ -112,6 +112,7 @@ class WorkerConfig:
     drain_timeout_s: float = 60.0
     batch_timeout_s: float = 1800.0  # /healthz fails once one batch computes longer than this
     result_maxlen: int = 10000
+    reply_ttl_s: int = 3600  # a reply stream without a TTL gets this one (0: none)
     dead_letter_maxlen: int = 100000
     stats_interval_s: float = 5.0
     burst: bool = False
@@ -134,7 +135,8 @@ class WorkerConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("max_wait_ms", "block_ms", "result_maxlen", "dead_letter_maxlen"):
+        for name in ("max_wait_ms", "block_ms", "result_maxlen", "dead_letter_maxlen",
+                     "reply_ttl_s"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.drain_timeout_s <= 0 or self.batch_timeout_s <= 0:

@@ -180,7 +180,7 @@ def flush_outbox(worker: Worker, outbox: Outbox) -> None:
         superseded: list[streams.Delivery] = []
         failures = streams.write_results(
             client, cfg.group, deliveries, maxlen=cfg.result_maxlen, consumer=cfg.consumer,
-            superseded=superseded,
+            superseded=superseded, reply_ttl_s=cfg.reply_ttl_s,
         )  # fmt: skip
         failed = {(d.stream, d.entry_id): err for d, err in failures}
         taken = {(d.stream, d.entry_id) for d in superseded}
@@ -212,7 +212,7 @@ def flush_outbox(worker: Worker, outbox: Outbox) -> None:
                 client, cfg.group, entry, dead, reason=reason, consumer=cfg.consumer,
                 maxlen=cfg.dead_letter_maxlen, reply_to=reply_to,
                 result=encode_result(dead_res) if dead_res is not None else None,
-                result_maxlen=cfg.result_maxlen,
+                result_maxlen=cfg.result_maxlen, reply_ttl_s=cfg.reply_ttl_s,
             )  # fmt: skip
         except redis.ResponseError as exc:
             if streams.is_transient(exc):

@@ -15,6 +15,7 @@ Everything here is a thin, typed function over one client (``redis.Redis`` or
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -26,8 +27,11 @@ from worker.keys import same_slot
 from worker.protocol import PAYLOAD_FIELD
 
 # Result write + ack in one atomic step. KEYS: reply stream, job stream.
-# ARGV: group, entry id, payload, maxlen. An unusable reply stream (wrong type) leaves the
-# entry pending and returns the error, so a result is never acked away unwritten.
+# ARGV: group, entry id, payload, maxlen, consumer ('' = no ownership check), reply TTL in s
+# ('0' = none). An unusable reply stream (wrong type) leaves the entry pending and returns the
+# error, so a result is never acked away unwritten. A reply stream with no TTL gets one (a
+# late result after its client closed must not leave a key behind forever); a TTL the client
+# set is left alone.
 _RESULT_ACK = """
 if ARGV[5] ~= '' then
   local p = redis.call('XPENDING', KEYS[2], ARGV[1], ARGV[2], ARGV[2], 1)
@@ -35,13 +39,17 @@ if ARGV[5] ~= '' then
 end
 local id = redis.pcall('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*', 'payload', ARGV[3])
 if type(id) == 'table' and id.err then return {0, id.err} end
+if ARGV[6] ~= '0' and redis.call('TTL', KEYS[1]) == -1 then
+  redis.call('EXPIRE', KEYS[1], ARGV[6])
+end
 redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
 return {1, id}
 """
 
 # Dead-letter + (optional) producer's dead_letter result + ack in one atomic step.
 # KEYS: dead stream, job stream[, reply stream]. ARGV: group, entry id, maxlen, consumer,
-# result payload ('' for none), result maxlen, then field/value pairs. Like _RESULT_ACK it first
+# result payload ('' for none), result maxlen, reply TTL, then field/value pairs. Like
+# _RESULT_ACK it first
 # checks who holds the entry (another consumer took it over: nothing is done) and leaves the
 # entry pending when the dead-letter XADD fails. A failed result write is reported, not fatal.
 _DEAD_ACK = """
@@ -50,13 +58,17 @@ if ARGV[4] ~= '' then
   if #p > 0 and p[1][2] ~= ARGV[4] then return {2, p[1][2]} end
 end
 local args = {'XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*'}
-for i = 7, #ARGV do args[#args + 1] = ARGV[i] end
+for i = 8, #ARGV do args[#args + 1] = ARGV[i] end
 local id = redis.pcall(unpack(args))
 if type(id) == 'table' and id.err then return {0, id.err} end
 local note = ''
 if KEYS[3] and ARGV[5] ~= '' then
   local r = redis.pcall('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'payload', ARGV[5])
-  if type(r) == 'table' and r.err then note = r.err end
+  if type(r) == 'table' and r.err then
+    note = r.err
+  elseif ARGV[7] ~= '0' and redis.call('TTL', KEYS[3]) == -1 then
+    redis.call('EXPIRE', KEYS[3], ARGV[7])
+  end
 end
 redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
 return {1, note}
@@ -301,6 +313,7 @@ def write_results(
     maxlen: int,
     consumer: str = "",
     superseded: list[Delivery] | None = None,
+    reply_ttl_s: int = 0,
 ) -> list[tuple[Delivery, str]]:
     """Write every result and ack its entry; returns ``(delivery, error)`` for those that failed.
 
@@ -311,7 +324,13 @@ def write_results(
 
     A result whose reply stream shares the job stream's slot goes in with its ack in one atomic
     script call; otherwise the result ``XADD`` completes before the ``XACK`` is sent. All calls of
-    one batch share one pipeline (one round trip). A failed write leaves its entry pending.
+    one batch share one pipeline (one round trip). A failed write leaves its entry pending; the
+    error text keeps its Redis code (``OOM ...``), see :func:`is_transient`.
+
+    ``reply_ttl_s`` > 0 gives a reply stream that has no TTL one, so a result that arrives after
+    its client closed (a duplicate, a DLQ replay) does not leave a key behind forever; a TTL the
+    client keeps refreshing is left alone. (On the non-atomic cross-slot path the TTL is set
+    with ``EXPIRE`` after the write, on servers that have ``EXPIRE ... NX``: Redis >= 7.)
     """
     failures: list[tuple[Delivery, str]] = []
     if not deliveries:
@@ -343,6 +362,7 @@ def write_results(
                         d.payload,
                         maxlen,
                         consumer,
+                        reply_ttl_s,
                     )
                 )
             except (redis.ResponseError, redis.ConnectionError) as exc:
@@ -351,7 +371,7 @@ def write_results(
         for d in atomic:
             pipe.eval(
                 _RESULT_ACK, 2, d.reply_to, d.stream, group, d.entry_id, d.payload, maxlen,
-                consumer,
+                consumer, reply_ttl_s,
             )  # fmt: skip
     for d in split:
         pipe.xadd(d.reply_to, {PAYLOAD_FIELD: d.payload}, maxlen=maxlen, approximate=True)
@@ -359,6 +379,11 @@ def write_results(
     replies = pipe.execute(raise_on_error=False) if queued else []
     if not cluster:
         atomic_replies, replies = replies[: len(atomic)], replies[len(atomic) :]
+    if split and reply_ttl_s > 0:
+        for d, reply in zip(split, replies, strict=True):
+            if not isinstance(reply, Exception):
+                with contextlib.suppress(redis.ResponseError):  # EXPIRE NX: Redis >= 7
+                    client.expire(d.reply_to, reply_ttl_s, nx=True)
     to_ack = list(ack_only)
     for d, reply in zip(atomic, atomic_replies, strict=True):
         if isinstance(reply, Exception):
@@ -402,6 +427,7 @@ def dead_letter(
     reply_to: str | None = None,
     result: bytes | None = None,
     result_maxlen: int | None = None,
+    reply_ttl_s: int = 0,
 ) -> str:
     """Move ``entry`` to ``dead_stream`` (fields: payload, reason, stream, id, deliveries,
     consumer, at_ms), write ``result`` (the producer's ``dead_letter`` error) to ``reply_to``
@@ -439,7 +465,7 @@ def dead_letter(
         keys = [dead_stream, entry.stream] + ([str(reply_to)] if with_reply else [])
         reply = client.eval(
             _DEAD_ACK, len(keys), *keys, group, entry.id, maxlen, consumer,
-            result if with_reply else b"", result_maxlen or maxlen, *fields,
+            result if with_reply else b"", result_maxlen or maxlen, reply_ttl_s, *fields,
         )  # fmt: skip
         code, detail = int(reply[0]), _s(reply[1])
         if code == 2:

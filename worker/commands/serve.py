@@ -159,6 +159,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=_env_int("RESULT_MAXLEN", 10000),
         help="reply streams are trimmed to about this many entries",
     )
+    b.add_argument(
+        "--reply-ttl-s",
+        type=int,
+        default=_env_int("REPLY_TTL_S", 3600),
+        help="a reply stream with no TTL gets this one when a result is written (a late result "
+        "after its client closed leaves no key behind); 0: never set one",
+    )
     b.add_argument("--drain-timeout-s", type=float, default=_env_float("DRAIN_TIMEOUT_S", 60.0))
     b.add_argument(
         "--batch-timeout-s",
@@ -246,6 +253,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         drain_timeout_s=args.drain_timeout_s,
         batch_timeout_s=args.batch_timeout_s,
         result_maxlen=args.result_maxlen,
+        reply_ttl_s=args.reply_ttl_s,
         burst=args.burst,
         max_jobs=args.max_jobs,
         metrics_host=args.metrics_host,
