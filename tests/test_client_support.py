@@ -27,12 +27,17 @@ def expected_logps(tokens: list[int], prompt_len: int) -> list[float]:
 
 
 def outstanding(client: redis.Redis, streams: list[str], group: str = GROUP) -> int:
-    """Jobs not yet answered, from the stream side: group lag + pending over all streams."""
-    total = 0
+    """Jobs not yet answered, from the stream side: group lag + pending over all streams.
+
+    All streams are read in one MULTI/EXEC: read one by one, a job acked on a stream already
+    read and its successor submitted on a stream read later would both be counted.
+    """
+    pipe = client.pipeline(transaction=True)
     for stream in streams:
-        try:
-            groups = client.xinfo_groups(stream)
-        except redis.ResponseError:
+        pipe.xinfo_groups(stream)
+    total = 0
+    for groups in pipe.execute(raise_on_error=False):
+        if isinstance(groups, Exception):  # no such stream (yet)
             continue
         for g in groups:
             name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]

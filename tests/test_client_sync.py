@@ -5,13 +5,15 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import pytest
 import redis
 from test_client_support import OutstandingSampler, Responder, expected_logps
 
-from worker import errors, keys
+from worker import client as client_mod
+from worker import errors, keys, protocol
 from worker.client import (
     BadRequestError,
     DeadLetterError,
@@ -279,3 +281,172 @@ def test_client_imports_and_submits_with_torch_blocked(redis_url: str, key_prefi
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+# ----------------------------------------------------------------------------- score_many waits
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_score_many_without_timeout_waits_across_slices(
+    redis_url: str, key_prefix: str, ordered: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """timeout=None waits as long as it takes, in bounded slices (it used to give up after the
+    one-hour cap); here the slice is 20 ms and the worker takes 0.4 s per job."""
+    monkeypatch.setattr(client_mod, "_WAIT_SLICE_S", 0.02)
+    waits: list[float] = []
+    with (
+        Responder(redis_url, keys.job_streams(key_prefix), delay_s=0.4, count=1),
+        ScoringClient(redis_url, queue=key_prefix) as client,
+    ):
+        real_wait_any = client._wait_any
+
+        def counting_wait_any(job_ids: Any, timeout: float) -> Any:
+            waits.append(timeout)
+            return real_wait_any(job_ids, timeout)
+
+        monkeypatch.setattr(client, "_wait_any", counting_wait_any)
+        jobs = [{"seqs": [([1, 2, 3], 1)], "meta": {"i": i}} for i in range(2)]
+        out = list(client.score_many(jobs, max_in_flight=2, ordered=ordered, timeout=None))
+    assert sorted(r.meta["i"] for r in out) == [0, 1]
+    assert len(waits) > 5 and max(waits) <= 0.02
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_score_many_timeout_reports_the_real_wait(
+    redis_url: str, key_prefix: str, ordered: bool
+) -> None:
+    jobs = [{"seqs": [([1, 2, 3], 1)], "meta": {"drop": True}}, [([1, 2, 3], 1)]]
+    with (
+        Responder(redis_url, keys.job_streams(key_prefix)),
+        ScoringClient(redis_url, queue=key_prefix) as client,
+    ):
+        start = time.monotonic()
+        with pytest.raises(ScoringTimeout) as info:
+            list(client.score_many(jobs, max_in_flight=2, ordered=ordered, timeout=0.3))
+        elapsed = time.monotonic() - start
+        # the dropped job is abandoned with the iterator: nothing stays tracked
+        assert client.outstanding == 0
+    exc = info.value
+    assert 0.3 <= exc.waited_s <= elapsed + 0.01
+    assert f"after waiting {exc.waited_s:.1f} s" in str(exc)
+    assert "0.0 s" not in str(exc)
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def test_lists_of_numpy_and_torch_scalars_are_accepted(redis_url: str, key_prefix: str) -> None:
+    seqs: list[Any] = [
+        (list(np.array([4, 5, 6])), np.int64(1)),
+        {"tokens": [np.int32(4), np.uint16(5), 6], "prompt_len": np.int8(2)},
+        (tuple(np.arange(4, 7)), 1),
+    ]
+    try:
+        import torch
+    except ImportError:  # torch is optional for producers
+        torch = None
+    if torch is not None:
+        seqs.append((list(torch.tensor([4, 5, 6])), torch.tensor(1)))
+    with (
+        Responder(redis_url, keys.job_streams(key_prefix)) as double,
+        ScoringClient(redis_url, queue=key_prefix) as client,
+    ):
+        scores = client.score(seqs, timeout=10)
+    assert len(scores) == len(seqs)
+    for s in scores:
+        assert len(s.logps) in (1, 2)
+    np.testing.assert_allclose(scores[0].logps, [-0.05, -0.06], rtol=1e-6)
+    np.testing.assert_allclose(scores[1].logps, [-0.06], rtol=1e-6)
+    assert [list(s.tokens) for s in double.seen_jobs[0].seqs] == [[4, 5, 6]] * len(seqs)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "what"),
+    [
+        ([1, True, 3], "boolean"),
+        ([np.True_, 2, 3], "boolean"),
+        ([1.0, 2.0, 3.0], "float"),
+        ([np.float64(1), 2, 3], "float64"),
+        (["1", "2"], "str"),
+    ],
+)
+def test_boolean_and_float_token_ids_are_rejected(
+    redis_url: str, key_prefix: str, tokens: list[Any], what: str
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    with (
+        ScoringClient(redis_url, queue=key_prefix) as client,
+        pytest.raises(errors.ProtocolError, match=f"token ids must be integers.*{what}"),
+    ):
+        client.submit([(tokens, 1)])
+    assert not r.exists(keys.job_streams(key_prefix)[0])
+
+
+def test_boolean_prompt_len_is_rejected(redis_url: str, key_prefix: str) -> None:
+    with ScoringClient(redis_url, queue=key_prefix) as client:
+        for seq in ([1, 2, 3], True), {"tokens": [1, 2, 3], "prompt_len": np.True_}:
+            with pytest.raises(errors.BadRequest, match="prompt_len must be an integer"):
+                client.submit([seq])
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _wait_for(pred: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_score_timeout_forgets_the_job_and_drops_its_late_result(
+    redis_url: str, key_prefix: str
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    with Responder(redis_url, keys.job_streams(key_prefix), delay_s=0.5):
+        client = ScoringClient(redis_url, queue=key_prefix)
+        with pytest.raises(ScoringTimeout):
+            client.score([([1, 2, 3], 1)], timeout=0.1)
+        assert client.outstanding == 0
+        _wait_for(lambda: client.late_results == 1)
+        assert client._buffer.ready == {} and not client._buffer.abandoned
+        assert client.duplicates == 0
+        client.close()  # nothing can arrive any more: the stream is deleted
+    assert not r.exists(client.reply_stream)
+
+
+def test_forget_drops_buffered_and_pending_results(redis_url: str, key_prefix: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    with Responder(redis_url, keys.job_streams(key_prefix)):
+        client = ScoringClient(redis_url, queue=key_prefix, reply_ttl_s=40)
+        answered = client.submit([([1, 2, 3], 1)])
+        _wait_for(lambda: answered.job_id in client._buffer.ready)
+        assert client.forget(answered)  # its buffered result goes
+        assert client._buffer.ready == {} and client.outstanding == 0
+        dropped = client.submit([([1, 2, 3], 1)], meta={"drop": True})
+        with pytest.raises(ScoringTimeout):
+            client.result(dropped, timeout=0.1)
+        assert client.outstanding == 1  # a timeout alone keeps the job: the caller may wait again
+        assert client.forget(dropped.job_id)
+        assert not client.forget(dropped.job_id)  # already forgotten
+        assert client.outstanding == 0
+        with pytest.raises(ScoringTimeout):
+            client.result(answered, timeout=0.1)  # forgotten results are gone for good
+        client.close()
+    # the forgotten job was never answered: the stream is left to expire, not deleted
+    assert 0 < r.ttl(client.reply_stream) <= 40
+
+
+def test_unclaimed_results_are_bounded(redis_url: str, key_prefix: str) -> None:
+    with ScoringClient(redis_url, queue=key_prefix) as client:
+        client._buffer.max_unclaimed = 3
+        r = redis.Redis.from_url(redis_url)
+        for i in range(5):  # results nobody submitted through this client
+            payload = protocol.encode_result(protocol.Result(id=f"x{i}", ok=True))
+            r.xadd(client.reply_stream, {protocol.PAYLOAD_FIELD: payload})
+        assert client.raw_result("x4", timeout=5).id == "x4"
+        assert client.evicted_results == 2
+        assert sorted(client._buffer.ready) == ["x2", "x3"]
+        assert client.raw_result("x3", timeout=1).id == "x3"
+        with pytest.raises(ScoringTimeout):
+            client.raw_result("x0", timeout=0.05)

@@ -23,6 +23,7 @@ from typing import Any
 
 import redis
 
+from worker import client as _sync
 from worker import protocol
 from worker.client import (
     DEFAULT_URL,
@@ -79,7 +80,8 @@ class AsyncScoringClient(_ClientBase):
         return self._cond
 
     async def close(self) -> None:
-        """Stop the reader task and delete the reply stream (TTL when jobs are outstanding)."""
+        """Stop the reader task and delete the reply stream (TTL when jobs are outstanding or
+        were forgotten unanswered)."""
         if self._closed:
             return
         self._closed = True
@@ -88,7 +90,7 @@ class AsyncScoringClient(_ClientBase):
                 self._reader.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await self._reader
-            if self._outstanding:
+            if self._keep_reply_stream():
                 await self.redis.expire(self.reply_stream, self.reply_ttl_s)
             else:
                 await self.redis.delete(self.reply_stream)
@@ -204,8 +206,13 @@ class AsyncScoringClient(_ClientBase):
     async def result(
         self, handle_or_id: JobHandle | str, timeout: float | None = None
     ) -> ScoreResult:
-        """Wait for a job's result; raises ``JobFailed`` subclasses / ``ScoringTimeout``."""
+        """Wait for a job's result; raises ``JobFailed`` subclasses / ``ScoringTimeout``. After a
+        timeout the job is still tracked (wait again, or ``forget`` it)."""
         return unwrap(await self.raw_result(handle_or_id, timeout))
+
+    def forget(self, handle_or_id: JobHandle | str) -> bool:
+        """Give up on a job (see ``ScoringClient.forget``); a plain method, not a coroutine."""
+        return self._forget(_job_id(handle_or_id))
 
     async def score(
         self,
@@ -217,9 +224,13 @@ class AsyncScoringClient(_ClientBase):
         meta: Any = None,
         expires_in_s: float | None = None,
     ) -> list[SeqScore]:
-        """Submit one job and await its scores."""
+        """Submit one job and await its scores; forgotten on a timeout or cancellation."""
         handle = await self.submit(seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s)
-        return (await self.result(handle, timeout)).seqs
+        try:
+            return (await self.result(handle, timeout)).seqs
+        except BaseException:
+            self.forget(handle)
+            raise
 
     async def score_many(
         self,
@@ -232,7 +243,10 @@ class AsyncScoringClient(_ClientBase):
         temperature: float = 1.0,
         raise_errors: bool = True,
     ) -> AsyncIterator[ScoreResult | JobFailed]:
-        """Async generator twin of ``ScoringClient.score_many`` (sync or async iterable in)."""
+        """Async generator twin of ``ScoringClient.score_many`` (sync or async iterable in).
+
+        ``timeout=None`` waits as long as it takes; jobs still in flight when it stops are
+        forgotten."""
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
         if isinstance(jobs, AsyncIterable):
@@ -245,42 +259,55 @@ class AsyncScoringClient(_ClientBase):
                     yield item
 
             ait = _gen()
-        pending: OrderedDict[str, float] = OrderedDict()
+        # job id -> (submitted at, deadline), both monotonic
+        pending: OrderedDict[str, tuple[float, float]] = OrderedDict()
         exhausted = False
-        while True:
-            while not exhausted and len(pending) < max_in_flight:
-                try:
-                    item = await ait.__anext__()
-                except StopAsyncIteration:
-                    exhausted = True
-                    break
-                spec = as_job_spec(item)
-                handle = await self.submit(
-                    spec.seqs,
-                    spec.mode or mode,
-                    spec.temperature if spec.temperature is not None else temperature,
-                    deadline_ms=spec.deadline_ms,
-                    meta=spec.meta,
-                    job_id=spec.job_id,
-                )
-                pending[handle.job_id] = (
-                    float("inf") if timeout is None else handle.submitted_at + timeout
-                )
-            if not pending:
-                return
-            head, head_deadline = next(iter(pending.items()))
-            wait_s = max(min(head_deadline - time.monotonic(), 3600.0), 0.0)
-            got = await self._wait_any([head] if ordered else list(pending), wait_s)
-            if got is None:
-                raise ScoringTimeout(head, float(timeout or 0), self.reply_stream)
-            job_id, raw = got
-            del pending[job_id]
-            if raw.ok:
-                yield ScoreResult.from_wire(raw)
-            elif raise_errors:
-                raise job_failed(raw)
-            else:
-                yield job_failed(raw)
+        try:
+            while True:
+                while not exhausted and len(pending) < max_in_flight:
+                    try:
+                        item = await ait.__anext__()
+                    except StopAsyncIteration:
+                        exhausted = True
+                        break
+                    spec = as_job_spec(item)
+                    handle = await self.submit(
+                        spec.seqs,
+                        spec.mode or mode,
+                        spec.temperature if spec.temperature is not None else temperature,
+                        deadline_ms=spec.deadline_ms,
+                        meta=spec.meta,
+                        job_id=spec.job_id,
+                    )
+                    start = handle.submitted_at
+                    limit = float("inf") if timeout is None else start + timeout
+                    pending[handle.job_id] = (start, limit)
+                if not pending:
+                    return
+                head, (head_start, head_deadline) = next(iter(pending.items()))
+                while True:  # bounded slices, as in the sync client
+                    wait_s = min(head_deadline - time.monotonic(), _sync._WAIT_SLICE_S)
+                    got = await self._wait_any(
+                        [head] if ordered else list(pending), max(wait_s, 0.0)
+                    )
+                    if got is not None:
+                        break
+                    now = time.monotonic()
+                    if now >= head_deadline:
+                        raise ScoringTimeout(head, now - head_start, self.reply_stream)
+                job_id, raw = got
+                del pending[job_id]
+                if raw.ok:
+                    yield ScoreResult.from_wire(raw)
+                elif raise_errors:
+                    raise job_failed(raw)
+                else:
+                    yield job_failed(raw)
+        finally:
+            if pending:
+                log.debug("score_many stopped with %d jobs in flight: forgotten", len(pending))
+                for pending_id in pending:
+                    self._forget(pending_id)
 
 
 __all__ = ["AsyncScoringClient"]

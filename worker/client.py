@@ -13,6 +13,11 @@ Each client owns one reply stream (``keys.reply_stream(job_streams[0], client_id
 thread reads it with ``XREAD BLOCK``, buffers results by job id, deletes what it read (``XDEL``),
 keeps a TTL on the key, and drops duplicate results (``client.duplicates``). ``close()`` deletes the
 stream, or leaves it to expire when jobs are still outstanding.
+
+Memory stays bounded: a job the caller gives up on (``forget``; ``score`` after a timeout;
+``score_many`` for the jobs still in flight when it stops) is dropped with its buffered result, and
+its late result is dropped on arrival (``client.late_results``). Results for job ids the client is
+not waiting for are kept up to ``MAX_UNCLAIMED_RESULTS``, oldest dropped first.
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ log = logging.getLogger(__name__)
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 WAKE_FIELD = b"wake"
 _DELIVERED_MEMORY = 100_000  # job ids remembered for duplicate suppression
+#: Results kept for job ids this client is not waiting for (not submitted by it, e.g. picked up by a
+#: restarted producer with a fixed ``client_id``); past this the oldest are dropped.
+MAX_UNCLAIMED_RESULTS = 10_000
+_WAIT_SLICE_S = 60.0  # score_many waits in slices of this (timeout=None waits forever)
 
 
 # ----------------------------------------------------------------------------- errors
@@ -222,6 +231,18 @@ class JobHandle:
 # ----------------------------------------------------------------------------- inputs
 
 
+def _prompt_len(value: Any, index: int) -> int:
+    """``prompt_len`` as an int (numpy/torch integer scalars accepted; booleans, floats not)."""
+    if protocol.is_bool_like(value):
+        raise errors.BadRequest(f"seqs[{index}]: prompt_len must be an integer, got a boolean")
+    try:
+        return operator.index(value)
+    except TypeError as exc:
+        raise errors.BadRequest(
+            f"seqs[{index}]: prompt_len must be an integer, got {type(value).__name__}"
+        ) from exc
+
+
 def normalize_seq(seq: Any, index: int = 0) -> protocol.SeqSpec:
     """One sequence from a dict (``tokens`` + ``prompt_len`` or ``mask``), a ``(tokens,
     prompt_len)`` tuple or a ``SeqSpec``; tokens may be a list, numpy array or torch tensor."""
@@ -235,6 +256,8 @@ def normalize_seq(seq: Any, index: int = 0) -> protocol.SeqSpec:
             spec["mask"] = seq["mask"]
     elif isinstance(seq, tuple) and len(seq) == 2:
         tokens, second = seq
+        if protocol.is_bool_like(second):  # True would pass operator.index as 1
+            raise errors.BadRequest(f"seqs[{index}]: prompt_len must be an integer, got a boolean")
         try:
             spec = {"tokens": tokens, "prompt_len": operator.index(second), "mask": None}
         except TypeError:
@@ -244,11 +267,8 @@ def normalize_seq(seq: Any, index: int = 0) -> protocol.SeqSpec:
             f"seqs[{index}]: expected a dict with tokens and prompt_len/mask or a "
             f"(tokens, prompt_len) tuple, got {type(seq).__name__}"
         )
-    if spec["prompt_len"] is not None and not isinstance(spec["prompt_len"], int):
-        try:
-            spec["prompt_len"] = operator.index(spec["prompt_len"])  # numpy/torch scalars
-        except TypeError as exc:
-            raise errors.BadRequest(f"seqs[{index}]: prompt_len must be an integer") from exc
+    if spec["prompt_len"] is not None:
+        spec["prompt_len"] = _prompt_len(spec["prompt_len"], index)  # numpy/torch scalars too
     tokens = protocol.as_int32_array(spec["tokens"])
     mask = protocol.as_mask_bytes(spec["mask"]) if spec["mask"] is not None else None
     protocol.validate_seq(tokens, spec["prompt_len"], mask, index)
@@ -300,31 +320,88 @@ def as_job_spec(item: Any) -> JobSpec:
 
 
 class ReplyBuffer:
-    """Results by job id, with duplicate suppression. Not thread-safe; callers lock."""
+    """Results by job id, with duplicate suppression and bounded memory. Not thread-safe; callers
+    lock.
 
-    def __init__(self, remember: int = _DELIVERED_MEMORY) -> None:
+    ``ready``: arrived, not taken yet. ``delivered``: the last ``remember`` job ids taken or
+    forgotten (a later result for one is a duplicate). ``abandoned``: forgotten jobs whose result
+    has not arrived (the last ``remember``); their result is dropped on arrival and counted in
+    ``late``. ``unclaimed``: buffered results nobody was waiting for (``offer(expected=False)``),
+    at most ``max_unclaimed``, the oldest dropped first (counted in ``evicted``).
+    """
+
+    def __init__(
+        self, remember: int = _DELIVERED_MEMORY, max_unclaimed: int = MAX_UNCLAIMED_RESULTS
+    ) -> None:
         self.ready: dict[str, protocol.Result] = {}
         self.delivered: OrderedDict[str, None] = OrderedDict()
+        self.abandoned: OrderedDict[str, None] = OrderedDict()
+        self.unclaimed: OrderedDict[str, None] = OrderedDict()
         self.remember = remember
+        self.max_unclaimed = max_unclaimed
         self.duplicates = 0
+        self.late = 0
+        self.evicted = 0
+        self.abandoned_overflow = False  # some abandoned ids were forgotten for good
 
-    def offer(self, result: protocol.Result) -> bool:
-        """Buffer ``result``; False (and counted) when its job id was already seen."""
-        if result.id in self.ready or result.id in self.delivered:
-            self.duplicates += 1
-            log.debug("dropped duplicate result for job %s", result.id)
+    @property
+    def awaiting_late(self) -> bool:
+        """Whether results of abandoned jobs may still arrive."""
+        return bool(self.abandoned) or self.abandoned_overflow
+
+    def _remember(self, job_id: str) -> None:
+        self.delivered[job_id] = None
+        while len(self.delivered) > self.remember:
+            self.delivered.popitem(last=False)
+
+    def offer(self, result: protocol.Result, expected: bool = True) -> bool:
+        """Buffer ``result``; False when it is dropped: a duplicate (its job id was already seen,
+        counted in ``duplicates``) or the late result of an abandoned job (counted in ``late``).
+        ``expected=False``: nobody waits for this job id, so it counts against ``max_unclaimed``."""
+        job_id = result.id
+        if job_id in self.abandoned:
+            del self.abandoned[job_id]
+            self._remember(job_id)
+            self.late += 1
+            log.debug("dropped the late result of abandoned job %s", job_id)
             return False
-        self.ready[result.id] = result
+        if job_id in self.ready or job_id in self.delivered:
+            self.duplicates += 1
+            log.debug("dropped duplicate result for job %s", job_id)
+            return False
+        self.ready[job_id] = result
+        if not expected:
+            self.unclaimed[job_id] = None
+            while len(self.unclaimed) > self.max_unclaimed:
+                oldest, _ = self.unclaimed.popitem(last=False)
+                self.ready.pop(oldest, None)
+                self.evicted += 1
+                log.warning("dropped the unclaimed result of job %s (buffer full)", oldest)
         return True
 
     def take(self, job_id: str) -> protocol.Result | None:
         """Remove and return the result of ``job_id`` if it has arrived."""
         result = self.ready.pop(job_id, None)
         if result is not None:
-            self.delivered[job_id] = None
-            while len(self.delivered) > self.remember:
-                self.delivered.popitem(last=False)
+            self.unclaimed.pop(job_id, None)
+            self._remember(job_id)
         return result
+
+    def forget(self, job_id: str, outstanding: bool) -> bool:
+        """Drop ``job_id``'s buffered result, or, when it is ``outstanding`` and its result has not
+        arrived, mark it abandoned so that result is dropped on arrival. True if anything was
+        dropped or marked."""
+        if self.ready.pop(job_id, None) is not None:
+            self.unclaimed.pop(job_id, None)
+            self._remember(job_id)
+            return True
+        if not outstanding:
+            return False
+        self.abandoned[job_id] = None
+        while len(self.abandoned) > self.remember:
+            self.abandoned.popitem(last=False)
+            self.abandoned_overflow = True
+        return True
 
 
 def unwrap(result: protocol.Result) -> ScoreResult:
@@ -396,8 +473,27 @@ class _ClientBase:
 
     @property
     def outstanding(self) -> int:
-        """Jobs submitted whose result has not been taken yet."""
+        """Jobs submitted whose result has not been taken (nor the job forgotten) yet."""
         return len(self._outstanding)
+
+    @property
+    def late_results(self) -> int:
+        """How many results of forgotten jobs arrived late and were dropped."""
+        return self._buffer.late
+
+    @property
+    def evicted_results(self) -> int:
+        """How many unclaimed results were dropped because ``MAX_UNCLAIMED_RESULTS`` were held."""
+        return self._buffer.evicted
+
+    def _forget(self, job_id: str) -> bool:
+        """``forget`` without the lock (callers hold it)."""
+        outstanding = self._outstanding.pop(job_id, None) is not None
+        return self._buffer.forget(job_id, outstanding)
+
+    def _keep_reply_stream(self) -> bool:
+        """Whether results may still arrive (close() then sets a TTL instead of deleting)."""
+        return bool(self._outstanding) or self._buffer.awaiting_late
 
     def stream_for(self, job_id: str) -> str:
         """The job stream (partition) of ``job_id``: a stable hash of the id."""
@@ -442,7 +538,7 @@ class _ClientBase:
             except errors.ProtocolError as exc:
                 log.warning("undecodable result %r on %s: %s", entry_id, self.reply_stream, exc)
                 continue
-            if self._buffer.offer(result):
+            if self._buffer.offer(result, expected=result.id in self._outstanding):
                 new += 1
         return new
 
@@ -488,7 +584,7 @@ class ScoringClient(_ClientBase):
 
     def close(self) -> None:
         """Stop the reader and delete the reply stream (or let it expire when jobs are
-        outstanding, so late results land in a key that still has a TTL)."""
+        outstanding or forgotten unanswered, so late results land in a key that has a TTL)."""
         if self._closed:
             return
         self._closed = True
@@ -497,7 +593,7 @@ class ScoringClient(_ClientBase):
             if self._reader is not None:
                 self.redis.xadd(self.reply_stream, {WAKE_FIELD: b"1"})
                 self._reader.join(timeout=self.block_ms / 1000 + 5)
-            if self._outstanding:
+            if self._keep_reply_stream():
                 self.redis.expire(self.reply_stream, self.reply_ttl_s)
             else:
                 self.redis.delete(self.reply_stream)
@@ -608,8 +704,16 @@ class ScoringClient(_ClientBase):
 
     def result(self, handle_or_id: JobHandle | str, timeout: float | None = None) -> ScoreResult:
         """Wait for a job's result; raises a ``JobFailed`` subclass for an error result and
-        ``ScoringTimeout`` after ``timeout`` seconds (None waits forever)."""
+        ``ScoringTimeout`` after ``timeout`` seconds (None waits forever). After a timeout the job
+        is still tracked (wait again, or ``forget`` it)."""
         return unwrap(self.raw_result(handle_or_id, timeout))
+
+    def forget(self, handle_or_id: JobHandle | str) -> bool:
+        """Give up on a job: drop its buffered result and stop tracking it; a result arriving
+        later is dropped (``late_results``). True if the job was outstanding or had a result
+        waiting."""
+        with self._cond:
+            return self._forget(_job_id(handle_or_id))
 
     def score(
         self,
@@ -621,9 +725,14 @@ class ScoringClient(_ClientBase):
         meta: Any = None,
         expires_in_s: float | None = None,
     ) -> list[SeqScore]:
-        """Submit one job and wait for its scores (one ``SeqScore`` per sequence)."""
+        """Submit one job and wait for its scores (one ``SeqScore`` per sequence). On a timeout
+        (or an interrupt) the job is forgotten: its late result is dropped."""
         handle = self.submit(seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s)
-        return self.result(handle, timeout).seqs
+        try:
+            return self.result(handle, timeout).seqs
+        except BaseException:
+            self.forget(handle)  # the caller has no handle to wait again with
+            raise
 
     def _wait_any(self, job_ids: Iterable[str], timeout: float) -> tuple[str, Any] | None:
         """The first of ``job_ids`` whose result has arrived, waiting up to ``timeout``."""
@@ -660,12 +769,14 @@ class ScoringClient(_ClientBase):
         ``seqs`` (and optional ``mode``, ``temperature``, ``meta``, ``id``). Yields one
         ``ScoreResult`` per job, in submission order (``ordered=True``; the window is then the
         oldest ``max_in_flight`` jobs) or as they complete. ``timeout`` bounds each job's wait
-        from its submission. With ``raise_errors=False`` a failed job yields its ``JobFailed``
-        instead of raising it.
+        from its submission (None: wait as long as it takes). With ``raise_errors=False`` a failed
+        job yields its ``JobFailed`` instead of raising it. Jobs still in flight when the iterator
+        stops (a timeout, a raised error, ``break``) are forgotten (see ``forget``).
         """
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
-        pending: OrderedDict[str, float] = OrderedDict()  # job id -> deadline (monotonic)
+        # job id -> (submitted at, deadline), both monotonic
+        pending: OrderedDict[str, tuple[float, float]] = OrderedDict()
         it = iter(jobs)
         exhausted = False
         try:
@@ -685,23 +796,21 @@ class ScoringClient(_ClientBase):
                         meta=spec.meta,
                         job_id=spec.job_id,
                     )
-                    limit = float("inf") if timeout is None else handle.submitted_at + timeout
-                    pending[handle.job_id] = limit
+                    start = handle.submitted_at
+                    limit = float("inf") if timeout is None else start + timeout
+                    pending[handle.job_id] = (start, limit)
                 if not pending:
                     return
-                head, head_deadline = next(iter(pending.items()))
-                wait_s = min(head_deadline - time.monotonic(), 3600.0)
-                if ordered:
-                    try:
-                        raw = self.raw_result(head, max(wait_s, 0.0))
-                    except ScoringTimeout as exc:
-                        raise ScoringTimeout(head, float(timeout or 0), self.reply_stream) from exc
-                    job_id = head
-                else:
-                    got = self._wait_any(pending, max(wait_s, 0.0))
-                    if got is None:
-                        raise ScoringTimeout(head, float(timeout or 0), self.reply_stream)
-                    job_id, raw = got
+                head, (head_start, head_deadline) = next(iter(pending.items()))
+                while True:  # bounded slices: no wait is ever passed an infinite timeout
+                    wait_s = min(head_deadline - time.monotonic(), _WAIT_SLICE_S)
+                    got = self._wait_any([head] if ordered else pending, max(wait_s, 0.0))
+                    if got is not None:
+                        break
+                    now = time.monotonic()
+                    if now >= head_deadline:
+                        raise ScoringTimeout(head, now - head_start, self.reply_stream)
+                job_id, raw = got
                 del pending[job_id]
                 if raw.ok:
                     yield ScoreResult.from_wire(raw)
@@ -711,10 +820,14 @@ class ScoringClient(_ClientBase):
                     yield job_failed(raw)
         finally:
             if pending:
-                log.debug("score_many stopped with %d jobs outstanding", len(pending))
+                log.debug("score_many stopped with %d jobs in flight: forgotten", len(pending))
+                with self._cond:
+                    for job_id in pending:
+                        self._forget(job_id)
 
 
 __all__ = [
+    "MAX_UNCLAIMED_RESULTS",
     "BadRequestError",
     "ClientClosed",
     "DeadLetterError",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import operator
 import sys
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
@@ -136,7 +137,9 @@ def _from_le(typecode: str, data: bytes | memoryview) -> array:
 def as_int32_array(tokens: Any) -> array:
     """Coerce token ids (list, tuple, ``array``, bytes of LE int32, numpy/torch) to ``array('i')``.
 
-    Raises ``ProtocolError`` for values outside int32 or non-integer input.
+    A list or tuple may hold ints or integer scalars (numpy integers, 0-d integer numpy arrays or
+    torch tensors, see ``token_id``). Raises ``ProtocolError`` for values outside int32 and for
+    non-integer input (floats, booleans, strings...).
     """
     if isinstance(tokens, array):
         if tokens.typecode == "i":
@@ -159,14 +162,42 @@ def as_int32_array(tokens: Any) -> array:
             raise ProtocolError("token id outside int32")
         return _from_le("i", tokens.astype("<i4", copy=False).tobytes())
     if isinstance(tokens, (list, tuple)):
+        values: Any = tokens
         for t in tokens:
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise ProtocolError(f"token ids must be integers, got {type(t).__name__}")
+            if not isinstance(t, int) or isinstance(t, bool):  # numpy/torch scalars, or bad
+                values = [token_id(x, i) for i, x in enumerate(tokens)]
+                break
         try:
-            return array("i", tokens)
+            return array("i", values)
         except OverflowError as exc:
             raise ProtocolError("token id outside int32") from exc
     raise ProtocolError(f"tokens must be a list of ints or int32 bin, got {type(tokens).__name__}")
+
+
+def is_bool_like(value: Any) -> bool:
+    """A Python, numpy or torch boolean scalar (or 0-d boolean array/tensor)."""
+    if isinstance(value, bool):
+        return True
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or getattr(value, "ndim", 0) != 0:
+        return False
+    return getattr(dtype, "kind", "") == "b" or str(dtype) == "torch.bool"
+
+
+def token_id(value: Any, index: int = 0) -> int:
+    """One token id as a Python int: an int or any integer scalar with ``__index__`` (numpy
+    integer scalars, 0-d integer arrays and torch tensors). Booleans and floats are rejected."""
+    what = type(value).__name__
+    if is_bool_like(value):
+        raise ProtocolError(f"token ids must be integers, got a boolean ({what}) at index {index}")
+    if getattr(value, "ndim", 0) != 0:
+        raise ProtocolError(f"token ids must be integer scalars, got a {what} at index {index}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        dtype = getattr(value, "dtype", None)
+        kind = f"{what} of dtype {dtype}" if dtype is not None and str(dtype) != what else what
+        raise ProtocolError(f"token ids must be integers, got {kind} at index {index}") from None
 
 
 def as_mask_bytes(mask: Any) -> bytes:
@@ -461,7 +492,7 @@ def decode_job(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> Job:
     if not isinstance(body, dict):
         raise ProtocolError("payload must be a msgpack map", raw=raw)
     v = body.get("v")
-    if v != PROTOCOL_VERSION:
+    if isinstance(v, bool) or not isinstance(v, int) or v != PROTOCOL_VERSION:  # 1.0, true: no
         raise ProtocolError(f"unsupported protocol version {v!r} (this worker speaks v1)", raw=raw)
     job_id = body.get("id")
     if not isinstance(job_id, str) or not 0 < len(job_id) <= MAX_ID_CHARS:
