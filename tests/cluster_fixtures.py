@@ -1,8 +1,8 @@
 """A real 3-primary Redis Cluster on free ports, started once per test session that asks for it.
 
 Import the fixture into a test module with ``from tests.cluster_fixtures import redis_cluster``
-(pytest finds fixtures imported into a module). Needs ``redis-server`` and ``redis-cli`` on PATH;
-skips otherwise.
+(pytest finds fixtures imported into a module); every module importing it shares the one cluster.
+Needs ``redis-server`` and ``redis-cli`` on PATH; skips otherwise.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -157,13 +157,35 @@ def stop_cluster(procs: list[subprocess.Popen]) -> None:
             proc.wait()
 
 
+@dataclass
+class _Shared:
+    """The one running cluster of this process and how many fixture copies use it."""
+
+    info: ClusterInfo | None = None
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    users: int = 0
+
+
+_SHARED = _Shared()
+
+
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterInfo]:
-    """A 3-primary Redis Cluster shared by the session's cluster tests."""
+    """A 3-primary Redis Cluster shared by the session's cluster tests.
+
+    Every module that imports this fixture gets its own session-scoped copy of it (pytest keys a
+    fixture by the module it is found in), so the copies share one cluster, started by the first
+    and stopped when the last is torn down (at the end of the session)."""
     if not (shutil.which("redis-server") and shutil.which("redis-cli")):
         pytest.skip("redis-server/redis-cli not on PATH")
-    info, procs = start_cluster(tmp_path_factory.mktemp("cluster"))
+    if _SHARED.info is None:
+        _SHARED.info, _SHARED.procs = start_cluster(tmp_path_factory.mktemp("cluster"))
+    info = _SHARED.info
+    _SHARED.users += 1
     try:
         yield info
     finally:
-        stop_cluster(procs)
+        _SHARED.users -= 1
+        if not _SHARED.users:
+            procs, _SHARED.info, _SHARED.procs = _SHARED.procs, None, []
+            stop_cluster(procs)

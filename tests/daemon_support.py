@@ -17,6 +17,7 @@ from typing import Any
 
 import redis
 
+from worker import keys
 from worker.protocol import Result, decode_result, encode_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,6 +118,21 @@ def enqueue(
     return client.xadd(stream, {"payload": payload}).decode()
 
 
+def add_dead_letter(
+    client: Any, job_stream: str, job_id: str, reason: str = "max_deliveries: test"
+) -> str:
+    """A dead letter as the daemon writes it (same fields), for the job ``job_id``."""
+    payload = encode_job(
+        job_id,
+        "reference",
+        keys.reply_stream(job_stream, "c"),
+        [{"tokens": [1, 2], "prompt_len": 1}],
+    )
+    fields = {"payload": payload, "reason": reason, "stream": job_stream, "id": "1-0",
+              "deliveries": 6, "consumer": "gpu-0", "at_ms": int(time.time() * 1000)}  # fmt: skip
+    return client.xadd(keys.dead_letter_stream(job_stream), fields).decode()
+
+
 def collect(
     client: redis.Redis, reply_to: str, ids: Iterable[str], timeout: float = 60.0
 ) -> tuple[dict[str, Result], int]:
@@ -154,8 +170,6 @@ def pending_of(client: redis.Redis, stream: str, group: str, consumer: str | Non
 def kill9_reclaim_scenario(url: str, queue: str, tmp_path: Path, jobs: int) -> None:
     """A noop worker with a 30 s batch holds entries and is killed with ``kill -9``; a second
     worker (``--claim-idle-ms 800``) must reclaim and answer every job, once, and ack them all."""
-    from worker import keys
-
     group = keys.DEFAULT_GROUP
     client = redis.Redis.from_url(url)
     stream = keys.job_streams(queue)[0]

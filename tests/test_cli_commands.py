@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.daemon_support import WorkerProc, wait_until
+from tests.daemon_support import WorkerProc, add_dead_letter, wait_until
 from worker import keys, protocol
 from worker.cli import main
 from worker.client import DeadLetterError, ScoringClient
@@ -165,7 +165,8 @@ def test_dlq_replay_brings_a_dead_lettered_job_back_to_a_result(
         assert info.value.code == "dead_letter" and "delivered 2 times" in info.value.reason
         client.close()
         assert main(["dlq", "list", *common, "--json"]) == 0
-        (entry,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+        entry, summary = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+        assert summary["summary"]["total"] == 1
         assert entry["job_id"] == handle.job_id and entry["deliveries"] == 2
         assert entry["reason"].startswith("max_deliveries")
         assert main(["dlq", "list", *common]) == 0
@@ -192,6 +193,66 @@ def test_dlq_replay_brings_a_dead_lettered_job_back_to_a_result(
     assert main(["dlq", "purge", *common, "--all"]) == 2
     assert main(["dlq", "purge", *common, "--all", "--yes"]) == 0
     assert r.xlen(dead) == 0
+
+
+@pytest.mark.timeout(30)
+def test_dlq_per_partition_column_filter_and_counts(
+    redis_url: str, key_prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``dlq list`` on a 3-partition queue: a partition and stream column, ``--partition N``,
+    per-partition counts and the total (text and --json); replay/purge per partition."""
+    r = redis.Redis.from_url(redis_url)
+    s0, s1, s2 = keys.job_streams(key_prefix, 3)
+    for job_id in ("a0", "a1"):
+        add_dead_letter(r, s0, job_id)
+    for job_id in ("c0", "c1", "c2"):
+        add_dead_letter(r, s2, job_id, reason="reply_failed: WRONGTYPE")
+    common = ["--redis-url", redis_url, "--queue", key_prefix, "--partitions", "3"]
+
+    def dlq_json(*extra: str) -> tuple[list[dict], dict]:
+        assert main(["dlq", "list", *common, "--json", *extra]) == 0
+        *rows, last = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+        return rows, last["summary"]
+
+    rows, summary = dlq_json()
+    assert [(e["partition"], e["job_stream"], e["job_id"]) for e in rows] == [
+        (0, s0, "a0"), (0, s0, "a1"), (2, s2, "c0"), (2, s2, "c1"), (2, s2, "c2"),
+    ]  # fmt: skip
+    assert summary["total"] == 5 and summary["listed"] == 5 and summary["partitions"] == 3
+    assert [(p["partition"], p["stream"], p["dead_letters"]) for p in summary["by_partition"]] == [
+        (0, s0, 2), (1, s1, 0), (2, s2, 3),
+    ]  # fmt: skip
+    assert summary["by_partition"][2]["dead_letter_stream"] == keys.dead_letter_stream(s2)
+
+    rows, summary = dlq_json("--partition", "2", "--limit", "2")
+    assert [(e["partition"], e["job_id"]) for e in rows] == [(2, "c0"), (2, "c1")]
+    assert summary["total"] == 3 and summary["listed"] == 2 and summary["limit"] == 2
+    assert [(p["partition"], p["dead_letters"], p["listed"]) for p in summary["by_partition"]] == [
+        (2, 3, 2)
+    ]
+
+    assert main(["dlq", "list", *common]) == 0
+    table = capsys.readouterr().out.splitlines()
+    head = table[0].split()
+    assert head[:3] == ["PART", "STREAM", "DLQ"] and "REASON" in head
+    c1 = next(line.split() for line in table if " c1 " in line)
+    assert c1[:2] == ["2", s2] and c1[-2:] == ["reply_failed:", "WRONGTYPE"]
+    counts = {line.split()[0]: line.split()[1:] for line in table[table.index("") + 2 :]}
+    assert counts == {"0": [s0, "2"], "1": [s1, "0"], "2": [s2, "3"], "total": ["5"]}
+
+    assert main(["dlq", "list", *common, "--partition", "1"]) == 0
+    assert f"no dead letters in queue {key_prefix!r} partition 1" in capsys.readouterr().out
+    assert main(["dlq", "list", *common, "--partition", "3"]) == 2
+    assert "--partition must be in 0..2" in capsys.readouterr().err
+
+    # replay and purge act on the chosen partition only
+    assert main(["dlq", "replay", *common, "--partition", "0", "--all"]) == 0
+    assert f"replayed a0 -> {s0}" in capsys.readouterr().out
+    assert (r.xlen(s0), r.xlen(keys.dead_letter_stream(s0)), r.xlen(s2)) == (2, 0, 0)
+    assert main(["dlq", "purge", *common, "--partition", "2", "c1", "--yes"]) == 0
+    assert main(["dlq", "purge", *common, "--partition", "0", "--all", "--yes"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["1 purged", "0 purged"]
+    assert [e["job_id"] for e in dlq_json()[0]] == ["c0", "c2"]
 
 
 @pytest.mark.slow

@@ -1,5 +1,8 @@
 """Failure handling of subprocess workers: poison input, deadlines, max deliveries, kill -9,
-lease renewal under a slow batch, SIGTERM drain, Redis connections killed mid-run."""
+lease renewal under a slow batch, SIGTERM drain, Redis connections killed mid-run.
+
+The poison/deadline/max-deliveries tests (one shared worker per server), kill -9 reclaim and the
+CLIENT KILL recovery run against both the machine's Redis 7 and the embedded Valkey."""
 
 from __future__ import annotations
 
@@ -41,26 +44,45 @@ def _cleanup(client: redis.Redis, prefix: str) -> None:
 # ----------------------------------------------------------------------------- one shared worker
 
 
+SERVERS = ["redis7", "valkey9"]  # the ids of conftest's any_redis_url
+
+
 @pytest.fixture(scope="module")
-def poison_worker(
-    machine_redis_url: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[WorkerProc, redis.Redis, str]]:
-    """A noop worker with small limits, short claim idle and max_deliveries=2."""
-    queue = f"poison{int(time.time() * 1000) % 10**9}"
-    client = redis.Redis.from_url(machine_redis_url)
-    log = tmp_path_factory.mktemp("poison") / "worker.log"
-    worker = WorkerProc(
-        noop_args(machine_redis_url, queue, "pw", "--max-seqs-per-job", "8",
-                  "--max-tokens-per-job", "1000", "--max-deliveries", "2",
-                  "--claim-idle-ms", "300"),
-        log,
-    )  # fmt: skip
+def poison_workers(
+    machine_redis_url: str, valkey_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, tuple[WorkerProc, redis.Redis, str]]]:
+    """One noop worker per server (Redis 7, embedded Valkey) with small limits, short claim idle
+    and max_deliveries=2; both start at once so their start-up times overlap."""
+    urls = {"redis7": machine_redis_url, "valkey9": valkey_url}
+    base = f"poison{int(time.time() * 1000) % 10**9}"
+    started: dict[str, tuple[WorkerProc, redis.Redis, str]] = {}
     try:
-        worker.wait_ready()
-        yield worker, client, queue
+        for name, url in urls.items():
+            queue = f"{base}-{name}"
+            log = tmp_path_factory.mktemp(f"poison-{name}") / "worker.log"
+            worker = WorkerProc(
+                noop_args(url, queue, "pw", "--max-seqs-per-job", "8",
+                          "--max-tokens-per-job", "1000", "--max-deliveries", "2",
+                          "--claim-idle-ms", "300"),
+                log,
+            )  # fmt: skip
+            started[name] = (worker, redis.Redis.from_url(url), queue)
+        for worker, _, _ in started.values():
+            worker.wait_ready()
+        yield started
     finally:
-        worker.stop()
-        _cleanup(client, queue)
+        for worker, client, queue in started.values():
+            worker.stop()
+            _cleanup(client, queue)
+
+
+@pytest.fixture(params=SERVERS)
+def poison_worker(
+    request: pytest.FixtureRequest,
+    poison_workers: dict[str, tuple[WorkerProc, redis.Redis, str]],
+) -> tuple[WorkerProc, redis.Redis, str]:
+    """The shared poison worker of one server (the test runs once per server)."""
+    return poison_workers[request.param]
 
 
 @pytest.mark.timeout(60)
@@ -176,9 +198,9 @@ def test_max_deliveries_dead_letters_and_tells_the_producer(
 
 @pytest.mark.timeout(90)
 def test_kill9_mid_batch_every_job_still_answered(
-    redis_url: str, key_prefix: str, cleanup_keys: None, tmp_path: Path
+    any_redis_url: str, key_prefix: str, cleanup_keys: None, tmp_path: Path
 ) -> None:
-    kill9_reclaim_scenario(redis_url, key_prefix, tmp_path, jobs=40)
+    kill9_reclaim_scenario(any_redis_url, key_prefix, tmp_path, jobs=40)
 
 
 @pytest.mark.timeout(90)
@@ -261,8 +283,9 @@ def test_sigterm_drains_in_flight_batch_and_exits_0(
 
 @pytest.mark.timeout(90)
 def test_redis_connections_killed_and_stream_deleted_recovery(
-    redis_url: str, key_prefix: str, cleanup_keys: None, tmp_path: Path
+    any_redis_url: str, key_prefix: str, cleanup_keys: None, tmp_path: Path
 ) -> None:
+    redis_url = any_redis_url
     client = redis.Redis.from_url(redis_url)
     stream = keys.job_streams(key_prefix)[0]
     reply = keys.reply_stream(stream, "c")

@@ -59,3 +59,40 @@ def test_streams_commands_on_cluster(redis_cluster: ClusterInfo) -> None:  # noq
     assert st["group_exists"] and st["pending"] == 0 and st["length"] == 3
     for key in [*parts, same, dead, other_dead]:
         client.delete(key)
+
+
+@pytest.mark.timeout(60)
+def test_cross_slot_reply_write_failure_keeps_the_entry_pending(
+    redis_cluster: ClusterInfo,  # noqa: F811
+) -> None:
+    """The non-atomic path (reply stream in another slot): a result XADD refused with WRONGTYPE
+    is reported and its entry stays pending (not acked), while a good cross-slot result in the
+    same batch is written and acked; once the reply key is usable the retry succeeds."""
+    client = redis_cluster.client()
+    queue = f"cx{uuid.uuid4().hex[:8]}"
+    job, other = keys.job_streams(queue, 2)
+    bad_reply = keys.reply_stream(other, "bad")  # other's hash tag: not job's slot
+    good_reply = keys.reply_stream(other, "good")
+    assert not same_slot(bad_reply, job) and not same_slot(good_reply, job)
+    try:
+        assert streams.ensure_group(client, job, G)
+        client.xadd(job, {"payload": b"a"})
+        client.xadd(job, {"payload": b"b"})
+        a, b = streams.read_new(client, [job], G, "c1", count=2, block_ms=None)
+        client.set(bad_reply, "not a stream")
+        bad = streams.Delivery(job, a.id, bad_reply, b"result-a")
+        good = streams.Delivery(job, b.id, good_reply, b"result-b")
+        failures = streams.write_results(client, G, [bad, good], maxlen=100, consumer="c1")
+        assert [d for d, _ in failures] == [bad]
+        assert "WRONGTYPE" in failures[0][1]
+        rows = client.xpending_range(job, G, "-", "+", 10)
+        assert [r["message_id"].decode() for r in rows] == [a.id]  # b acked, a still held
+        assert [f[b"payload"] for _, f in client.xrange(good_reply)] == [b"result-b"]
+
+        client.delete(bad_reply)  # the key is fixed: the retry writes and acks
+        assert streams.write_results(client, G, [bad], maxlen=100, consumer="c1") == []
+        assert client.xpending(job, G)["pending"] == 0
+        assert [f[b"payload"] for _, f in client.xrange(bad_reply)] == [b"result-a"]
+    finally:
+        for key in (job, other, bad_reply, good_reply):
+            client.delete(key)

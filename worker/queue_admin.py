@@ -3,7 +3,8 @@
 Works on one logical queue (all its partitions) and one consumer group; aggregates over
 partitions (``total``) and reports each partition. Dead-letter entries are the ones the daemon
 writes (fields ``payload``, ``reason``, ``stream``, ``id``, ``deliveries``, ``consumer``,
-``at_ms``); replay re-adds the original payload to its job stream and deletes the dead letter.
+``at_ms``); replay re-adds the original payload to its job stream and deletes the dead letter. Every
+dead-letter function works on all partitions or, with ``partition``, on one of them.
 No torch import.
 """
 
@@ -134,13 +135,16 @@ class DeadLetterEntry:
     dead_at_ms: int
     original_entry_id: str | None
     payload_bytes: int
+    partition: int | None = None  # index of the queue partition whose dead-letter stream holds it
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-friendly dict."""
         return asdict(self)
 
 
-def _entry(dlq: str, job_stream: str, dlq_id: Any, fields: dict[Any, Any]) -> DeadLetterEntry:
+def _entry(
+    dlq: str, job_stream: str, dlq_id: Any, fields: dict[Any, Any], partition: int | None = None
+) -> DeadLetterEntry:
     f = {_s(k): v for k, v in fields.items()}
     payload = f.get("payload") or b""
     envelope = protocol.peek_envelope(payload) if payload else {}
@@ -157,22 +161,62 @@ def _entry(dlq: str, job_stream: str, dlq_id: Any, fields: dict[Any, Any]) -> De
         dead_at_ms=int(_s(at_ms)) if at_ms is not None else _id_ms(dlq_id),
         original_entry_id=_s(f["id"]) if "id" in f else None,
         payload_bytes=len(payload),
+        partition=partition,
     )
 
 
-def _dead_streams(queue: str, partitions: int) -> list[tuple[str, str]]:
-    return [(keys.dead_letter_stream(s), s) for s in keys.job_streams(queue, partitions)]
+def _dead_streams(
+    queue: str, partitions: int, partition: int | None = None
+) -> list[tuple[int, str, str]]:
+    """``(partition index, dead-letter stream, job stream)`` of every partition, or of one."""
+    streams = keys.job_streams(queue, partitions)
+    if partition is not None and not 0 <= partition < len(streams):
+        raise ValueError(f"partition must be in 0..{len(streams) - 1}, got {partition}")
+    return [
+        (i, keys.dead_letter_stream(s), s)
+        for i, s in enumerate(streams)
+        if partition is None or i == partition
+    ]
 
 
 def dlq_list(
-    client: Any, queue: str = keys.DEFAULT_QUEUE, partitions: int = 1, *, limit: int = 100
+    client: Any,
+    queue: str = keys.DEFAULT_QUEUE,
+    partitions: int = 1,
+    *,
+    limit: int = 100,
+    partition: int | None = None,
 ) -> list[DeadLetterEntry]:
-    """Up to ``limit`` dead letters per partition, oldest first."""
+    """Up to ``limit`` dead letters per partition (of every partition, or of ``partition``),
+    oldest first, partition by partition."""
     out: list[DeadLetterEntry] = []
-    for dlq, job_stream in _dead_streams(queue, partitions):
+    for i, dlq, job_stream in _dead_streams(queue, partitions, partition):
         for dlq_id, fields in client.xrange(dlq, count=limit):
-            out.append(_entry(dlq, job_stream, dlq_id, fields))
+            out.append(_entry(dlq, job_stream, dlq_id, fields, i))
     return out
+
+
+def dlq_counts(
+    client: Any,
+    queue: str = keys.DEFAULT_QUEUE,
+    partitions: int = 1,
+    *,
+    partition: int | None = None,
+) -> dict[str, Any]:
+    """How many dead letters each partition holds (every partition, or ``partition``) and in
+    total: ``{"queue", "partitions", "total", "by_partition": [{"partition", "stream",
+    "dead_letter_stream", "dead_letters"}]}``."""
+    rows = [
+        {"partition": i, "stream": job_stream, "dead_letter_stream": dlq,
+         "dead_letters": int(client.xlen(dlq))}
+        for i, dlq, job_stream in _dead_streams(queue, partitions, partition)
+    ]  # fmt: skip
+    return {
+        "queue": queue,
+        "partitions": partitions,
+        "total": sum(r["dead_letters"] for r in rows),
+        "by_partition": rows,
+    }
 
 
 def _matches(entry: DeadLetterEntry, ids: set[str] | None) -> bool:
@@ -186,22 +230,24 @@ def dlq_replay(
     *,
     ids: Iterable[str] | None = None,
     batch: int = 500,
+    partition: int | None = None,
 ) -> list[DeadLetterEntry]:
     """Re-add dead letters to their job streams and delete them from the dead-letter stream.
 
-    ``ids`` selects by job id or dead-letter entry id (None: all). Each move is one MULTI (the
-    two keys share a hash tag, so this works on Cluster). Returns the entries replayed.
+    ``ids`` selects by job id or dead-letter entry id (None: all); ``partition`` limits it to one
+    partition. Each move is one MULTI (the two keys share a hash tag, so this works on Cluster).
+    Returns the entries replayed.
     """
     wanted = set(ids) if ids is not None else None
     replayed: list[DeadLetterEntry] = []
-    for dlq, job_stream in _dead_streams(queue, partitions):
+    for i, dlq, job_stream in _dead_streams(queue, partitions, partition):
         start = "-"
         while True:
             chunk = client.xrange(dlq, min=start, count=batch)
             if not chunk:
                 break
             for dlq_id, fields in chunk:
-                entry = _entry(dlq, job_stream, dlq_id, fields)
+                entry = _entry(dlq, job_stream, dlq_id, fields, i)
                 payload = fields.get(b"payload") or fields.get("payload")
                 if not payload or not _matches(entry, wanted):
                     continue
@@ -226,17 +272,19 @@ def dlq_purge(
     partitions: int = 1,
     *,
     ids: Iterable[str] | None = None,
+    partition: int | None = None,
 ) -> int:
-    """Delete dead letters (all, or those matching ``ids``); returns how many were deleted."""
+    """Delete dead letters (all, or those matching ``ids``; of every partition, or of
+    ``partition``); returns how many were deleted."""
     if ids is None:
         total = 0
-        for dlq, _ in _dead_streams(queue, partitions):
+        for _, dlq, _ in _dead_streams(queue, partitions, partition):
             total += int(client.xlen(dlq))
             client.delete(dlq)
         return total
     wanted = set(ids)
     deleted = 0
-    for entry in dlq_list(client, queue, partitions, limit=1_000_000):
+    for entry in dlq_list(client, queue, partitions, limit=1_000_000, partition=partition):
         if _matches(entry, wanted):
             deleted += int(client.xdel(entry.dlq_stream, entry.dlq_id))
     return deleted
@@ -244,6 +292,7 @@ def dlq_purge(
 
 __all__ = [
     "DeadLetterEntry",
+    "dlq_counts",
     "dlq_list",
     "dlq_purge",
     "dlq_replay",
