@@ -112,5 +112,8 @@ def test_worker_with_log_json_writes_only_json_lines_and_a_batch_line(
     assert len(batches) == 1, objs
     assert batches[0]["logger"] == "worker.jobs" and batches[0]["level"] == "info"
     assert re.match(r"batch: 1 jobs\b", batches[0]["msg"]), batches[0]
+    fields = batches[0]  # structured fields for log pipelines, beside the message
+    assert fields["jobs"] == 1 and fields["seqs"] >= 1 and fields["tokens"] > 0, fields
+    assert fields["backend"] == "none" and fields["compute_ms"] >= 0, fields
     assert any("serving" in o["msg"] for o in objs)
     assert any("stopped" in o["msg"] for o in objs), objs

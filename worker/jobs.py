@@ -151,6 +151,12 @@ def score_batch(worker: Worker, batch: list[Pending], outbox: Outbox) -> None:
         "batch: %d jobs, %d seqs, %d tokens, %.1f ms, backend %s%s",
         len(batch), m.batch_size, m.real_tokens, compute_ms, m.backend,
         f" (fallback: {'; '.join(reasons)})" if reasons else "",
+        extra={"fields": {
+            "jobs": len(batch), "seqs": m.batch_size, "tokens": m.real_tokens,
+            "padded_tokens": m.padded_tokens, "compute_ms": round(compute_ms, 3),
+            "backend": m.backend, "fallbacks": reasons or None,
+            "peak_allocated_bytes": m.peak_allocated_bytes,
+        }},
     )  # fmt: skip
 
 

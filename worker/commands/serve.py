@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.metadata
 import logging
 import os
 import socket
@@ -349,10 +350,10 @@ def build_info(scorer: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"version": __version__}
     for k in ("model", "reward_model", "dtype", "device", "attention_backend"):
         out[k] = info.get(k)
-    for lib in ("torch", "transformers"):
+    for lib in ("torch", "transformers"):  # read from package metadata: no import of torch
         try:
-            out[lib] = __import__(lib).__version__
-        except ImportError:
+            out[lib] = importlib.metadata.version(lib)
+        except importlib.metadata.PackageNotFoundError:
             out[lib] = None
     return out
 
