@@ -119,6 +119,7 @@ def test_unisolated_packing_falls_back_to_padded(monkeypatch) -> None:  # type: 
     assert event.reason == "no_packing" and (event.requested, event.used) == ("packed", "padded")
     out = ex.score(SEQS)
     assert not out.metrics.packed and out.metrics.padded_tokens > 0
+    assert out.metrics.packed_fill_tokens == 0
     for s, score in zip(SEQS, out.scores, strict=True):
         with torch.no_grad():
             logits = model(input_ids=torch.tensor(s.tokens)[None]).logits[0].double()

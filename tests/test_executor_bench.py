@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+from pathlib import Path
+
 import numpy as np
+import pytest
 import torch
 from conftest_models import random_tokens, tiny_causal
 
+from worker import bench
 from worker.bench import format_table, naive_logps, ragged_inputs
+from worker.commands import bench as bench_command
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
 
 
@@ -36,3 +43,44 @@ def test_table_lists_every_row() -> None:
     doc = {"rows": {"x_naive": row, "x_ratio": ratio}, "meta": {"memory_method": "m"}}
     table = format_table(doc)
     assert "x_naive" in table and "x_ratio" in table and "time x0.300" in table
+
+
+def test_bench_entry_point_writes_table_and_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``scoring-worker bench --suite executor --quick -- --json PATH`` end to end, on a tiny
+    model and tiny scenarios (the real ones take minutes)."""
+    monkeypatch.setattr(bench, "build_model", lambda vocab: tiny_causal("llama", vocab=vocab))
+    monkeypatch.setattr(bench, "DENSE", {"vocab": 128, "batch": 3, "length": 24, "scored": 10})
+    monkeypatch.setattr(
+        bench, "RAGGED", {"vocab": 96, "sequences": 5, "prompt": (2, 6), "completion": (1, 12)}
+    )
+    out = tmp_path / "bench.json"
+    parser = argparse.ArgumentParser()
+    bench_command.configure(parser)
+    args = parser.parse_args(["--suite", "executor", "--quick", "--", "--json", str(out)])
+    assert bench_command.run(args) == 0
+
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert list(rows) == [
+        f"{s}_{side}" for s in ("dense", "ragged") for side in ("naive", "executor", "ratio")
+    ]
+    for scenario in ("dense", "ragged"):
+        naive, execu = rows[f"{scenario}_naive"], rows[f"{scenario}_executor"]
+        assert naive["real_tokens"] == execu["real_tokens"] > 0
+        assert naive["scored_tokens"] == execu["scored_tokens"] > 0
+        assert execu["seconds"] == min(execu["times"]) > 0
+        ratio = rows[f"{scenario}_ratio"]
+        assert ratio["logps_agree"] is True
+        assert ratio["time_ratio"] == pytest.approx(execu["seconds"] / naive["seconds"])
+        assert isinstance(ratio["met"], bool) and ratio["targets"]
+    assert rows["dense_executor"]["real_tokens"] == 3 * 24
+    assert rows["dense_executor"]["scored_tokens"] == 3 * 10
+    assert doc["meta"]["quick"] is True and doc["meta"]["ragged"]["sequences"] == 16
+    assert doc["meta"]["dense"]["vocab"] == 128 and doc["meta"]["ragged"]["vocab"] == 96
+
+    printed = capsys.readouterr().out
+    for name in rows:
+        assert name in printed
+    assert f"wrote {out}" in printed and "peak MB" in printed

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from conftest_models import random_tokens, smollm2_gguf, tiny_causal, tiny_reward
 
+from worker import loading
 from worker.errors import ConfigError
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
 from worker.loading import load_tokenizer
@@ -41,7 +43,8 @@ def test_explicit_dtype(tmp_path: Path) -> None:
 
 
 def test_missing_model_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # re-read by loading.offline() at load time
+    assert loading.offline()
     with pytest.raises(ConfigError, match="cannot load"):
         StatelessExecutor.from_pretrained(ExecutorConfig(), str(tmp_path / "nothing-here"))
     with pytest.raises(ConfigError, match="cannot load"):
@@ -74,3 +77,93 @@ def test_real_smollm2_gguf_knows_paris() -> None:
     want = torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1, ids.shape[1] - 1),
                                          ids[0, len(prompt):]].numpy()  # fmt: skip
     assert np.abs(out.scores[0].logps - want).max() <= 1e-4
+
+
+class _Captured(Exception):
+    """Raised by the fake ``from_pretrained`` once it has recorded its arguments."""
+
+
+def _capture_from_pretrained(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
+    """Replace both Auto classes' ``from_pretrained``: record (name, kwargs), load nothing."""
+    import transformers
+
+    calls: list[tuple[str, dict[str, Any]]] = []
+
+    def fake(name: str, **kwargs: Any) -> Any:
+        calls.append((name, kwargs))
+        return tiny_causal("llama") if len(calls) == 1 else tiny_reward("llama")
+
+    for cls in (transformers.AutoModelForCausalLM, transformers.AutoModelForSequenceClassification):
+        monkeypatch.setattr(cls, "from_pretrained", staticmethod(fake))
+    return calls
+
+
+def _online(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offline mode off, both for huggingface_hub's import-time flag and the environment."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+
+
+def test_loading_kwargs_online_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hub id with offline mode off may fetch; remote code stays off unless asked for."""
+    _online(monkeypatch)
+    assert not loading.offline()
+    calls = _capture_from_pretrained(monkeypatch)
+    StatelessExecutor.from_pretrained(ExecutorConfig(mode="both"), "org/ref", "org/rew")
+    assert [name for name, _ in calls] == ["org/ref", "org/rew"]
+    for _, kwargs in calls:
+        assert kwargs["trust_remote_code"] is False
+        assert kwargs["local_files_only"] is False
+        assert kwargs["dtype"] == torch.float32  # auto on CPU
+        assert "revision" not in kwargs and "gguf_file" not in kwargs
+
+
+@pytest.mark.parametrize("source", ["hub_flag", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"])
+def test_offline_mode_means_local_files_only(monkeypatch: pytest.MonkeyPatch, source: str) -> None:
+    """huggingface_hub's flag (read at its import) or either variable set later: no network."""
+    import huggingface_hub.constants
+
+    _online(monkeypatch)
+    if source == "hub_flag":
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    else:
+        monkeypatch.setenv(source, "1")
+    assert loading.offline()
+    calls = _capture_from_pretrained(monkeypatch)
+    StatelessExecutor.from_pretrained(ExecutorConfig(), "org/ref")
+    ((name, kwargs),) = calls
+    assert name == "org/ref" and kwargs["local_files_only"] is True
+    assert kwargs["trust_remote_code"] is False
+
+
+def test_local_dir_is_local_files_only_and_options_pass_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _online(monkeypatch)
+    calls = _capture_from_pretrained(monkeypatch)
+    StatelessExecutor.from_pretrained(
+        ExecutorConfig(dtype="bfloat16"),
+        str(tmp_path),
+        gguf_file="m.gguf",
+        trust_remote_code=True,
+        revision="abc123",
+    )
+    ((name, kwargs),) = calls
+    assert name == str(tmp_path)
+    assert kwargs == {
+        "dtype": torch.bfloat16,
+        "trust_remote_code": True,
+        "local_files_only": True,
+        "revision": "abc123",
+        "gguf_file": "m.gguf",
+    }
+
+
+def test_offline_env_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    _online(monkeypatch)
+    for value, want in (("0", False), ("", False), ("no", False), ("true", True), ("ON", True)):
+        monkeypatch.setenv("HF_HUB_OFFLINE", value)
+        assert loading.offline() is want, value

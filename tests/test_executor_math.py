@@ -40,6 +40,7 @@ def test_logps_match_naive_float64(arch: str, packing: str) -> None:
     out = ex.score(seqs)
     assert out.metrics.packed == (packing == "packed")
     assert (out.metrics.padded_tokens == 0) == (packing == "packed")
+    assert out.metrics.packed_fill_tokens == 0  # one packed row, or no packing at all
     for s, score in zip(seqs, out.scores, strict=True):
         n = len(s.tokens)
         want = naive_logps(model, s.tokens, np.arange(s.prompt_len, n))
@@ -144,6 +145,10 @@ def test_several_packed_rows_per_forward(arch: str) -> None:
     rows = StatelessExecutor(ExecutorConfig(packed_row_tokens=30), model).score(seqs)
     one_row = StatelessExecutor(ExecutorConfig(), model).score(seqs)
     assert rows.metrics.forwards == 1 and rows.metrics.packed
-    assert rows.metrics.padded_tokens > 0 and one_row.metrics.padded_tokens == 0
+    # Row fill is reported apart from padding: padded_tokens counts padded-bucket padding only.
+    assert rows.metrics.padded_tokens == 0 and one_row.metrics.padded_tokens == 0
+    assert rows.metrics.packed_fill_tokens > 0 and one_row.metrics.packed_fill_tokens == 0
+    row_lengths = [40, 25 + 3 + 2, 33, 17 + 8]  # first-fit decreasing into rows of <= 30 tokens
+    assert rows.metrics.packed_fill_tokens == sum(max(row_lengths) - n for n in row_lengths)
     for a, b in zip(rows.scores, one_row.scores, strict=True):
         assert np.abs(a.logps - b.logps).max() <= 1e-5

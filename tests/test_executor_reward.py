@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -124,3 +126,74 @@ def test_reward_model_must_be_single_label() -> None:
     with pytest.raises(ConfigError, match="reward head"):
         StatelessExecutor(ExecutorConfig(mode="reward"), reward_model=tiny_causal("llama",
                           num_labels=1))  # fmt: skip
+
+
+class _TwoPass:
+    """Wraps an adapter but hides ``from_hidden``: the executor must run the backbone again."""
+
+    def __init__(self, inner: ValueHeadAdapter) -> None:
+        self.inner = inner
+        self.token_level = inner.token_level
+
+    def __call__(self, model: torch.nn.Module, batch: Any) -> Any:
+        return self.inner(model, batch)
+
+
+def _count_forwards(module: torch.nn.Module) -> list[int]:
+    calls = [0]
+
+    def hook(*_: Any) -> None:
+        calls[0] += 1
+
+    module.register_forward_hook(hook)
+    return calls
+
+
+@pytest.mark.parametrize("config", [
+    {}, {"packing": "padded"}, {"packed_row_tokens": 16}, {"max_batch_tokens": 24},
+])  # fmt: skip
+@pytest.mark.parametrize("token_level", [False, True])
+def test_one_model_both_surfaces_runs_the_backbone_once(
+    config: dict[str, Any], token_level: bool
+) -> None:
+    """mode="both" with one model + adapter: one backbone forward per batch, same numbers as
+    the two-pass path (reward adapter running its own forward)."""
+    ref = tiny_causal("llama")
+    torch.manual_seed(3)
+    adapter = ValueHeadAdapter(torch.nn.Linear(32, 1), token_level=token_level)
+    cfg = ExecutorConfig(mode="both", **config)
+    one = StatelessExecutor(cfg, ref, reward_adapter=adapter)
+    two = StatelessExecutor(cfg, ref, reward_adapter=_TwoPass(adapter))
+    backbone, whole = _count_forwards(ref.model), _count_forwards(ref)
+    seqs = _seqs(seed=8)
+
+    fast = one.score(seqs)
+    assert fast.metrics.forwards >= 1
+    assert backbone[0] == fast.metrics.forwards and whole[0] == 0
+    backbone[0] = 0
+    slow = two.score(seqs)
+    assert slow.metrics.forwards == fast.metrics.forwards
+    assert backbone[0] == 2 * slow.metrics.forwards
+
+    for a, b in zip(fast.scores, slow.scores, strict=True):
+        assert a.logps is not None and b.logps is not None
+        assert np.array_equal(a.logps, b.logps)
+        assert a.reward is not None and a.reward == b.reward
+        if token_level:
+            assert a.token_scores is not None and b.token_scores is not None
+            assert np.array_equal(a.token_scores, b.token_scores)
+        else:
+            assert a.token_scores is None
+    # the other modes of the same executor still run the backbone once per batch
+    for mode in ("reference", "reward"):
+        backbone[0] = 0
+        out = one.score(seqs, mode=mode)
+        assert backbone[0] == out.metrics.forwards
+
+
+def test_two_models_still_run_one_forward_each() -> None:
+    ref, rew = tiny_causal("llama"), tiny_reward("qwen2")
+    ex = StatelessExecutor(ExecutorConfig(mode="both"), ref, rew)
+    ref_calls, rew_calls = _count_forwards(ref.model), _count_forwards(rew.model)
+    out = ex.score(_seqs(seed=4))
+    assert ref_calls[0] == rew_calls[0] == out.metrics.forwards == 1

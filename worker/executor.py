@@ -54,7 +54,9 @@ from worker.packing import (
     plan_padded,
 )
 from worker.pooling import (
+    HiddenStateRewardAdapter,
     RewardAdapter,
+    RewardOutput,
     SequenceClassificationAdapter,
     backbone_hidden,
     backbone_of,
@@ -165,6 +167,7 @@ class BatchMetrics:
     oom_splits: int
     packed: bool
     forwards: int = 0
+    packed_fill_tokens: int = 0
 
 
 @dataclass
@@ -184,7 +187,8 @@ class _Run:
     kv_bytes: int = 0
     oom_splits: int = 0
     forward_s: float = 0.0
-    slot_tokens: int = 0
+    padded_tokens: int = 0
+    fill_tokens: int = 0
     forwards: int = 0
     backends_used: list[str] = field(default_factory=list)
     packed_any: bool = False
@@ -221,6 +225,15 @@ class StatelessExecutor:
         self.reference_model = self._place(reference_model)
         self.reward_model = self._place(reward_model)
         self.reward_adapter = reward_adapter
+        # One model behind both surfaces and an adapter that can pool precomputed hidden states:
+        # `both` then runs the backbone once per batch instead of once per surface.
+        self._shared_adapter: HiddenStateRewardAdapter | None = (
+            reward_adapter
+            if self.reference_model is not None
+            and self.reward_model is self.reference_model
+            and isinstance(reward_adapter, HiddenStateRewardAdapter)
+            else None
+        )
         self.model_name = model_name or _name_of(reference_model or reward_model)
         self.reward_model_name = reward_model_name or (
             _name_of(reward_model) if reward_model is not None else None
@@ -494,7 +507,7 @@ class StatelessExecutor:
         metrics = BatchMetrics(
             batch_size=len(prepared),
             real_tokens=sum(lengths),
-            padded_tokens=max(0, run.slot_tokens - sum(lengths)),
+            padded_tokens=run.padded_tokens,
             scored_tokens=scored if mode != "reward" else 0,
             elapsed_s=time.perf_counter() - started,
             forward_s=run.forward_s,
@@ -510,6 +523,7 @@ class StatelessExecutor:
             oom_splits=run.oom_splits,
             packed=run.packed_any,
             forwards=run.forwards,
+            packed_fill_tokens=run.fill_tokens,
         )
         return ScoreOutput(
             scores=[r if r is not None else SequenceScore() for r in results], metrics=metrics
@@ -654,7 +668,11 @@ class StatelessExecutor:
             torch.cuda.synchronize(self.device)
         run.forward_s += time.perf_counter() - t0
         run.forwards += 1
-        run.slot_tokens += self._last_slots
+        extra = max(0, self._last_slots - sum(len(s.ids) for s in seqs))
+        if packed:
+            run.fill_tokens += extra  # tails of packed rows shorter than the longest
+        else:
+            run.padded_tokens += extra  # right padding of a padded bucket
         run.backends_used.append(backend)
         run.packed_any = run.packed_any or packed
         if self._kv_seen:
@@ -689,7 +707,8 @@ class StatelessExecutor:
         packed: bool,
         backend: str | None = None,
     ) -> list[SequenceScore]:
-        """One forward per model for ``seqs``; no fallback or OOM handling here."""
+        """One backbone forward per distinct model for ``seqs`` (a model serving both surfaces
+        through a ``HiddenStateRewardAdapter`` runs once); no fallback or OOM handling here."""
         ids = [s.ids for s in seqs]
         if packed:
             rows = plan_packed([len(x) for x in ids], self._row_tokens(backend or self._backend))
@@ -704,12 +723,22 @@ class StatelessExecutor:
         out_dtype = np.float64 if self.config.output_dtype == "float64" else np.float32
         scores = [SequenceScore() for _ in seqs]
         with torch.inference_mode():
+            rewarded: RewardOutput | None = None
             if mode in ("reference", "both"):
-                for j, logps in zip(order, self._logps(batch, ordered, temp), strict=True):
+                model = self.reference_model
+                assert model is not None
+                hidden = backbone_hidden(model, batch)  # [R, T, H]: the one forward of `model`
+                if mode == "both" and self._shared_adapter is not None:
+                    # One model, both surfaces: the reward head reads the same hidden states.
+                    rewarded = self._shared_adapter.from_hidden(model, batch, hidden)
+                picked, labels, sizes = self._scored_rows(hidden, batch, ordered)
+                del hidden  # the LM-head chunks below need only the scored rows
+                for j, logps in zip(order, self._logps(picked, labels, sizes, temp), strict=True):
                     scores[j].logps = logps.cpu().numpy().astype(out_dtype, copy=False)
             if mode in ("reward", "both"):
                 assert self.reward_adapter is not None and self.reward_model is not None
-                rewarded = self.reward_adapter(self.reward_model, batch)
+                if rewarded is None:
+                    rewarded = self.reward_adapter(self.reward_model, batch)
                 for k, j in enumerate(order):
                     scores[j].reward = float(rewarded.rewards[k])
                     if rewarded.token_scores is not None:
@@ -718,29 +747,35 @@ class StatelessExecutor:
                         )
         return scores
 
-    def _logps(
-        self, batch: ForwardBatch, seqs: list[PreparedSequence], temp: float
-    ) -> list[torch.Tensor]:
-        """Completion-only chunked log-probs for every sequence of ``batch``."""
-        model = self.reference_model
-        assert model is not None
+    def _scored_rows(
+        self, hidden: torch.Tensor, batch: ForwardBatch, seqs: list[PreparedSequence]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Hidden states ``[N, H]`` of the positions that predict a scored token, their labels
+        ``[N]`` and the number of scored tokens per sequence, batch order."""
         starts = batch.starts.cpu().numpy()
         scored = [s.scored for s in seqs]
         assert all(p is not None for p in scored)
         where = np.concatenate([st + p - 1 for st, p in zip(starts, scored, strict=True)])
         labels = np.concatenate([s.ids[p] for s, p in zip(seqs, scored, strict=True)])
-        hidden = backbone_hidden(model, batch)  # [R, T, H]
         picked = gather_flat(hidden, torch.from_numpy(where).to(self.device))  # [N, H]
-        del hidden
+        sizes = [len(p) for p in scored]  # type: ignore[arg-type]
+        return picked, torch.from_numpy(labels).to(self.device), sizes
+
+    def _logps(
+        self, picked: torch.Tensor, labels: torch.Tensor, sizes: list[int], temp: float
+    ) -> list[torch.Tensor]:
+        """Completion-only chunked log-probs of ``labels`` from the scored rows, per sequence."""
+        model = self.reference_model
+        assert model is not None
         logps = chunked_token_logps(
             picked,
             model.get_output_embeddings(),
-            torch.from_numpy(labels).to(self.device),
+            labels,
             temperature=temp,
             chunk_tokens=self.config.logprob_chunk_tokens,
             transform=self._transform,
         )  # [N]
-        return list(torch.split(logps, [len(p) for p in scored]))  # type: ignore[arg-type]
+        return list(torch.split(logps, sizes))
 
     # ----------------------------------------------------------------- KV rejection
 

@@ -1,7 +1,8 @@
 """Model loading: local directory or hub id, dtype policy, GGUF, offline mode.
 
-Offline mode is huggingface_hub's own (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``, read by the
-hub library); when it is on, loading never touches the network (``local_files_only=True``).
+Offline mode is huggingface_hub's (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``; the hub library
+reads them at import, ``offline()`` also re-reads them at load time); when it is on, loading never
+touches the network (``local_files_only=True``).
 ``trust_remote_code`` stays off unless the caller asks.
 """
 
@@ -48,11 +49,20 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+_TRUE = {"1", "ON", "YES", "TRUE"}
+
+
 def offline() -> bool:
-    """Whether the hub library is in offline mode (env read by huggingface_hub itself)."""
+    """Whether loading must stay offline: huggingface_hub's offline mode, or ``HF_HUB_OFFLINE`` /
+    ``TRANSFORMERS_OFFLINE`` set now (huggingface_hub reads them once, at import)."""
     from huggingface_hub import is_offline_mode
 
-    return bool(is_offline_mode())
+    if is_offline_mode():
+        return True
+    return any(
+        os.environ.get(name, "").upper() in _TRUE
+        for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
 
 
 def load_model(

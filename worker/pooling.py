@@ -43,6 +43,22 @@ class RewardAdapter(Protocol):
         ...
 
 
+@runtime_checkable
+class HiddenStateRewardAdapter(RewardAdapter, Protocol):
+    """A ``RewardAdapter`` that can also pool hidden states the executor already has.
+
+    When one model serves both surfaces (``mode="both"``, reward through an adapter on the
+    reference model), the executor runs that model's backbone once and hands the hidden states to
+    ``from_hidden`` instead of calling the adapter (which would run the backbone a second time).
+    """
+
+    def from_hidden(
+        self, model: nn.Module, batch: ForwardBatch, hidden: torch.Tensor
+    ) -> RewardOutput:
+        """Pool rewards from ``hidden`` ``[R, T, H]`` = ``backbone_hidden(model, batch)``."""
+        ...
+
+
 def backbone_of(model: nn.Module) -> nn.Module:
     """The transformer body of a transformers model (``model.base_model``), else ``model``."""
     base = getattr(model, "base_model", None)
@@ -91,7 +107,12 @@ class HeadAdapter:
         raise NotImplementedError
 
     def __call__(self, model: nn.Module, batch: ForwardBatch) -> RewardOutput:
-        hidden = backbone_hidden(model, batch)  # [R, T, H]
+        return self.from_hidden(model, batch, backbone_hidden(model, batch))
+
+    def from_hidden(
+        self, model: nn.Module, batch: ForwardBatch, hidden: torch.Tensor
+    ) -> RewardOutput:
+        """Rewards (and token scores) from the backbone's hidden states ``[R, T, H]``."""
         head = self.head(model)
         last = _as_head_input(gather_flat(hidden, batch.last_index), head)  # [B, H]
         rewards = head(last).float().reshape(len(batch.seq_ids), -1)[:, 0]  # [B]
