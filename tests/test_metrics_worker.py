@@ -60,8 +60,10 @@ def test_record_job_counts_by_outcome_and_maps_unknown_to_internal(m: WorkerMetr
 
 def test_record_batch_moves_counters_histograms_and_gauges(m: WorkerMetrics) -> None:
     _batch(m)
-    _batch(m, batch_size=1, real_tokens=10, scored_tokens=5, padded_tokens=0, now_s=1234.5)
+    _batch(m, batch_size=1, real_tokens=10, scored_tokens=5, padded_tokens=0, now_s=1234.5,
+           packed_fill_tokens=6)  # fmt: skip
     assert _v(m, "scoring_batches_total") == 2.0
+    assert _v(m, "scoring_packed_fill_tokens_total") == 6.0
     assert _v(m, "scoring_sequences_total") == 4.0
     assert _v(m, "scoring_tokens_total") == 130.0
     assert _v(m, "scoring_scored_tokens_total") == 45.0

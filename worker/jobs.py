@@ -109,7 +109,8 @@ def score_batch(worker: Worker, batch: list[Pending], outbox: Outbox) -> None:
     compute_ms = (time.perf_counter() - started) * 1000.0
     worker.metrics.record_batch(
         batch_size=m.batch_size, real_tokens=m.real_tokens, scored_tokens=m.scored_tokens,
-        padded_tokens=m.padded_tokens, forward_s=m.forward_s, elapsed_s=m.elapsed_s,
+        padded_tokens=m.padded_tokens, packed_fill_tokens=m.packed_fill_tokens,
+        forward_s=m.forward_s, elapsed_s=m.elapsed_s,
         peak_allocated_bytes=m.peak_allocated_bytes, peak_reserved_bytes=m.peak_reserved_bytes,
         kv_output_bytes=m.kv_output_bytes, kv_rejected=m.kv_rejected, oom_splits=m.oom_splits,
         device_total_bytes=m.device_total_bytes or None, now_s=time.time(),

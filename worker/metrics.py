@@ -54,7 +54,12 @@ class WorkerMetrics:
         )
         self.padded_tokens = Counter(
             "scoring_padded_tokens_total",
-            "Padding tokens run through the model (0 when packed).",
+            "Padding tokens of padded buckets (0 when packed).",
+            registry=r,
+        )
+        self.packed_fill_tokens = Counter(
+            "scoring_packed_fill_tokens_total",
+            "Pad tails that even out the packed rows of one forward (sdpa/eager).",
             registry=r,
         )
         self.batches = Counter("scoring_batches_total", "Forward batches run.", registry=r)
@@ -285,6 +290,7 @@ class WorkerMetrics:
         real_tokens: int,
         scored_tokens: int,
         padded_tokens: int,
+        packed_fill_tokens: int = 0,
         forward_s: float,
         elapsed_s: float,
         peak_allocated_bytes: int,
@@ -301,6 +307,7 @@ class WorkerMetrics:
         self.tokens.inc(real_tokens)
         self.scored_tokens.inc(scored_tokens)
         self.padded_tokens.inc(padded_tokens)
+        self.packed_fill_tokens.inc(packed_fill_tokens)
         self.batch_size.observe(batch_size)
         self.batch_tokens.observe(real_tokens)
         self.forward_seconds.observe(forward_s)
