@@ -44,6 +44,7 @@ from worker.memory import (
     read_peak,
     reset_peak,
 )
+from worker.outputs import BatchMetrics, ScoreOutput, SequenceScore
 from worker.packing import (
     ForwardBatch,
     gather_flat,
@@ -133,49 +134,6 @@ class ExecutorConfig:
             raise bad("dtype", f"expected one of {_DTYPES}")
         if self.packing not in ("auto", "packed", "padded"):
             raise bad("packing", "expected 'auto', 'packed' or 'padded'")
-
-
-@dataclass
-class SequenceScore:
-    """Result for one sequence; on a per-sequence failure only ``error`` is set."""
-
-    logps: np.ndarray | None = None  # [n_scored] output_dtype
-    reward: float | None = None
-    token_scores: np.ndarray | None = None  # [len] when the adapter is token-level
-    error: ScoringError | None = None
-
-
-@dataclass
-class BatchMetrics:
-    """What one ``score`` call cost and how it ran."""
-
-    batch_size: int
-    real_tokens: int
-    padded_tokens: int
-    scored_tokens: int
-    elapsed_s: float
-    forward_s: float
-    backend: str
-    requested_backend: str
-    fallbacks: list[FallbackEvent]
-    kv_output_tensors: int
-    kv_output_bytes: int
-    kv_rejected: bool
-    peak_allocated_bytes: int
-    peak_reserved_bytes: int
-    device_total_bytes: int | None
-    oom_splits: int
-    packed: bool
-    forwards: int = 0
-    packed_fill_tokens: int = 0
-
-
-@dataclass
-class ScoreOutput:
-    """Scores in input order plus the call's metrics."""
-
-    scores: list[SequenceScore]
-    metrics: BatchMetrics
 
 
 @dataclass

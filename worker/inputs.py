@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import array
 import numbers
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from worker.errors import BadRequest, TooLong
 
@@ -38,6 +38,12 @@ class PreparedSequence:
     scored: np.ndarray | None  # [n] int64 positions t >= 1
 
 
+def _is_tensor(value: Any) -> bool:
+    """True for a torch tensor, without importing torch (none exists unless torch is loaded)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
 def is_int(value: Any) -> bool:
     """True for an integer that is not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -45,7 +51,7 @@ def is_int(value: Any) -> bool:
 
 def as_ids(tokens: Any) -> np.ndarray:
     """``tokens`` as a 1-D integer array (not yet range-checked)."""
-    if isinstance(tokens, torch.Tensor):
+    if _is_tensor(tokens):
         arr = tokens.detach().cpu().numpy()
     elif isinstance(tokens, (str, bytes, bytearray)) or tokens is None:
         raise BadRequest(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
@@ -106,7 +112,7 @@ def mask_positions(mask: Any, n: int) -> np.ndarray:
     """Positions whose mask entry is 1; checks length, 0/1 values, ``mask[0] == 0``, one scored."""
     if isinstance(mask, (bytes, bytearray, memoryview)):
         m = np.frombuffer(bytes(mask), dtype=np.uint8)
-    elif isinstance(mask, torch.Tensor):
+    elif _is_tensor(mask):
         m = mask.detach().cpu().numpy()
     else:
         try:
