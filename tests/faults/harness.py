@@ -252,10 +252,10 @@ class Fleet:
             client = ScoringClient(self.url, queue=self.queue, block_ms=300)
             offer = client._buffer.offer
 
-            def recording_offer(result: Result) -> bool:
+            def recording_offer(result: Result, expected: bool = True) -> bool:
                 with hist_lock:
                     history.append(result)
-                return offer(result)
+                return offer(result, expected=expected)
 
             client._buffer.offer = recording_offer  # type: ignore[method-assign]
             mine = []

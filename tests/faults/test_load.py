@@ -62,12 +62,12 @@ def test_load_nothing_lost(tmp_path: Path, faults_full: bool) -> None:
             with ScoringClient(fleet.url, queue=fleet.queue, block_ms=500) as client:
                 offer = client._buffer.offer
 
-                def recording_offer(result):  # type: ignore[no-untyped-def]
+                def recording_offer(result, expected=True):  # type: ignore[no-untyped-def]
                     now = time.perf_counter()
                     with lock:
                         results.append(result)
                         arrived.setdefault(result.id, now)
-                    return offer(result)
+                    return offer(result, expected=expected)
 
                 client._buffer.offer = recording_offer  # type: ignore[method-assign]
                 window: list[str] = []
