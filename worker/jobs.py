@@ -238,7 +238,7 @@ def flush_outbox(worker: Worker, outbox: Outbox) -> None:
             outbox.dead.pop(0)
             continue
         if done != "ok" and dead_res is not None:
-            log.warning("dead_letter result for %s not written: %s", dead_res.id, done[16:])
+            log.warning("dead_letter result for %s: %s", dead_res.id, done)
         worker.metrics.dead_lettered.labels(reason=reason.split(":", 1)[0]).inc()
         log.warning("dead-lettered %s/%s to %s: %s", entry.stream, entry.id, dead, reason)
         _finish(worker, entry, "dead_letter")

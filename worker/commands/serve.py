@@ -150,7 +150,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--keep-consumer",
         action="store_true",
-        default=os.environ.get("SCORING_KEEP_CONSUMER", "").lower() in ("1", "true", "yes"),
+        default=env_bool(env_get("KEEP_CONSUMER")),
         help="on a clean stop, keep this consumer in its groups (default: leave them when it "
         "holds nothing, so replaced pods do not pile up as dead consumers)",
     )
