@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from worker.embedded import EmbeddedRedis, free_port
+from worker.devtools.embedded import EmbeddedRedis, free_port
 
 MACHINE_REDIS_URL = os.environ.get("SCORING_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 

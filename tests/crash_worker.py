@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry
 
 from worker.config import RedisSettings, WorkerConfig
 from worker.daemon import Worker
-from worker.metrics import WorkerMetrics
-from worker.noop import NoopScorer
+from worker.observability.metrics import WorkerMetrics
+from worker.scorer.noop import NoopScorer
 
 CRASH_TOKEN = 13
 

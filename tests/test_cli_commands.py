@@ -16,13 +16,13 @@ from tests.daemon_support import WorkerProc, add_dead_letter, wait_until
 from worker import keys, protocol
 from worker.cli import main
 from worker.client import DeadLetterError, ScoringClient
-from worker.embedded import free_port
+from worker.devtools.embedded import free_port
 
 pytestmark = [pytest.mark.redis, pytest.mark.usefixtures("cleanup_keys")]
 
 
 def _noop_logps(tokens: list[int], scored: list[int]) -> list[float]:
-    """What the noop scorer answers (see worker/noop.py)."""
+    """What the noop scorer answers (see worker/scorer/noop.py)."""
     return [-math.log(32000) - (tokens[i] % 7) / 100 for i in scored]
 
 

@@ -13,8 +13,8 @@ from test_client_support import OutstandingSampler, Responder, expected_logps
 
 from worker import client as client_mod
 from worker import keys
-from worker.aio_client import AsyncScoringClient
 from worker.client import DeadLetterError, JobFailed, ScoringTimeout
+from worker.client.aio import AsyncScoringClient
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(30), pytest.mark.usefixtures("cleanup_keys")]
 

@@ -11,8 +11,9 @@ import pytest
 import redis
 
 from tests.cluster_fixtures import ClusterInfo, redis_cluster  # noqa: F401 - fixture
-from worker import keys, protocol, queue_admin
+from worker import keys, protocol
 from worker.client import ScoringClient
+from worker.streams import admin as queue_admin
 
 pytestmark = [pytest.mark.redis, pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -17,7 +17,6 @@ from test_client_support import OutstandingSampler
 
 from tests.daemon_support import WorkerProc
 from worker import keys
-from worker.aio_client import AsyncScoringClient
 from worker.client import (
     BadRequestError,
     ExpiredError,
@@ -25,6 +24,7 @@ from worker.client import (
     TooLongError,
     UnsupportedModeError,
 )
+from worker.client.aio import AsyncScoringClient
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

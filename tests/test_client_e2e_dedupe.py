@@ -15,8 +15,8 @@ from test_client_support import outstanding
 
 from tests.daemon_support import WorkerProc, enqueue, wait_until
 from worker import keys, protocol
-from worker.aio_client import AsyncScoringClient
 from worker.client import JobSpec, ScoreResult, ScoringClient, ScoringTimeout
+from worker.client.aio import AsyncScoringClient
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -261,7 +261,7 @@ class Block:
         if name.split(".")[0] in ("torch", "transformers"):
             raise ImportError("blocked: " + name)
 sys.meta_path.insert(0, Block())
-import worker.client, worker.aio_client, worker.queue_admin
+import worker.client, worker.client.aio, worker.streams.admin
 from worker.client import ScoringClient
 url, queue = sys.argv[1], sys.argv[2]
 with ScoringClient(url, queue=queue) as c:

@@ -1,4 +1,5 @@
-"""The capacity benchmark (worker/capacity.py): projection arithmetic and one small real run."""
+"""The capacity benchmark (worker/devtools/capacity.py):
+projection arithmetic and one small real run."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.capacity import RunResult, format_table, main, projection
+from worker.devtools.capacity import RunResult, format_table, main, projection
 
 
 def _run(workers: int, partitions: int, jps: float, drain: float, enq: float) -> RunResult:

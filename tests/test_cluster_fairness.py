@@ -27,8 +27,8 @@ SEQ = {"tokens": [1, 2, 3, 4], "prompt_len": 1}
 @pytest.mark.timeout(60)
 def test_uneven_partitions_on_cluster_are_served_fairly(redis_cluster: ClusterInfo) -> None:
     from worker.daemon import Worker
-    from worker.metrics import WorkerMetrics
-    from worker.noop import NoopScorer
+    from worker.observability.metrics import WorkerMetrics
+    from worker.scorer.noop import NoopScorer
 
     client = redis_cluster.client()
     queue = f"fair{uuid.uuid4().hex[:8]}"

@@ -77,7 +77,7 @@ def test_partitioned_queue_on_cluster_two_workers_kill9_reclaim(
 ) -> None:
     from worker.client import ScoringClient
     from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
-    from worker.queue_admin import dlq_list, queue_info
+    from worker.streams.admin import dlq_list, queue_info
 
     cluster = redis_cluster
     queue = _queue_over_all_nodes(cluster, key_prefix)

@@ -19,8 +19,8 @@ from prometheus_client import CollectorRegistry
 from worker import keys
 from worker.config import RedisSettings, WorkerConfig
 from worker.daemon import Worker
-from worker.metrics import WorkerMetrics
-from worker.noop import NoopScorer
+from worker.observability.metrics import WorkerMetrics
+from worker.scorer.noop import NoopScorer
 
 pytestmark = pytest.mark.skipif(not have_redis_server(), reason="needs redis-server")
 

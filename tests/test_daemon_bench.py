@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from worker import bench_e2e
+from worker.devtools import bench_e2e
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

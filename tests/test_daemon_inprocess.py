@@ -15,8 +15,8 @@ from worker.config import RedisSettings, WorkerConfig
 from worker.daemon import Worker
 from worker.errors import KVCacheRejected, TooLong
 from worker.executor import SequenceScore
-from worker.metrics import WorkerMetrics
-from worker.noop import NoopScorer
+from worker.observability.metrics import WorkerMetrics
+from worker.scorer.noop import NoopScorer
 
 pytestmark = pytest.mark.redis
 POISON = 13
@@ -157,7 +157,7 @@ def test_burst_exits_when_drained(redis_url: str, key_prefix: str, cleanup_keys:
 def test_load_time_fallback_is_counted_and_reported(
     redis_url: str, key_prefix: str, cleanup_keys: None
 ) -> None:
-    from worker.backends import FallbackEvent
+    from worker.executor.backends import FallbackEvent
 
     client = redis.Redis.from_url(redis_url)
     stream = keys.job_streams(key_prefix)[0]
@@ -190,7 +190,7 @@ def test_long_batch_keeps_liveness_until_batch_timeout(
     import threading
     import time
 
-    from worker.health import HealthState
+    from worker.observability.health import HealthState
 
     client = redis.Redis.from_url(redis_url)
     stream = keys.job_streams(key_prefix)[0]

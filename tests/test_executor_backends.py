@@ -10,9 +10,9 @@ import torch
 from conftest_models import random_tokens, tiny_causal
 from transformers.modeling_utils import AttentionInterface
 
-from worker.backends import FallbackEvent, is_attention_kernel_error
 from worker.errors import AttentionBackendError, InternalError
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
+from worker.executor.backends import FallbackEvent, is_attention_kernel_error
 
 SEQS = [SequenceInput(random_tokens(n, n), prompt_len=2) for n in (11, 6, 17)]
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest_models import random_tokens, tiny_causal
 
-from worker import bench
-from worker.bench import format_table, naive_logps, ragged_inputs
 from worker.commands import bench as bench_command
+from worker.devtools import bench
+from worker.devtools.bench import format_table, naive_logps, ragged_inputs
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
 
 

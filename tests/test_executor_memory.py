@@ -8,8 +8,7 @@ import torch
 from conftest_models import random_tokens, tiny_causal
 
 from worker import executor as executor_module
-from worker import memory
-from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
+from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor, memory
 
 SEQS = [SequenceInput(random_tokens(n, n), prompt_len=2) for n in (9, 14)]
 

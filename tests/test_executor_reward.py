@@ -11,7 +11,7 @@ from conftest_models import random_tokens, tiny_backbone, tiny_causal, tiny_rewa
 
 from worker.errors import ConfigError
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
-from worker.pooling import ValueHeadAdapter
+from worker.executor.pooling import ValueHeadAdapter
 
 LENGTHS = (9, 21, 4, 14)
 

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from worker.health import HealthServer, HealthState
-from worker.metrics import WorkerMetrics
+from worker.observability.health import HealthServer, HealthState
+from worker.observability.metrics import WorkerMetrics
 
 
 class FakeClock:

@@ -8,10 +8,10 @@ import sys
 
 CHECK = """
 import sys
-import worker.client, worker.aio_client, worker.queue_admin
-import worker.noop, worker.daemon, worker.jobs, worker.commands.serve
-from worker.noop import NoopScorer
-from worker.inputs import SequenceInput
+import worker.client, worker.client.aio, worker.streams.admin
+import worker.scorer.noop, worker.daemon, worker.daemon.jobs, worker.commands.serve
+from worker.scorer.noop import NoopScorer
+from worker.scorer.inputs import SequenceInput
 out = NoopScorer().score([SequenceInput([1, 2, 3], prompt_len=1)], mode="reference")
 assert out.scores[0].logps is not None
 loaded = [m for m in ("torch", "transformers") if m in sys.modules]

@@ -110,7 +110,7 @@ def test_worker_with_log_json_writes_only_json_lines_and_a_batch_line(
         assert obj["level"] in ("debug", "info", "warning", "error", "critical")
     batches = [o for o in objs if o["msg"].startswith("batch: ")]
     assert len(batches) == 1, objs
-    assert batches[0]["logger"] == "worker.jobs" and batches[0]["level"] == "info"
+    assert batches[0]["logger"] == "worker.daemon.jobs" and batches[0]["level"] == "info"
     assert re.match(r"batch: 1 jobs\b", batches[0]["msg"]), batches[0]
     fields = batches[0]  # structured fields for log pipelines, beside the message
     assert fields["jobs"] == 1 and fields["seqs"] >= 1 and fields["tokens"] > 0, fields

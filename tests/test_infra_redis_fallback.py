@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.daemon_support import ROOT
-from worker.embedded import free_port
+from worker.devtools.embedded import free_port
 
 PROBE = """
 import redis

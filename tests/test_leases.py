@@ -8,9 +8,9 @@ import pytest
 import redis
 
 from worker import keys, streams
-from worker.health import HealthState
-from worker.leases import InFlight, LeaseKeeper
-from worker.metrics import WorkerMetrics
+from worker.daemon.leases import InFlight, LeaseKeeper
+from worker.observability.health import HealthState
+from worker.observability.metrics import WorkerMetrics
 
 G = "g"
 
@@ -33,7 +33,7 @@ def test_renews_own_entries_and_warns_about_stolen_ones(
     held, metrics = InFlight(), WorkerMetrics()
     held.add(stream, a.id)
     held.add(stream, b.id)
-    with caplog.at_level(logging.WARNING, logger="worker.leases"):
+    with caplog.at_level(logging.WARNING, logger="worker.daemon.leases"):
         assert _keeper(redis_url, held, metrics).renew_once() == 1
     assert "1 in-flight entries" in caplog.text
     assert metrics.registry.get_sample_value("scoring_leases_renewed_total") == 1
@@ -61,6 +61,6 @@ def test_entries_acked_during_renewal_are_not_reported_lost(
         return renew(*args, **kwargs)
 
     monkeypatch.setattr(streams, "renew_leases", ack_first)
-    with caplog.at_level(logging.WARNING, logger="worker.leases"):
+    with caplog.at_level(logging.WARNING, logger="worker.daemon.leases"):
         assert _keeper(redis_url, held, WorkerMetrics()).renew_once() == 0
     assert "no longer ours" not in caplog.text

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker.metrics import BYTES_BUCKETS, JOB_OUTCOMES, SECONDS_BUCKETS, WorkerMetrics
+from worker.observability.metrics import BYTES_BUCKETS, JOB_OUTCOMES, SECONDS_BUCKETS, WorkerMetrics
 
 
 @pytest.fixture
@@ -196,7 +196,7 @@ def test_state_gauges_start_at_zero_and_model_loaded_is_exported(m: WorkerMetric
 
 
 def test_bind_health_ties_ready_and_model_loaded_to_the_health_state(m: WorkerMetrics) -> None:
-    from worker.health import HealthState
+    from worker.observability.health import HealthState
 
     state = HealthState()
     m.ready.set(1)

@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
 from tests.test_ops_promql import ROOT, alert_rules
-from worker.health import HealthServer, HealthState
-from worker.metrics import WorkerMetrics
+from worker.observability.health import HealthServer, HealthState
+from worker.observability.metrics import WorkerMetrics
 
 DOCS = ROOT / "docs"
 OPERATIONS = DOCS / "operations.md"

@@ -39,7 +39,7 @@ from tests.test_ops_promql import (
     substitute_grafana,
 )
 from worker import keys
-from worker.embedded import free_port
+from worker.devtools.embedded import free_port
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

@@ -18,7 +18,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
-from worker.metrics import WorkerMetrics
+from worker.observability.metrics import WorkerMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "ops" / "grafana" / "dashboards" / "scoring-worker.json"

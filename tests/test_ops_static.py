@@ -428,7 +428,7 @@ def test_deployment_probe_paths_are_served_by_the_worker() -> None:
 
     from prometheus_client import CollectorRegistry
 
-    from worker.health import HealthServer, HealthState
+    from worker.observability.health import HealthServer, HealthState
 
     (c,) = _deployment()["spec"]["template"]["spec"]["containers"]
     paths = {

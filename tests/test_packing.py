@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from worker.packing import gather_flat, pack, pad, plan_packed, plan_padded
-from worker.pooling import token_index
+from worker.executor.packing import gather_flat, pack, pad, plan_packed, plan_padded
+from worker.executor.pooling import token_index
 
 SEQS = [np.array([5, 6, 7]), np.array([1]), np.array([9, 8, 7, 6])]
 
@@ -65,7 +65,7 @@ def test_packed_ids_are_int64_tensors() -> None:
 
 
 def test_pack_rows_isolates_tails_and_maps_starts() -> None:
-    from worker.packing import pack_rows, plan_packed_forwards
+    from worker.executor.packing import pack_rows, plan_packed_forwards
 
     rows = [[SEQS[0], SEQS[1]], [SEQS[2]], [np.array([4, 4])]]
     b = pack_rows(rows, [0, 1, 2, 3])

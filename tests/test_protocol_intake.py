@@ -21,9 +21,9 @@ from tests.daemon_support import WorkerProc, collect, pending_of, wait_until
 from worker import keys
 from worker.config import RedisSettings, WorkerConfig
 from worker.daemon import Worker
-from worker.metrics import WorkerMetrics
-from worker.noop import NoopScorer
+from worker.observability.metrics import WorkerMetrics
 from worker.protocol import Limits, encode_job
+from worker.scorer.noop import NoopScorer
 
 pytestmark = pytest.mark.redis
 

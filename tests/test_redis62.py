@@ -15,7 +15,7 @@ import redis
 from daemon_support import kill9_reclaim_scenario, wait_until
 
 from worker import keys, streams
-from worker.embedded import free_port
+from worker.devtools.embedded import free_port
 
 GROUP = keys.DEFAULT_GROUP
 

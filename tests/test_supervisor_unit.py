@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.errors import ConfigError
-from worker.supervisor import (
+from worker.daemon.supervisor import (
     ChildSpec,
     Supervisor,
     SupervisorConfig,
@@ -28,6 +27,7 @@ from worker.supervisor import (
     split_argv,
     strip_flags,
 )
+from worker.errors import ConfigError
 
 
 def _args(argv: list[str], **kw: object) -> argparse.Namespace:
@@ -254,7 +254,7 @@ def test_children_never_supervise_again() -> None:
 
 
 def test_supervise_refuses_inside_a_child(monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.supervisor import supervise
+    from worker.daemon.supervisor import supervise
 
     monkeypatch.setenv("SCORING_SUPERVISED_CHILD", "1")
     assert supervise(_args(["serve", "--replicas", "2"], replicas=2)) == 2
@@ -263,7 +263,7 @@ def test_supervise_refuses_inside_a_child(monkeypatch: pytest.MonkeyPatch) -> No
 def test_serve_flags_reach_the_supervisor_config() -> None:
     """`serve` registers the restart-policy flags, and they end up in SupervisorConfig."""
     from worker.cli import build_parser
-    from worker.supervisor import SupervisorConfig
+    from worker.daemon.supervisor import SupervisorConfig
 
     args = build_parser("serve").parse_args(
         [

@@ -1,173 +1,21 @@
-"""Reward heads: pooling at each sequence's true last token, behind a small adapter protocol.
+"""Documented import path of the reward-adapter API (``worker.pooling.RewardAdapter``) that
+``--reward-adapter`` factories are written against.
 
-The pooled position is ``start + length - 1`` of every sequence (its real length, from the batch
-layout), never a search for ``pad_token_id``: that search breaks when pad == eos and is
-meaningless in a packed row. Naive equivalent: the HF ``*ForSequenceClassification`` forward on
-one unpadded sequence, ``model(input_ids).logits[0, 0]``; ``tests/test_executor_reward.py``
-asserts they agree.
+The implementation lives in ``worker.executor.pooling``; this module only re-exports it.
 """
 
-from __future__ import annotations
+from worker.executor.pooling import (
+    HiddenStateRewardAdapter,
+    RewardAdapter,
+    RewardOutput,
+    SequenceClassificationAdapter,
+    ValueHeadAdapter,
+)
 
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
-
-import torch
-from torch import nn
-
-from worker.errors import ConfigError
-from worker.packing import ForwardBatch, gather_flat
-
-
-@dataclass
-class RewardOutput:
-    """What an adapter returns for one batch, in batch order."""
-
-    rewards: torch.Tensor  # [B] float32
-    token_scores: list[torch.Tensor] | None = None  # B x [L_i] float32, when token_level
-
-
-@runtime_checkable
-class RewardAdapter(Protocol):
-    """Turns one forward batch into one reward per sequence (and optionally one per token).
-
-    ``token_level``: when true, the adapter also returns a score for every token of every
-    sequence (``RewardOutput.token_scores``); the executor hands them out as
-    ``SequenceScore.token_scores``.
-    """
-
-    token_level: bool
-
-    def __call__(self, model: nn.Module, batch: ForwardBatch) -> RewardOutput:
-        """Run ``model`` on ``batch`` (``use_cache=False``) and pool the rewards."""
-        ...
-
-
-@runtime_checkable
-class HiddenStateRewardAdapter(RewardAdapter, Protocol):
-    """A ``RewardAdapter`` that can also pool hidden states the executor already has.
-
-    When one model serves both surfaces (``mode="both"``, reward through an adapter on the
-    reference model), the executor runs that model's backbone once and hands the hidden states to
-    ``from_hidden`` instead of calling the adapter (which would run the backbone a second time).
-    """
-
-    def from_hidden(
-        self, model: nn.Module, batch: ForwardBatch, hidden: torch.Tensor
-    ) -> RewardOutput:
-        """Pool rewards from ``hidden`` ``[R, T, H]`` = ``backbone_hidden(model, batch)``."""
-        ...
-
-
-def backbone_of(model: nn.Module) -> nn.Module:
-    """The transformer body of a transformers model (``model.base_model``), else ``model``."""
-    base = getattr(model, "base_model", None)
-    return base if isinstance(base, nn.Module) else model
-
-
-def backbone_hidden(model: nn.Module, batch: ForwardBatch) -> torch.Tensor:
-    """Last hidden states ``[R, T, H]`` of ``model``'s backbone, one ``use_cache=False`` forward."""
-    out = backbone_of(model)(
-        input_ids=batch.input_ids,
-        position_ids=batch.position_ids,
-        attention_mask=batch.attention_mask,
-        use_cache=False,
-    )
-    hidden = getattr(out, "last_hidden_state", None)
-    if hidden is None:
-        hidden = out[0]
-    return hidden  # [R, T, H]
-
-
-def token_index(batch: ForwardBatch) -> torch.Tensor:
-    """Flat indices of every real token of every sequence, batch order, ``[sum L]``."""
-    offsets = torch.repeat_interleave(batch.starts, batch.lengths)  # [S]
-    firsts = torch.repeat_interleave(
-        torch.cumsum(batch.lengths, 0) - batch.lengths, batch.lengths
-    )  # [S]
-    return offsets + torch.arange(offsets.numel(), device=offsets.device) - firsts  # [S]
-
-
-def _as_head_input(hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
-    """``hidden`` on the head's device and dtype (a value head may be kept in float32)."""
-    param = next(head.parameters(), None)
-    if param is None:
-        return hidden
-    return hidden.to(device=param.device, dtype=param.dtype)
-
-
-class HeadAdapter:
-    """Backbone hidden states -> a ``[H] -> [1]`` head, read at each sequence's last token."""
-
-    def __init__(self, token_level: bool = False) -> None:
-        self.token_level = token_level
-
-    def head(self, model: nn.Module) -> nn.Module:
-        """The scalar head to apply on hidden states ``[N, H] -> [N, 1]``."""
-        raise NotImplementedError
-
-    def __call__(self, model: nn.Module, batch: ForwardBatch) -> RewardOutput:
-        return self.from_hidden(model, batch, backbone_hidden(model, batch))
-
-    def from_hidden(
-        self, model: nn.Module, batch: ForwardBatch, hidden: torch.Tensor
-    ) -> RewardOutput:
-        """Rewards (and token scores) from the backbone's hidden states ``[R, T, H]``."""
-        head = self.head(model)
-        last = _as_head_input(gather_flat(hidden, batch.last_index), head)  # [B, H]
-        rewards = head(last).float().reshape(len(batch.seq_ids), -1)[:, 0]  # [B]
-        token_scores = None
-        if self.token_level:
-            every = _as_head_input(gather_flat(hidden, token_index(batch)), head)  # [S, H]
-            flat = head(every).float().reshape(every.shape[0], -1)[:, 0]  # [S]
-            token_scores = list(torch.split(flat, batch.lengths.tolist()))
-        return RewardOutput(rewards=rewards, token_scores=token_scores)
-
-
-class SequenceClassificationAdapter(HeadAdapter):
-    """Default adapter for ``*ForSequenceClassification`` models with ``num_labels == 1``.
-
-    Uses the model's own head (``score``, or ``classifier`` for architectures that name it so).
-    """
-
-    HEAD_NAMES = ("score", "classifier")
-
-    def head(self, model: nn.Module) -> nn.Module:
-        for name in self.HEAD_NAMES:
-            head = getattr(model, name, None)
-            if isinstance(head, nn.Module):
-                return head
-        raise ConfigError(
-            f"{type(model).__name__} has no reward head ({' / '.join(self.HEAD_NAMES)}); "
-            "pass a reward_adapter for this model"
-        )
-
-    @staticmethod
-    def check(model: nn.Module) -> None:
-        """Raise ``ConfigError`` unless ``model`` is a single-label sequence classifier."""
-        config: Any = getattr(model, "config", None)
-        labels = getattr(config, "num_labels", None)
-        if labels != 1:
-            raise ConfigError(
-                f"reward model {type(model).__name__} has num_labels={labels}; a scalar reward "
-                "head needs num_labels=1 (or pass a reward_adapter)"
-            )
-        SequenceClassificationAdapter().head(model)
-
-
-class ValueHeadAdapter(HeadAdapter):
-    """A separate value head (e.g. ``nn.Linear(H, 1)``) on any model's backbone.
-
-    Works with a bare ``*Model``, a ``*ForCausalLM`` (so one model can serve both log-probs and
-    rewards), or anything whose ``base_model`` returns ``last_hidden_state``.
-    """
-
-    def __init__(self, value_head: nn.Module, token_level: bool = False) -> None:
-        super().__init__(token_level=token_level)
-        self.value_head = value_head
-
-    def head(self, model: nn.Module) -> nn.Module:
-        param = next(model.parameters(), None)
-        if param is not None:
-            self.value_head.to(param.device)  # no-op when already there
-        return self.value_head
+__all__ = [
+    "HiddenStateRewardAdapter",
+    "RewardAdapter",
+    "RewardOutput",
+    "SequenceClassificationAdapter",
+    "ValueHeadAdapter",
+]

@@ -152,7 +152,7 @@ def test_slow_batch_longer_than_claim_idle(
 ) -> None:
     """A noop worker whose every batch takes 2.5x the claim idle time: its leases are renewed,
     so a second worker never steals the entries (no duplicates) and nothing is lost."""
-    from worker.noop import NoopScorer
+    from worker.scorer.noop import NoopScorer
 
     _, templates, _ = model_and_expected
     fleet = Fleet(

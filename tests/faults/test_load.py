@@ -35,7 +35,7 @@ IN_FLIGHT = 128  # per producer
 
 @pytest.mark.timeout(900)
 def test_load_nothing_lost(tmp_path: Path, faults_full: bool) -> None:
-    from worker.noop import NoopScorer
+    from worker.scorer.noop import NoopScorer
 
     total = int(os.environ.get("SCORING_LOAD_JOBS", 20_000 if faults_full else 2_000))
     templates = harness.make_templates(16, vocab=1000, seed=3)

@@ -11,9 +11,9 @@ import argparse
 import importlib
 
 SUITES = {
-    "executor": "worker.bench",
-    "e2e": "worker.bench_e2e",
-    "capacity": "worker.capacity",
+    "executor": "worker.devtools.bench",
+    "e2e": "worker.devtools.bench_e2e",
+    "capacity": "worker.devtools.capacity",
 }
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.commands._options import add_redis_args, redis_settings
-from worker.embedded import free_port
+from worker.devtools.embedded import free_port
 
 TINY = "tiny"
 
@@ -86,7 +86,7 @@ def build_tiny_model(directory: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from worker.samples import ByteTokenizer
+    from worker.devtools.samples import ByteTokenizer
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -105,7 +105,7 @@ def build_tiny_model(directory: Path) -> None:
 
 def load_tokenizer(model: str, gguf_file: str | None) -> Any:
     """The model's tokenizer (GGUF files carry theirs)."""
-    from worker.loading import load_tokenizer as _load
+    from worker.executor.loading import load_tokenizer as _load
 
     return _load(model, gguf_file=gguf_file)
 
@@ -239,7 +239,7 @@ def score_samples(
 def run(args: argparse.Namespace) -> int:
     """Run the demo; 0 when every sample was scored."""
     from worker.client import ScoringClient
-    from worker.samples import ByteTokenizer, build_samples
+    from worker.devtools.samples import ByteTokenizer, build_samples
 
     workdir = Path(tempfile.mkdtemp(prefix="scoring-demo-"))
     server = None
@@ -276,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
             url = args.redis_url
             print(f"redis: {redis_settings(args).redacted_url}")
         else:
-            from worker.embedded import EmbeddedRedis
+            from worker.devtools.embedded import EmbeddedRedis
 
             server = EmbeddedRedis().start()
             url = server.url

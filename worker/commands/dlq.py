@@ -19,7 +19,7 @@ import redis
 
 from worker.commands._options import add_queue_args, add_redis_args, redis_settings
 from worker.connections import connect
-from worker.queue_admin import DeadLetterEntry, dlq_counts, dlq_list, dlq_purge, dlq_replay
+from worker.streams.admin import DeadLetterEntry, dlq_counts, dlq_list, dlq_purge, dlq_replay
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

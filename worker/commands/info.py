@@ -12,7 +12,7 @@ import redis
 
 from worker.commands._options import add_queue_args, add_redis_args, redis_settings
 from worker.connections import connect
-from worker.queue_admin import queue_info
+from worker.streams.admin import queue_info
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

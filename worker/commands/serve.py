@@ -222,7 +222,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="run N supervised worker processes",
     )
     o.add_argument("--gpus", default=env_get("GPUS"), help="'all' or '0,1': one worker per GPU")
-    from worker.supervisor import add_arguments as add_supervisor_arguments
+    from worker.daemon.supervisor import add_arguments as add_supervisor_arguments
 
     add_supervisor_arguments(parser)  # restart policy flags of --replicas/--gpus
 
@@ -291,7 +291,7 @@ def limits_from_args(args: argparse.Namespace) -> Limits:
 def build_scorer(args: argparse.Namespace) -> Any:
     """The noop scorer or a loaded ``StatelessExecutor``."""
     if args.scorer == "noop":
-        from worker.noop import NoopScorer
+        from worker.scorer.noop import NoopScorer
 
         return NoopScorer(delay_ms=args.noop_delay_ms)
     if not (args.reference_model or args.reward_model):
@@ -326,7 +326,7 @@ def reward_adapter_from_args(args: argparse.Namespace) -> Any:
     token_level = bool(getattr(args, "reward_token_scores", False))
     spec = getattr(args, "reward_adapter", None)
     if not spec:
-        from worker.pooling import SequenceClassificationAdapter
+        from worker.executor.pooling import SequenceClassificationAdapter
 
         return SequenceClassificationAdapter(token_level=token_level)
     module_name, sep, attr = spec.partition(":")
@@ -362,14 +362,14 @@ def run(args: argparse.Namespace) -> int:
     """Load the model once, then serve until drained/stopped."""
     if args.replicas is not None or args.gpus is not None:
         try:
-            from worker.supervisor import supervise
+            from worker.daemon.supervisor import supervise
         except ImportError as exc:
-            msg = f"--replicas/--gpus need worker.supervisor, not available: {exc}"
+            msg = f"--replicas/--gpus need worker.daemon.supervisor, not available: {exc}"
             raise SystemExit(msg) from exc
         return int(supervise(args))
     from worker.daemon import Worker
-    from worker.health import HealthServer, HealthState
-    from worker.metrics import WorkerMetrics
+    from worker.observability.health import HealthServer, HealthState
+    from worker.observability.metrics import WorkerMetrics
 
     config = worker_config(args)
     settings = RedisSettings(

@@ -16,8 +16,8 @@ from typing import Any
 import redis
 
 from worker import streams
-from worker.health import HealthState
-from worker.metrics import WorkerMetrics
+from worker.observability.health import HealthState
+from worker.observability.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 

@@ -6,14 +6,28 @@ Plain dataclasses with no torch import, shared by the executor and the no-op sco
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 if TYPE_CHECKING:
-    from worker.backends import FallbackEvent
     from worker.errors import ScoringError
+
+
+@dataclass
+class FallbackEvent:
+    """One attention-backend fallback: what was asked, what ran, and why."""
+
+    requested: str
+    used: str
+    reason: str  # not_installed | unsupported_dtype | unsupported_device | kernel_error | ...
+    message: str
+    at: Literal["load", "run"]
+
+    def as_dict(self) -> dict[str, str]:
+        """Plain dict (for ``info`` and result metadata)."""
+        return asdict(self)
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Benchmark: the naive in-trainer log-prob computation vs the executor, side by side.
 
-``python -m worker.bench [--quick] [--json PATH]`` (= ``scoring-worker bench --suite executor``)
+``python -m worker.devtools.bench [--quick] [--json PATH]``
+(= ``scoring-worker bench --suite executor``)
 prints a table and writes a JSON dict of rows
 (``{"rows": {name: {...}}, "meta": {...}}``) so other components can add rows (e.g. end to end).
 
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
-from worker.memory import peak_rss_bytes
+from worker.executor.memory import peak_rss_bytes
 
 SEED = 1234
 DENSE: dict[str, Any] = {"vocab": 128_256, "batch": 4, "length": 1024, "scored": 512}
@@ -269,8 +270,10 @@ def format_table(doc: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m worker.bench`` / ``scoring-worker bench``."""
-    parser = argparse.ArgumentParser(prog="worker.bench", description=__doc__.splitlines()[0])
+    """Entry point of ``python -m worker.devtools.bench`` / ``scoring-worker bench``."""
+    parser = argparse.ArgumentParser(
+        prog="worker.devtools.bench", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--quick", action="store_true", help="fewer sequences, one repetition")
     parser.add_argument("--json", default="bench-results.json", help="where to write the rows")
     args = parser.parse_args(argv)

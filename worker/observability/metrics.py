@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 if TYPE_CHECKING:
-    from worker.health import HealthState
+    from worker.observability.health import HealthState
 
 # Buckets sized for GPU batches: milliseconds to minutes.
 SECONDS_BUCKETS = (

@@ -1,6 +1,6 @@
 """End-to-end benchmark: the same ragged jobs through Redis and one worker vs in-process.
 
-``python -m worker.bench_e2e [--quick] [--redis-url URL] [--json PATH]`` (also
+``python -m worker.devtools.bench_e2e [--quick] [--redis-url URL] [--json PATH]`` (also
 ``scoring-worker bench --suite e2e``). Without ``--redis-url`` an embedded Valkey is started.
 
 1. A tiny Llama (the worst case for queue overhead: the forward is cheap, so any per-job cost of
@@ -257,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = None
     url = args.redis_url
     if url is None:
-        from worker.embedded import EmbeddedRedis
+        from worker.devtools.embedded import EmbeddedRedis
 
         server = EmbeddedRedis().start()
         url = server.url

@@ -1,10 +1,10 @@
 """The stateless scoring executor: ragged sequences in, log-probs and/or rewards out.
 
 One ``use_cache=False`` forward per batch under ``torch.inference_mode()``; completion-only,
-vocab-chunked log-probs (``worker.logprobs``); reward pooling at each sequence's true last token
-(``worker.pooling``); padding-free packing with a padded fallback (``worker.packing``); attention
-backend fallback (``worker.backends``); KV-output rejection; CUDA OOM splitting. The contract is
-written down in ``docs/executor.md``.
+vocab-chunked log-probs (``logprobs``); reward pooling at each sequence's true last token
+(``pooling``); padding-free packing with a padded fallback (``packing``); attention backend
+fallback (``backends``); KV-output rejection; CUDA OOM splitting. The contract is written down
+in ``docs/executor.md``.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from worker import backends
-from worker.backends import FallbackEvent
 from worker.errors import (
     AttentionBackendError,
     BadRequest,
@@ -34,18 +32,17 @@ from worker.errors import (
     TooLong,
     UnsupportedMode,
 )
-from worker.inputs import PreparedSequence, SequenceInput, is_int, prepare_sequence
-from worker.kvcache import cache_outputs, tensors_in
-from worker.loading import load_model, resolve_device, resolve_dtype
-from worker.logprobs import chunked_token_logps, logit_transform_for, naive_token_logps
-from worker.memory import (
+from worker.executor import backends
+from worker.executor.kvcache import cache_outputs, tensors_in
+from worker.executor.loading import load_model, resolve_device, resolve_dtype
+from worker.executor.logprobs import chunked_token_logps, logit_transform_for, naive_token_logps
+from worker.executor.memory import (
     device_total_bytes,
     free_device_memory,
     read_peak,
     reset_peak,
 )
-from worker.outputs import BatchMetrics, ScoreOutput, SequenceScore
-from worker.packing import (
+from worker.executor.packing import (
     ForwardBatch,
     gather_flat,
     pack_rows,
@@ -54,7 +51,7 @@ from worker.packing import (
     plan_packed_forwards,
     plan_padded,
 )
-from worker.pooling import (
+from worker.executor.pooling import (
     HiddenStateRewardAdapter,
     RewardAdapter,
     RewardOutput,
@@ -62,6 +59,8 @@ from worker.pooling import (
     backbone_hidden,
     backbone_of,
 )
+from worker.scorer.inputs import PreparedSequence, SequenceInput, is_int, prepare_sequence
+from worker.scorer.outputs import BatchMetrics, FallbackEvent, ScoreOutput, SequenceScore
 
 __all__ = [
     "BatchMetrics",

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from worker.errors import BadRequest, TooLong, UnsupportedMode
-from worker.inputs import SequenceInput
-from worker.outputs import BatchMetrics, ScoreOutput, SequenceScore
+from worker.scorer.inputs import SequenceInput
+from worker.scorer.outputs import BatchMetrics, ScoreOutput, SequenceScore
 
 __all__ = ["NoopScorer", "ScoreOutput", "SequenceInput", "SequenceScore"]
 

@@ -1,7 +1,7 @@
 """The worker daemon: read jobs from Redis Streams, batch them, score, write results, ack.
 
 One loop in the main thread (read -> decode/validate -> batch under the token budget -> score ->
-write results and ack), a lease thread (``worker.leases``) that keeps in-flight entries owned
+write results and ack), a lease thread (``worker.daemon.leases``) that keeps in-flight entries owned
 while a batch runs, periodic reclaim of entries whose consumer died, dead-lettering past
 ``max_deliveries``, graceful drain on SIGTERM/SIGINT and reconnects when Redis goes away.
 Commands on the wire live in ``worker.streams``; this module is the logic around them.
@@ -26,10 +26,10 @@ import redis
 from worker import streams
 from worker.config import RedisSettings, WorkerConfig
 from worker.connections import connect
-from worker.health import HealthServer, HealthState
+from worker.daemon.leases import InFlight, LeaseKeeper
 from worker.keys import dead_letter_stream
-from worker.leases import InFlight, LeaseKeeper
-from worker.metrics import WorkerMetrics
+from worker.observability.health import HealthServer, HealthState
+from worker.observability.metrics import WorkerMetrics
 from worker.protocol import Job, Result
 
 log = logging.getLogger(__name__)
@@ -452,7 +452,7 @@ class Worker:
     # ----------------------------------------------------------------- decode and validate
     def _prepare(self, entries: list[streams.Entry], outbox: Outbox) -> int:
         """Decode and validate entries: good jobs join the backlog, bad ones get results."""
-        from worker.jobs import prepare_entry
+        from worker.daemon.jobs import prepare_entry
 
         for entry in entries:
             if entry.deliveries > 1:
@@ -492,7 +492,7 @@ class Worker:
         return batch
 
     def _run_batch(self, batch: list[Pending]) -> None:
-        from worker.jobs import score_batch
+        from worker.daemon.jobs import score_batch
 
         outbox = Outbox()
         self.batch_started_s = time.monotonic()
@@ -512,7 +512,7 @@ class Worker:
     # ----------------------------------------------------------------- writing
     def _flush(self, outbox: Outbox) -> None:
         """Write results and dead letters (retrying while Redis is away), then forget them."""
-        from worker.jobs import flush_outbox
+        from worker.daemon.jobs import flush_outbox
 
         while True:
             try:

@@ -13,12 +13,13 @@ import importlib.util
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
+
+from worker.scorer.outputs import FallbackEvent
 
 CHAIN: tuple[str, ...] = ("flash_attention_2", "sdpa", "eager")
 # Backends whose transformers 5 integration isolates sequences packed in one row from
@@ -34,21 +35,6 @@ _KERNEL_FILES = (
     "modeling_flash_attention_utils.py",
     os.path.join("flash_attn", ""),
 )
-
-
-@dataclass
-class FallbackEvent:
-    """One attention-backend fallback: what was asked, what ran, and why."""
-
-    requested: str
-    used: str
-    reason: str  # not_installed | unsupported_dtype | unsupported_device | kernel_error | ...
-    message: str
-    at: Literal["load", "run"]
-
-    def as_dict(self) -> dict[str, str]:
-        """Plain dict (for ``info`` and result metadata)."""
-        return asdict(self)
 
 
 def chain_for(requested: str, device: torch.device, dtype: torch.dtype) -> list[str]:

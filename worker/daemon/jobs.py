@@ -16,7 +16,6 @@ import redis
 from worker import streams
 from worker.daemon import Outbox, Pending, job_info, load_fallbacks, seq_inputs
 from worker.errors import KVCacheRejected, ProtocolError, ScoringError
-from worker.inputs import SequenceInput
 from worker.protocol import (
     Result,
     SeqResult,
@@ -25,6 +24,7 @@ from worker.protocol import (
     error_result,
     peek_envelope,
 )
+from worker.scorer.inputs import SequenceInput
 
 if TYPE_CHECKING:
     from worker.daemon import Worker
