@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.daemon_support import WorkerProc, add_dead_letter, wait_until
+from tests.support.daemon import WorkerProc, add_dead_letter, wait_until
 from worker import keys, protocol
 from worker.cli import main
 from worker.client import DeadLetterError, ScoringClient

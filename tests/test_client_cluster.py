@@ -10,7 +10,7 @@ from array import array
 import pytest
 import redis
 
-from tests.cluster_fixtures import ClusterInfo, redis_cluster  # noqa: F401 - fixture
+from tests.support.cluster import ClusterInfo, redis_cluster  # noqa: F401 - fixture
 from worker import keys, protocol
 from worker.client import ScoringClient
 from worker.streams import admin as queue_admin

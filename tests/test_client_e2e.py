@@ -15,7 +15,7 @@ import pytest
 import redis
 from test_client_support import OutstandingSampler
 
-from tests.daemon_support import WorkerProc
+from tests.support.daemon import WorkerProc
 from worker import keys
 from worker.client import (
     BadRequestError,
@@ -40,7 +40,7 @@ def llama_worker(
     machine_redis_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, str, str]]:
     """(redis url, queue, model dir) with a reference-only worker serving a tiny Llama."""
-    from tests.conftest_models import tiny_causal
+    from tests.support.models import tiny_causal
 
     root = tmp_path_factory.mktemp("e2e")
     tiny_causal("llama", seed=0).save_pretrained(root / "ref")

@@ -13,7 +13,7 @@ import pytest
 import redis
 from test_client_support import outstanding
 
-from tests.daemon_support import WorkerProc, enqueue, wait_until
+from tests.support.daemon import WorkerProc, enqueue, wait_until
 from worker import keys, protocol
 from worker.client import JobSpec, ScoreResult, ScoringClient, ScoringTimeout
 from worker.client.aio import AsyncScoringClient

@@ -8,8 +8,8 @@ import uuid
 
 import pytest
 
-from tests.cluster_fixtures import ClusterInfo, redis_cluster
-from tests.daemon_support import add_dead_letter
+from tests.support.cluster import ClusterInfo, redis_cluster
+from tests.support.daemon import add_dead_letter
 from worker import keys
 from worker.cli import main
 

@@ -10,7 +10,7 @@ import uuid
 import pytest
 from prometheus_client import CollectorRegistry
 
-from tests.cluster_fixtures import ClusterInfo, redis_cluster
+from tests.support.cluster import ClusterInfo, redis_cluster
 from worker import keys
 from worker.config import RedisSettings, WorkerConfig
 from worker.protocol import decode_result, encode_job

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from redis.crc import key_slot
 
-from tests.cluster_fixtures import ClusterInfo, redis_cluster
-from tests.daemon_support import ROOT, WorkerProc, wait_until
+from tests.support.cluster import ClusterInfo, redis_cluster
+from tests.support.daemon import ROOT, WorkerProc, wait_until
 from worker import keys
 from worker.protocol import peek_envelope
 
@@ -35,7 +35,7 @@ PARTITIONS = 4
 @pytest.fixture(scope="module")
 def ref_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny Llama saved to a directory."""
-    from tests.conftest_models import tiny_causal
+    from tests.support.models import tiny_causal
 
     path = tmp_path_factory.mktemp("models") / "ref"
     tiny_causal("llama", seed=0).save_pretrained(path)
@@ -65,7 +65,7 @@ def _pending(cluster_client: Any, streams: list[str], consumer: str) -> list[tup
 
 
 def _seqs(i: int) -> list[dict[str, Any]]:
-    from tests.conftest_models import random_tokens
+    from tests.support.models import random_tokens
 
     toks = random_tokens(12 + i % 9, seed=1000 + i)
     return [{"tokens": toks, "prompt_len": 3 + i % 4}]

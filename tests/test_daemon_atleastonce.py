@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import redis
-from daemon_support import ROOT, collect, enqueue, wait_until
 from faults.servers import RedisServer, have_redis_server
 from prometheus_client import CollectorRegistry
 
+from tests.support.daemon import ROOT, collect, enqueue, wait_until
 from worker import keys
 from worker.config import RedisSettings, WorkerConfig
 from worker.daemon import Worker
@@ -136,7 +136,7 @@ def test_a_job_that_crashes_the_worker_does_not_take_its_batch_with_it(
     for attempt in range(12):
         log = open(tmp_path / f"w{attempt}.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "crash_worker.py"), redis_url, stream,
+            [sys.executable, str(ROOT / "tests" / "support" / "crash_worker.py"), redis_url, stream,
              f"w{attempt}", "400", "4"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
         )  # fmt: skip
         try:

@@ -15,7 +15,7 @@ import msgpack
 import pytest
 import redis
 
-from tests.daemon_support import (
+from tests.support.daemon import (
     WorkerProc,
     collect,
     enqueue,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import redis
 
-from tests.daemon_support import WorkerProc, collect, enqueue, metric, wait_until
+from tests.support.daemon import WorkerProc, collect, enqueue, metric, wait_until
 from worker import keys
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.redis, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """A tiny Llama and a tiny Llama reward model (num_labels=1) saved to directories."""
-    from tests.conftest_models import tiny_causal, tiny_reward
+    from tests.support.models import tiny_causal, tiny_reward
 
     root = tmp_path_factory.mktemp("models")
     ref, rew = root / "ref", root / "rew"
@@ -29,7 +29,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 
 def _jobs() -> list[tuple[str, str, list[dict], float]]:
     """(id, mode, seqs, temperature): every mode, prompt_len and mask, ragged lengths."""
-    from tests.conftest_models import random_tokens
+    from tests.support.models import random_tokens
 
     out = []
     for i in range(9):

@@ -9,7 +9,7 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from tests.daemon_support import collect, enqueue
+from tests.support.daemon import collect, enqueue
 from worker import keys
 from worker.config import RedisSettings, WorkerConfig
 from worker.daemon import Worker

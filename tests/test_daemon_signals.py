@@ -91,8 +91,8 @@ def test_drain_deadline_ends_a_worker_stuck_in_a_batch(
     import threading
 
     import redis
-    from daemon_support import enqueue
 
+    from tests.support.daemon import enqueue
     from worker import keys
 
     exits: list[int] = []

@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest_models import random_tokens, tiny_causal
 from transformers.modeling_utils import AttentionInterface
 
+from tests.support.models import random_tokens, tiny_causal
 from worker.errors import AttentionBackendError, InternalError
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
 from worker.executor.backends import FallbackEvent, is_attention_kernel_error

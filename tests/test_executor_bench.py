@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest_models import random_tokens, tiny_causal
 
+from tests.support.models import random_tokens, tiny_causal
 from worker.commands import bench as bench_command
 from worker.devtools import bench
 from worker.devtools.bench import format_table, naive_logps, ragged_inputs

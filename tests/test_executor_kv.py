@@ -6,9 +6,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest_models import random_tokens, tiny_causal
 from transformers.cache_utils import DynamicCache
 
+from tests.support.models import random_tokens, tiny_causal
 from worker.errors import KVCacheRejected
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
 

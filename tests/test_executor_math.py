@@ -7,8 +7,8 @@ import array
 import numpy as np
 import pytest
 import torch
-from conftest_models import ARCHS, random_tokens, tiny_causal
 
+from tests.support.models import ARCHS, random_tokens, tiny_causal
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
 
 LENGTHS = (12, 30, 5, 19, 2)

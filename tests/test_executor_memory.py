@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest_models import random_tokens, tiny_causal
 
+from tests.support.models import random_tokens, tiny_causal
 from worker import executor as executor_module
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor, memory
 

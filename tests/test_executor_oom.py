@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from conftest_models import random_tokens, tiny_causal
 
+from tests.support.models import random_tokens, tiny_causal
 from worker.errors import TooLong
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
 

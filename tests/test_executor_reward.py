@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest_models import random_tokens, tiny_backbone, tiny_causal, tiny_reward
 
+from tests.support.models import random_tokens, tiny_backbone, tiny_causal, tiny_reward
 from worker.errors import ConfigError
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
 from worker.executor.pooling import ValueHeadAdapter

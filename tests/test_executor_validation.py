@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest_models import VOCAB, random_tokens, tiny_causal, tiny_reward
 
+from tests.support.models import VOCAB, random_tokens, tiny_causal, tiny_reward
 from worker.errors import BadRequest, ConfigError, TooLong, UnsupportedMode
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
 

@@ -20,8 +20,8 @@ import msgpack
 import pytest
 import redis
 
-from tests.daemon_support import WorkerProc, wait_until
 from tests.faults.servers import RedisServer, have_redis_server
+from tests.support.daemon import WorkerProc, wait_until
 from worker import keys, protocol
 from worker.protocol import encode_job
 

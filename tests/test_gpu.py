@@ -10,8 +10,8 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
-from conftest_models import random_tokens, tiny_causal
 
+from tests.support.models import random_tokens, tiny_causal
 from worker.errors import TooLong
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from tests.daemon_support import enqueue
+from tests.support.daemon import enqueue
 from worker import keys
 from worker.cli import JsonFormatter, build_parser, main
 

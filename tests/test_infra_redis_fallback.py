@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon_support import ROOT
+from tests.support.daemon import ROOT
 from worker.devtools.embedded import free_port
 
 PROBE = """

@@ -28,7 +28,7 @@ import redis
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.daemon_support import WorkerProc, collect, enqueue, wait_until
+from tests.support.daemon import WorkerProc, collect, enqueue, wait_until
 from tests.test_ops_promql import (
     ALERTS,
     TARGET_LABELS,

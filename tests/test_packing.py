@@ -89,7 +89,7 @@ def test_pack_rows_isolates_tails_and_maps_starts() -> None:
 def test_packed_rows_match_per_sequence_logits_in_transformers(impl: str) -> None:
     """The packed layout (one row, position_ids restarting per sequence) isolates sequences in
     transformers' sdpa, eager and flex_attention paths (flex compiles on CPU: tens of seconds)."""
-    from conftest_models import random_tokens, tiny_causal
+    from tests.support.models import random_tokens, tiny_causal
 
     model = tiny_causal("llama")
     model.set_attn_implementation(impl)

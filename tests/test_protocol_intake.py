@@ -17,7 +17,7 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from tests.daemon_support import WorkerProc, collect, pending_of, wait_until
+from tests.support.daemon import WorkerProc, collect, pending_of, wait_until
 from worker import keys
 from worker.config import RedisSettings, WorkerConfig
 from worker.daemon import Worker

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import redis
-from daemon_support import kill9_reclaim_scenario, wait_until
 
+from tests.support.daemon import kill9_reclaim_scenario, wait_until
 from worker import keys, streams
 from worker.devtools.embedded import free_port
 

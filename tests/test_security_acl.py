@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.daemon_support import WorkerProc, wait_until
 from tests.faults.servers import RedisServer, have_redis_server
+from tests.support.daemon import WorkerProc, wait_until
 from worker import keys
 from worker.client import ScoringClient
 

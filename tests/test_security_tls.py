@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.daemon_support import WorkerProc
 from tests.faults.servers import RedisServer, have_redis_server
+from tests.support.daemon import WorkerProc
 from worker.client import ScoringClient
 from worker.config import RedisSettings
 from worker.connections import connect

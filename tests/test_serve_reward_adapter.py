@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest_models import random_tokens, tiny_reward
 
+from tests.support.models import random_tokens, tiny_reward
 from worker.cli import build_parser
 from worker.commands.serve import build_scorer
 from worker.errors import ConfigError

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from tests.cluster_fixtures import ClusterInfo, redis_cluster  # noqa: F401 - fixture
+from tests.support.cluster import ClusterInfo, redis_cluster  # noqa: F401 - fixture
 from worker import keys, streams
 from worker.keys import same_slot
 

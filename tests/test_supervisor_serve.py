@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.daemon_support import ROOT, collect, enqueue, wait_until
+from tests.support.daemon import ROOT, collect, enqueue, wait_until
 from worker import keys
 
 pytestmark = pytest.mark.redis

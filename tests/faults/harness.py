@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import redis
 
-from tests.daemon_support import WorkerProc
 from tests.faults.servers import RedisServer
+from tests.support.daemon import WorkerProc
 from worker import keys
 from worker.client import ScoringClient, ScoringTimeout
 from worker.protocol import Result

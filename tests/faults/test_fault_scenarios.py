@@ -33,7 +33,7 @@ def model_and_expected(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[str, list[harness.Template], list]:
     """A tiny Llama saved to disk, job templates, and the in-process executor's scores."""
-    from tests.conftest_models import VOCAB, tiny_causal
+    from tests.support.models import VOCAB, tiny_causal
     from worker.executor import ExecutorConfig, StatelessExecutor
 
     model_dir = tmp_path_factory.mktemp("fault-model")

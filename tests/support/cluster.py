@@ -1,6 +1,6 @@
 """A real 3-primary Redis Cluster on free ports, started once per test session that asks for it.
 
-Import the fixture into a test module with ``from tests.cluster_fixtures import redis_cluster``
+Import the fixture into a test module with ``from tests.support.cluster import redis_cluster``
 (pytest finds fixtures imported into a module); every module importing it shares the one cluster.
 Needs ``redis-server`` and ``redis-cli`` on PATH; skips otherwise.
 """

@@ -20,7 +20,7 @@ import redis
 from worker import keys
 from worker.protocol import Result, decode_result, encode_job
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def wait_until(

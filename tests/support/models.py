@@ -1,6 +1,6 @@
 """Tiny random transformers models built from configs with a fixed seed (plain functions).
 
-Tests import these directly (``from tests.conftest_models import tiny_causal``); nothing here is
+Tests import these directly (``from tests.support.models import tiny_causal``); nothing here is
 a pytest fixture so the lead's ``tests/conftest.py`` stays the only conftest.
 """
 

@@ -1,5 +1,6 @@
 """A worker whose scorer ends the process (like a segfault or a fatal CUDA error) when a batch
-holds token 13: ``python tests/crash_worker.py URL STREAM CONSUMER CLAIM_IDLE_MS MAX_DELIVERIES``.
+holds token 13:
+``python tests/support/crash_worker.py URL STREAM CONSUMER CLAIM_IDLE_MS MAX_DELIVERIES``.
 
 Used by ``test_daemon_atleastonce.py`` to show that a job that crashes the worker cannot take
 its batch-mates with it to the dead-letter stream."""

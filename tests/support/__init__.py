@@ -1,0 +1,7 @@
+"""Helpers shared by the tests, imported one way: ``from tests.support.<module> import ...``.
+
+- ``models``: tiny transformers models built from configs with a fixed seed, the SmolLM2 GGUF.
+- ``daemon``: subprocess workers, enqueue/collect helpers, waiting.
+- ``cluster``: a local Redis Cluster fixture.
+- ``crash_worker``: a worker that dies on a marker token (run as a script).
+"""

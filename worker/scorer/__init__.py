@@ -1,0 +1,68 @@
+"""What the daemon drives: the ``Scorer`` protocol, its torch-free inputs and outputs.
+
+The executor (``worker.executor.StatelessExecutor``, torch) and the no-op scorer
+(``worker.scorer.noop.NoopScorer``) implement ``Scorer``; the daemon only ever sees this
+protocol, so it never imports torch. Nothing here imports torch or redis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from worker.modes import Mode
+from worker.scorer.inputs import SequenceInput
+from worker.scorer.outputs import BatchMetrics, FallbackEvent, ScoreOutput, SequenceScore
+
+__all__ = [
+    "BatchMetrics",
+    "FallbackEvent",
+    "ScoreOutput",
+    "Scorer",
+    "SequenceInput",
+    "SequenceScore",
+]
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """A scorer the daemon can drive: validate at intake, score a batch, describe itself."""
+
+    @property
+    def modes(self) -> tuple[Mode, ...]:
+        """The modes this scorer serves (a subset of ``worker.modes.MODES``)."""
+        ...
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """Identity of what produces the scores (model, dtype, device, backend, ...): goes into
+        every result's ``info`` and the build-info metric."""
+        ...
+
+    @property
+    def load_fallbacks(self) -> list[FallbackEvent]:
+        """Fallbacks taken while loading (attention backend, packing), oldest first."""
+        ...
+
+    def add_fallback_listener(self, callback: Callable[[FallbackEvent], None]) -> None:
+        """Call ``callback(event)`` on every run-time fallback."""
+        ...
+
+    def validate(
+        self,
+        seqs: Sequence[SequenceInput],
+        mode: Mode | None = None,
+        temperature: float | None = None,
+    ) -> None:
+        """Raise ``BadRequest`` / ``TooLong`` / ``UnsupportedMode`` if ``seqs`` cannot be scored."""
+        ...
+
+    def score(
+        self,
+        seqs: Sequence[SequenceInput],
+        *,
+        mode: Mode | None = None,
+        temperature: float | None = None,
+    ) -> ScoreOutput:
+        """Score ``seqs`` (in input order) and report what the call cost."""
+        ...
