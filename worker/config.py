@@ -15,13 +15,15 @@ from worker.errors import ConfigError
 from worker.protocol import Limits
 
 ENV_PREFIX = "SCORING_"
+#: The Redis every command, the client and the worker use when given no URL.
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 @dataclass(frozen=True)
 class RedisSettings:
     """How to reach Redis (standalone or Cluster, plain or TLS, password or ACL user)."""
 
-    url: str = "redis://127.0.0.1:6379/0"
+    url: str = DEFAULT_REDIS_URL
     cluster: bool = False
     ssl_ca_certs: str | None = None
     ssl_certfile: str | None = None
