@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.test_ops_promql import (
+from tests.support.ops import (
     ALERTS,
     DASHBOARD,
     ROOT,
@@ -636,3 +636,53 @@ def test_keda_cluster_triggers_cover_every_partition() -> None:
         assert lag["authenticationRef"]["name"] == auth["metadata"]["name"]
         slots.add(keys.hash_tag(stream))
     assert len(slots) == len(pairs)  # each partition in its own hash tag
+
+
+CI_RUN = ROOT / ".ci" / "run"
+
+
+def _run_install_prometheus(tmp_path: Path, apt_exit: int, policy_exists: bool) -> str:
+    """Run ``.ci/run``'s ``install_prometheus`` with a stub ``apt-get`` that records whether the
+    policy-rc.d forbids service starts while it runs; returns that record."""
+    text = CI_RUN.read_text()
+    func = re.search(r"^install_prometheus\(\) \{\n.*?^\}\n", text, re.M | re.S)
+    assert func, "install_prometheus() not found in .ci/run"
+    policy = tmp_path / "policy-rc.d"
+    if policy_exists:
+        policy.write_text("#!/bin/sh\nexit 0\n")
+        policy.chmod(0o755)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "apt-get"
+    stub.write_text(
+        f'#!/bin/sh\n"{policy}"; echo "$1 policy=$?" >>"{tmp_path}/record"\nexit {apt_exit}\n'
+    )
+    stub.chmod(0o755)
+    script = func.group(0) + "install_prometheus; echo rc=$? >>" + f'"{tmp_path}/record"\n'
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "POLICY_RC_D": str(policy)}
+    subprocess.run(["bash", "-c", script], env=env, check=True, timeout=30)
+    return (tmp_path / "record").read_text()
+
+
+@pytest.mark.parametrize("apt_exit", [0, 100])
+def test_ci_run_forbids_service_starts_only_during_the_prometheus_install(
+    tmp_path: Path, apt_exit: int
+) -> None:
+    record = _run_install_prometheus(tmp_path, apt_exit, policy_exists=False)
+    if apt_exit == 0:
+        assert record == "update policy=101\ninstall policy=101\nrc=0\n"
+    else:
+        assert record == f"update policy=101\nrc={apt_exit}\n"
+    assert not (tmp_path / "policy-rc.d").exists()  # we wrote it, so we removed it
+
+
+def test_ci_run_leaves_an_existing_policy_rc_d_alone(tmp_path: Path) -> None:
+    record = _run_install_prometheus(tmp_path, 0, policy_exists=True)
+    assert record == "update policy=0\ninstall policy=0\nrc=0\n"
+    assert (tmp_path / "policy-rc.d").read_text() == "#!/bin/sh\nexit 0\n"
+
+
+def test_ci_run_ends_no_process_by_name() -> None:
+    code = [line.split("#", 1)[0] for line in CI_RUN.read_text().splitlines()]
+    for word in ("pkill", "killall", "systemctl"):
+        assert not any(word in line for line in code), word
