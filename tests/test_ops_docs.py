@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
-from tests.test_ops_promql import ROOT, alert_rules
+from tests.support.ops import ROOT, alert_rules
 from worker.observability.health import HealthServer, HealthState
 from worker.observability.metrics import WorkerMetrics
 

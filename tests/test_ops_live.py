@@ -29,7 +29,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.daemon import WorkerProc, collect, enqueue, wait_until
-from tests.test_ops_promql import (
+from tests.support.ops import (
     ALERTS,
     TARGET_LABELS,
     alert_rules,

@@ -4,4 +4,6 @@
 - ``daemon``: subprocess workers, enqueue/collect helpers, waiting.
 - ``cluster``: a local Redis Cluster fixture.
 - ``crash_worker``: a worker that dies on a marker token (run as a script).
+- ``ops``: the PromQL reference extractor, the exported-series catalog, dashboard/alert readers.
+- ``architecture``: the layer rules of ``worker/`` and the import/size checker.
 """
