@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from hypothesis import settings
 
 from worker.devtools.embedded import EmbeddedRedis, free_port
 
@@ -18,6 +19,36 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 log = logging.getLogger("tests.conftest")
+
+# Hypothesis profiles, loaded here (before any test module builds its ``settings``, which inherit
+# from the loaded profile). "ci" is derandomized: every property draws from a fixed seed (a digest
+# of the test's own source), so a run that passed passes again and a CI failure replays exactly.
+# "dev" (local runs) keeps exploring new examples each run. CI=true selects "ci";
+# HYPOTHESIS_PROFILE names one explicitly ("long" is "dev" for long fuzz runs, see
+# tests/test_fuzz_protocol.py).
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("dev")
+settings.register_profile("long")
+
+
+def _hypothesis_profile() -> str:
+    named = os.environ.get("HYPOTHESIS_PROFILE", "")
+    if named:
+        return named
+    return "ci" if os.environ.get("CI", "").lower() in ("1", "true", "yes") else "dev"
+
+
+HYPOTHESIS_PROFILE = _hypothesis_profile()
+settings.load_profile(HYPOTHESIS_PROFILE)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which hypothesis profile runs, and how its seed is chosen (printed at session start)."""
+    if settings.default.derandomize:
+        seed = "derandomized: each test's seed is a digest of its source, the same every run"
+    else:
+        seed = "random seed per run (a failure prints how to reproduce it)"
+    return f"hypothesis: profile {HYPOTHESIS_PROFILE!r}, {seed}"
 
 
 def _reachable(url: str) -> bool:

@@ -6,7 +6,9 @@ by the sizes that the payload's headers claim. ``decode_result`` (producers) and
 (error addressing: never raises, agrees with ``decode_job``, reads oversized payloads) get the
 same treatment.
 
-CI runs a bounded number of examples per property. For a long run::
+CI runs a bounded number of examples per property under the derandomized hypothesis profile
+"ci" (``tests/conftest.py``: the same examples every run); local runs explore new ones each
+time. For a long run::
 
     HYPOTHESIS_PROFILE=long .venv/bin/python -m pytest tests/test_fuzz_protocol.py
     SCORING_FUZZ_EXAMPLES=50000 .venv/bin/python -m pytest tests/test_fuzz_protocol.py
@@ -26,7 +28,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from worker import protocol
@@ -133,6 +135,34 @@ def _check_all(payload: bytes) -> None:
         job = _decode_job_or_protocol_error(payload, limits)
         _check_envelope(payload, limits, job)
     _decode_result_or_protocol_error(payload)
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """``a == b`` for decoded msgpack trees, except that NaN equals NaN (at any depth): the
+    wire echoes a NaN faithfully, but ``nan == nan`` is False."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return (
+            type(a) is type(b)
+            and len(a) == len(b)
+            and all(same_value(x, y) for x, y in zip(a, b, strict=True))
+        )
+    return type(a) is type(b) and a == b
+
+
+def test_same_value_treats_nan_as_equal_and_nothing_else() -> None:
+    nan = float("nan")
+    echoed = {"": float("nan")}  # another NaN object, as the decoder returns
+    assert {"": nan} != echoed and same_value({"": nan}, echoed)
+    assert same_value([1, {"a": [nan, b"x"]}], [1, {"a": [nan, b"x"]}])
+    assert not same_value({"": nan}, {"": 0.0})
+    assert not same_value({"": 1.0}, {"": nan})
+    assert not same_value({"a": 1}, {"b": 1})
+    assert not same_value([1, 2], [1, 2, 3])
+    assert not same_value(1, True) and not same_value(1, 1.0) and not same_value("a", b"a")
 
 
 # ----------------------------------------------------------------------------- strategies
@@ -294,15 +324,28 @@ def test_mutated_valid_payloads_decode_or_protocol_error(payload: bytes) -> None
     _check_all(payload)
 
 
+def _job_with_meta(meta: Any) -> tuple[bytes, dict[str, Any]]:
+    fields: dict[str, Any] = {
+        "job_id": "j", "mode": MODES[0], "reply_to": "r",
+        "seqs": [{"tokens": [1, 2], "prompt_len": 1}],
+        "temperature": 1.0, "deadline_ms": None, "meta": meta,
+    }  # fmt: skip
+    payload = protocol.encode_job(
+        fields["job_id"], fields["mode"], fields["reply_to"], fields["seqs"], meta=meta
+    )
+    return payload, fields
+
+
 @FUZZ
 @given(valid_jobs())
+@example(_job_with_meta({"": float("nan")}))  # the NaN that once failed a fresh clone's CI
 def test_valid_jobs_round_trip_exactly(job_and_fields: tuple[bytes, dict[str, Any]]) -> None:
     payload, f = job_and_fields
     job = _decode_job_or_protocol_error(payload, protocol.DEFAULT_LIMITS)
     assert job is not None
     assert (job.id, job.mode, job.reply_to) == (f["job_id"], f["mode"], f["reply_to"])
     assert job.temperature == f["temperature"] and job.deadline_ms == f["deadline_ms"]
-    assert job.meta == f["meta"]
+    assert same_value(job.meta, f["meta"]), (job.meta, f["meta"])  # NaN in meta echoes as NaN
     for spec, seq in zip(job.seqs, f["seqs"], strict=True):
         assert list(spec.tokens) == seq["tokens"]
         assert spec.prompt_len == seq.get("prompt_len")
