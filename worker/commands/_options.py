@@ -1,19 +1,22 @@
-"""Flags shared by the producer/operator commands (``enqueue``, ``info``, ``dlq``, ``check``,
-``demo``): Redis connection, TLS, queue, partitions and group, each with a ``SCORING_*`` env
-equivalent (a flag on the command line wins)."""
+"""Flags shared by every command that talks to Redis (``serve``, ``enqueue``, ``info``, ``dlq``,
+``check``, ``demo``): the Redis connection, TLS, queue, partitions and group, each with a
+``SCORING_*`` env equivalent (a flag on the command line wins). The one definition of these
+flags: a command adds them with :func:`add_redis_args` / :func:`add_queue_args` and builds its
+``RedisSettings`` with :func:`redis_settings`."""
 
 from __future__ import annotations
 
 import argparse
 
 from worker import keys
-from worker.config import RedisSettings, env_bool, env_get
-
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+from worker.config import DEFAULT_REDIS_URL, RedisSettings, env_bool, env_get
 
 
-def add_redis_args(parser: argparse.ArgumentParser, *, url_default: str | None = None) -> None:
-    """``--redis-url``, ``--cluster`` and the TLS options."""
+def add_redis_args(
+    parser: argparse.ArgumentParser, *, url_default: str | None = DEFAULT_REDIS_URL
+) -> None:
+    """``--redis-url``, ``--cluster`` and the TLS options (``url_default`` None: the command
+    decides what no URL means, as ``demo`` does with its embedded server)."""
     g = parser.add_argument_group("redis")
     g.add_argument(
         "--redis-url",
@@ -27,42 +30,66 @@ def add_redis_args(parser: argparse.ArgumentParser, *, url_default: str | None =
         default=env_bool(env_get("CLUSTER")),
         help="talk Redis Cluster (also implied by redis+cluster://; env SCORING_CLUSTER)",
     )
-    g.add_argument("--ssl-ca-certs", default=env_get("SSL_CA_CERTS"), help="CA bundle for TLS")
-    g.add_argument("--ssl-certfile", default=env_get("SSL_CERTFILE"), help="client certificate")
-    g.add_argument("--ssl-keyfile", default=env_get("SSL_KEYFILE"), help="client key")
+    g.add_argument(
+        "--ssl-ca-certs",
+        default=env_get("SSL_CA_CERTS"),
+        help="CA bundle for rediss:// (env SCORING_SSL_CA_CERTS)",
+    )
+    g.add_argument(
+        "--ssl-certfile",
+        default=env_get("SSL_CERTFILE"),
+        help="client certificate for mutual TLS (env SCORING_SSL_CERTFILE)",
+    )
+    g.add_argument(
+        "--ssl-keyfile",
+        default=env_get("SSL_KEYFILE"),
+        help="client key for mutual TLS (env SCORING_SSL_KEYFILE)",
+    )
     g.add_argument(
         "--ssl-no-check-hostname",
         action="store_true",
         default=env_bool(env_get("SSL_NO_CHECK_HOSTNAME")),
-        help="do not verify the server certificate's hostname",
+        help="do not verify the server certificate's hostname (env SCORING_SSL_NO_CHECK_HOSTNAME)",
     )
 
 
-def add_queue_args(parser: argparse.ArgumentParser, *, group: bool = True) -> None:
-    """``--queue``, ``--partitions`` (and ``--group``)."""
+def _env_partitions() -> int:
+    raw = env_get("PARTITIONS")
+    return int(raw) if raw else 1
+
+
+def add_queue_args(
+    parser: argparse.ArgumentParser, *, group: bool = True
+) -> argparse._ArgumentGroup:
+    """``--queue``, ``--partitions`` (and ``--group``); returns the argument group so a command
+    can add its own queue flags to it (``serve``: ``--stream``, ``--consumer``, ...)."""
     q = parser.add_argument_group("queue")
     q.add_argument(
         "--queue",
         default=env_get("QUEUE", keys.DEFAULT_QUEUE),
-        help="logical queue name (env SCORING_QUEUE; default 'default')",
+        help="logical queue name; its streams are derived from it "
+        f"(env SCORING_QUEUE; default {keys.DEFAULT_QUEUE!r})",
     )
-    raw = env_get("PARTITIONS")
     q.add_argument(
         "--partitions",
         type=int,
-        default=int(raw) if raw else 1,
+        default=_env_partitions(),
         help="partition streams of the queue, as the workers use (env SCORING_PARTITIONS)",
     )
     if group:
         q.add_argument(
             "--group",
             default=env_get("GROUP", keys.DEFAULT_GROUP),
-            help="consumer group (env SCORING_GROUP; default 'scoring')",
+            help=f"consumer group (env SCORING_GROUP; default {keys.DEFAULT_GROUP!r})",
         )
+    return q
 
 
-def redis_settings(args: argparse.Namespace, url: str | None = None) -> RedisSettings:
-    """``RedisSettings`` from parsed flags (``url`` overrides ``--redis-url``)."""
+def redis_settings(
+    args: argparse.Namespace, url: str | None = None, *, client_name: str | None = None
+) -> RedisSettings:
+    """``RedisSettings`` from parsed flags (``url`` overrides ``--redis-url``; ``client_name``
+    is what ``CLIENT LIST`` shows for the connection)."""
     return RedisSettings(
         url=url or args.redis_url or DEFAULT_REDIS_URL,
         cluster=args.cluster,
@@ -70,4 +97,5 @@ def redis_settings(args: argparse.Namespace, url: str | None = None) -> RedisSet
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
         ssl_check_hostname=not args.ssl_no_check_hostname,
+        client_name=client_name,
     )

@@ -20,7 +20,7 @@ from worker.connections import connect
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the check flags."""
-    add_redis_args(parser, url_default="redis://127.0.0.1:6379/0")
+    add_redis_args(parser)
     parser.add_argument(
         "--url",
         action="append",

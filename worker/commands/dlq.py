@@ -32,7 +32,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     }
     for action, help_text in helps.items():
         p = sub.add_parser(action, help=help_text, description=help_text)
-        add_redis_args(p, url_default="redis://127.0.0.1:6379/0")
+        add_redis_args(p)
         add_queue_args(p, group=False)
         p.add_argument(
             "--partition",

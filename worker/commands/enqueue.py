@@ -29,18 +29,19 @@ from worker.client import (
 from worker.commands._options import add_queue_args, add_redis_args, redis_settings
 from worker.config import env_get
 from worker.errors import ScoringError
+from worker.modes import MODES
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the enqueue flags."""
-    add_redis_args(parser, url_default="redis://127.0.0.1:6379/0")
+    add_redis_args(parser)
     add_queue_args(parser, group=False)
     parser.add_argument("--file", required=True, help="input JSONL ('-' = stdin)")
     parser.add_argument("--out", required=True, help="output JSONL (appended; resumable)")
     parser.add_argument(
         "--mode",
         default=env_get("MODE", "reference"),
-        choices=["reference", "reward", "both"],
+        choices=MODES,
         help="default mode for lines without one",
     )
     parser.add_argument("--temperature", type=float, default=1.0)

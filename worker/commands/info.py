@@ -17,7 +17,7 @@ from worker.streams.admin import queue_info
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the info flags."""
-    add_redis_args(parser, url_default="redis://127.0.0.1:6379/0")
+    add_redis_args(parser)
     add_queue_args(parser)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 

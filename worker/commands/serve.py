@@ -16,7 +16,8 @@ import socket
 from typing import Any
 
 from worker import keys
-from worker.config import RedisSettings, WorkerConfig, env_bool, env_get
+from worker.commands._options import add_queue_args, add_redis_args, redis_settings
+from worker.config import WorkerConfig, env_bool, env_get
 from worker.errors import ConfigError
 from worker.protocol import DEFAULT_LIMITS, Limits
 
@@ -40,39 +41,13 @@ def default_consumer() -> str:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the serve flags (defaults come from ``SCORING_*`` env)."""
-    g = parser.add_argument_group("redis")
-    g.add_argument(
-        "--redis-url",
-        default=env_get("REDIS_URL", "redis://127.0.0.1:6379/0"),
-        help="redis://, rediss:// (TLS), unix://, redis+cluster:// (env SCORING_REDIS_URL)",
-    )
-    g.add_argument(
-        "--cluster",
-        action="store_true",
-        default=env_bool(env_get("CLUSTER")),
-        help="talk Redis Cluster (also implied by redis+cluster://)",
-    )
-    g.add_argument("--ssl-ca-certs", default=env_get("SSL_CA_CERTS"))
-    g.add_argument("--ssl-certfile", default=env_get("SSL_CERTFILE"))
-    g.add_argument("--ssl-keyfile", default=env_get("SSL_KEYFILE"))
-    q = parser.add_argument_group("queue")
-    q.add_argument(
-        "--queue",
-        default=env_get("QUEUE", keys.DEFAULT_QUEUE),
-        help="logical queue name; streams are derived from it (default 'default')",
-    )
-    q.add_argument(
-        "--partitions",
-        type=int,
-        default=_env_int("PARTITIONS", 1),
-        help="number of partition streams of the queue (default 1)",
-    )
+    add_redis_args(parser)
+    q = add_queue_args(parser)
     q.add_argument(
         "--stream",
         default=env_get("STREAM"),
         help="explicit comma-separated job stream keys (overrides --queue)",
     )
-    q.add_argument("--group", default=env_get("GROUP", keys.DEFAULT_GROUP))
     q.add_argument(
         "--consumer",
         default=env_get("CONSUMER"),
@@ -372,11 +347,8 @@ def run(args: argparse.Namespace) -> int:
     from worker.observability.metrics import WorkerMetrics
 
     config = worker_config(args)
-    settings = RedisSettings(
-        url=args.redis_url, cluster=args.cluster, ssl_ca_certs=args.ssl_ca_certs,
-        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
-        client_name=f"scoring-worker:{config.consumer}"[:100].replace(" ", "_"),
-    )  # fmt: skip
+    client_name = f"scoring-worker:{config.consumer}"[:100].replace(" ", "_")
+    settings = redis_settings(args, client_name=client_name)
     metrics = WorkerMetrics()
     health = HealthState()
     http = None
