@@ -1,7 +1,8 @@
 """The ``scoring-worker`` command line: the only place that reads flags/env and sets up logging.
 
 Subcommands live in ``worker.commands.<name>`` and are imported lazily, so producer-side commands
-(``enqueue``, ``info``, ``dlq``, ``check``) never import torch.
+(``enqueue``, ``info``, ``dlq``, ``check``) never import torch. This docstring is for developers;
+what ``--help`` tells users is ``DESCRIPTION``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,19 @@ import time
 from collections.abc import Sequence
 
 from worker import __version__
+
+DESCRIPTION = (
+    "Score RL rollouts from a Redis Streams queue: reference-model log-probs and reward-model "
+    "scores, one stateless forward pass per batch, on GPU or CPU. Run workers with 'serve'; "
+    "submit rollouts and read the scores back with 'enqueue'; inspect and repair the queue with "
+    "'info' and 'dlq'; probe a worker with 'check'; try everything on this machine with 'demo' "
+    "and measure it with 'bench'."
+)
+EPILOG = (
+    "'scoring-worker COMMAND --help' lists a command's flags with their SCORING_* environment "
+    "variables (a flag on the command line wins). Documentation: docs/cli.md and "
+    "docs/operations-worker.md in the source tree."
+)
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("worker.commands.serve", "run a worker daemon (one per GPU, or --replicas/--gpus)"),
@@ -62,7 +76,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The root parser; only ``command``'s module is imported and configured (all when None)."""
     from worker.config import env_bool, env_get
 
-    parser = argparse.ArgumentParser(prog="scoring-worker", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="scoring-worker", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"scoring-worker {__version__}")
     parser.add_argument(
         "--log-level",
