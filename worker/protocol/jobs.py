@@ -1,0 +1,186 @@
+"""Job payloads: the :class:`Job` schema, :func:`encode_job` (producers) and :func:`decode_job`
+(workers; strict, bounded by ``Limits``, raises ``ProtocolError``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from worker.errors import ProtocolError
+from worker.modes import MODES
+from worker.protocol.limits import (
+    DEFAULT_LIMITS,
+    MAX_ID_CHARS,
+    MAX_KEY_CHARS,
+    PROTOCOL_VERSION,
+    Limits,
+    unpack,
+)
+from worker.protocol.seqs import (
+    SeqSpec,
+    as_int32_array,
+    as_mask_bytes,
+    le_bytes,
+    seq_spec,
+    validate_seq,
+)
+
+
+@dataclass(frozen=True)
+class Job:
+    """A decoded, schema-valid job."""
+
+    id: str
+    mode: str
+    reply_to: str
+    seqs: tuple[SeqSpec, ...]
+    temperature: float = 1.0
+    deadline_ms: int | None = None
+    meta: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Total tokens over all sequences."""
+        return sum(len(s.tokens) for s in self.seqs)
+
+
+def encode_job(
+    job_id: str,
+    mode: str,
+    reply_to: str,
+    seqs: Iterable[Mapping[str, Any] | SeqSpec],
+    *,
+    temperature: float = 1.0,
+    deadline_ms: int | None = None,
+    meta: Any = None,
+) -> bytes:
+    """Encode a job payload; each seq is a ``SeqSpec`` or a map with ``tokens`` and
+    ``prompt_len`` or ``mask``. Validates structure so producers fail fast."""
+    if not isinstance(job_id, str) or not 0 < len(job_id) <= MAX_ID_CHARS:
+        raise ProtocolError(f"job id must be a non-empty string of at most {MAX_ID_CHARS} chars")
+    if mode not in MODES:
+        raise ProtocolError(f"mode must be one of {MODES}, got {mode!r}")
+    if not isinstance(reply_to, str) or not 0 < len(reply_to) <= MAX_KEY_CHARS:
+        raise ProtocolError("reply_to must be a non-empty stream key")
+    if not (
+        isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0
+    ):
+        raise ProtocolError(f"temperature must be a finite number > 0, got {temperature!r}")
+    wire_seqs = []
+    for i, s in enumerate(seqs):
+        if isinstance(s, SeqSpec):
+            validate_seq(s.tokens, s.prompt_len, s.mask, i)
+        else:
+            s = seq_spec(s, i)
+        entry: dict[str, Any] = {"tokens": le_bytes(s.tokens)}
+        if s.prompt_len is not None:
+            entry["prompt_len"] = int(s.prompt_len)
+        else:
+            entry["mask"] = s.mask
+        wire_seqs.append(entry)
+    if not wire_seqs:
+        raise ProtocolError("a job needs at least one sequence")
+    body: dict[str, Any] = {
+        "v": PROTOCOL_VERSION,
+        "id": job_id,
+        "mode": mode,
+        "reply_to": reply_to,
+        "seqs": wire_seqs,
+        "temperature": float(temperature),
+    }
+    if deadline_ms is not None:
+        body["deadline_ms"] = int(deadline_ms)
+    if meta is not None:
+        body["meta"] = meta
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode_job(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> Job:
+    """Decode and validate a job payload. Raises ``ProtocolError`` (code ``bad_request``)."""
+    body = unpack(payload, limits)
+    raw = bytes(payload[:256])
+    if not isinstance(body, dict):
+        raise ProtocolError("payload must be a msgpack map", raw=raw)
+    v = body.get("v")
+    if isinstance(v, bool) or not isinstance(v, int) or v != PROTOCOL_VERSION:  # 1.0, true: no
+        raise ProtocolError(f"unsupported protocol version {v!r} (this worker speaks v1)", raw=raw)
+    job_id = body.get("id")
+    if not isinstance(job_id, str) or not 0 < len(job_id) <= MAX_ID_CHARS:
+        raise ProtocolError(
+            f"id must be a non-empty string of at most {MAX_ID_CHARS} chars", raw=raw
+        )
+    reply_to = body.get("reply_to")
+    if not isinstance(reply_to, str) or not 0 < len(reply_to) <= MAX_KEY_CHARS:
+        raise ProtocolError("reply_to must be a non-empty string", raw=raw)
+    mode = body.get("mode")
+    if not isinstance(mode, str):
+        raise ProtocolError("mode must be a string", raw=raw)
+    temperature = body.get("temperature", 1.0)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ProtocolError("temperature must be a number", raw=raw)
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ProtocolError(f"temperature must be finite and > 0, got {temperature}", raw=raw)
+    deadline_ms = body.get("deadline_ms")
+    if deadline_ms is not None and (
+        isinstance(deadline_ms, bool) or not isinstance(deadline_ms, int)
+    ):
+        raise ProtocolError("deadline_ms must be an integer (unix milliseconds)", raw=raw)
+    meta = body.get("meta")
+    if meta is not None and len(msgpack.packb(meta, use_bin_type=True)) > limits.max_meta_bytes:
+        raise ProtocolError(f"meta is larger than {limits.max_meta_bytes} bytes", raw=raw)
+    return Job(
+        id=job_id,
+        mode=mode,
+        reply_to=reply_to,
+        seqs=_decode_seqs(body.get("seqs"), limits, raw),
+        temperature=float(temperature),
+        deadline_ms=deadline_ms,
+        meta=meta,
+    )
+
+
+def _decode_seqs(raw_seqs: Any, limits: Limits, raw: bytes) -> tuple[SeqSpec, ...]:
+    """The ``seqs`` of a decoded job body, checked against ``limits`` and validated."""
+    if not isinstance(raw_seqs, list) or not raw_seqs:
+        raise ProtocolError("seqs must be a non-empty array", raw=raw)
+    if len(raw_seqs) > limits.max_seqs:
+        raise ProtocolError(
+            f"{len(raw_seqs)} sequences, over the limit of {limits.max_seqs}", raw=raw
+        )
+    seqs: list[SeqSpec] = []
+    total = 0
+    for i, s in enumerate(raw_seqs):
+        if not isinstance(s, dict):
+            raise ProtocolError(f"seqs[{i}] must be a map", raw=raw)
+        raw_tokens = s.get("tokens")
+        n = len(raw_tokens) // 4 if isinstance(raw_tokens, bytes) else None
+        if isinstance(raw_tokens, list):
+            n = len(raw_tokens)
+        if n is None:
+            hint = ""
+            if isinstance(raw_tokens, str):
+                hint = " (got str: pack bytes as bin, e.g. use_bin_type=True)"
+            raise ProtocolError(
+                f"seqs[{i}].tokens must be int32 bin or an array of ints{hint}", raw=raw
+            )
+        total += n
+        if total > limits.max_tokens:
+            raise ProtocolError(f"job has more than {limits.max_tokens} tokens", raw=raw)
+        try:
+            tokens = as_int32_array(raw_tokens)
+        except ProtocolError as exc:
+            raise ProtocolError(f"seqs[{i}].tokens: {exc.message}", raw=raw) from exc
+        prompt_len = s.get("prompt_len")
+        mask = s.get("mask")
+        if mask is not None and not isinstance(mask, bytes):
+            if isinstance(mask, list) and all(isinstance(m, int) for m in mask):
+                mask = as_mask_bytes(mask)
+            else:
+                raise ProtocolError(f"seqs[{i}].mask must be bin (one uint8 per token)", raw=raw)
+        validate_seq(tokens, prompt_len, mask, i)
+        seqs.append(SeqSpec(tokens=tokens, prompt_len=prompt_len, mask=mask))
+    return tuple(seqs)

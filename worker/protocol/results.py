@@ -1,0 +1,126 @@
+"""Result payloads: the :class:`Result` schema, :func:`encode_result` (workers) and
+:func:`decode_result` (producers)."""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from worker.errors import ERROR_CODES, ProtocolError
+from worker.protocol.limits import DEFAULT_LIMITS, PROTOCOL_VERSION, Limits, unpack
+from worker.protocol.seqs import float_bin, from_le
+
+
+@dataclass
+class SeqResult:
+    """The scores of one sequence: log-probs (float32, one per scored token) and/or a reward."""
+
+    logps: array | None = None  # typecode "f"
+    reward: float | None = None
+    token_scores: array | None = None  # typecode "f", optional per-token reward-head scores
+
+
+@dataclass
+class Result:
+    """One result entry: ``ok`` with ``seqs``, or not ok with ``error`` ``{code, message}``."""
+
+    id: str
+    ok: bool
+    seqs: list[SeqResult] = field(default_factory=list)
+    error: dict[str, str] | None = None
+    meta: Any = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def code(self) -> str | None:
+        """The error code, or ``None`` for a successful result."""
+        return self.error["code"] if self.error else None
+
+
+def encode_result(result: Result) -> bytes:
+    """Encode a result payload."""
+    body: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": result.id, "ok": bool(result.ok)}
+    if result.ok:
+        seqs = []
+        for s in result.seqs:
+            entry: dict[str, Any] = {}
+            if s.logps is not None:
+                entry["logps"] = float_bin(s.logps)
+            if s.reward is not None:
+                entry["reward"] = float(s.reward)
+            if s.token_scores is not None:
+                entry["token_scores"] = float_bin(s.token_scores)
+            seqs.append(entry)
+        body["seqs"] = seqs
+    else:
+        if not result.error or result.error.get("code") not in ERROR_CODES:
+            raise ValueError(f"an error result needs error.code in {ERROR_CODES}")
+        body["error"] = {
+            "code": result.error["code"],
+            "message": str(result.error.get("message", "")),
+        }
+    if result.meta is not None:
+        body["meta"] = result.meta
+    if result.info:
+        body["info"] = result.info
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def error_result(
+    job_id: str, code: str, message: str, *, meta: Any = None, info: Any = None
+) -> Result:
+    """Build an error result."""
+    return Result(
+        id=job_id,
+        ok=False,
+        error={"code": code, "message": message},
+        meta=meta,
+        info=dict(info or {}),
+    )
+
+
+def decode_result(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> Result:
+    """Decode a result payload (used by producers)."""
+    body = unpack(payload, limits)
+    if not isinstance(body, dict) or body.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError("result payload is not a v1 map", raw=bytes(payload[:256]))
+    job_id = body.get("id")
+    if not isinstance(job_id, str):
+        raise ProtocolError("result has no id", raw=bytes(payload[:256]))
+    ok = bool(body.get("ok"))
+    raw_seqs = body.get("seqs") or []
+    if not isinstance(raw_seqs, list) or not all(isinstance(s, dict) for s in raw_seqs):
+        raise ProtocolError("result seqs must be an array of maps", raw=bytes(payload[:256]))
+    raw_error = body.get("error")
+    error = {"code": "internal", "message": "error result without an error map"}
+    if isinstance(raw_error, dict) and isinstance(raw_error.get("code"), str):
+        error = {"code": raw_error["code"], "message": str(raw_error.get("message", ""))}
+    info = body.get("info")
+    return Result(
+        id=job_id,
+        ok=ok,
+        seqs=[_decode_seq_result(s) for s in raw_seqs],
+        error=error if not ok else None,
+        meta=body.get("meta"),
+        info=info if isinstance(info, dict) else {},
+    )
+
+
+def _decode_seq_result(s: dict[str, Any]) -> SeqResult:
+    """One ``seqs`` entry of a result."""
+    logps = s.get("logps")
+    token_scores = s.get("token_scores")
+    reward = s.get("reward")
+    for value in (logps, token_scores):
+        if isinstance(value, bytes) and len(value) % 4:
+            raise ProtocolError("result float32 bin length is not a multiple of 4")
+    if isinstance(reward, bool) or not isinstance(reward, (int, float, type(None))):
+        raise ProtocolError("result reward must be a number")
+    return SeqResult(
+        logps=from_le("f", logps) if isinstance(logps, bytes) else None,
+        reward=reward,
+        token_scores=from_le("f", token_scores) if isinstance(token_scores, bytes) else None,
+    )
