@@ -2,18 +2,12 @@
 
 Every error that can reach a producer carries a stable ``code`` that travels in the
 error result of the wire protocol (``docs/protocol.md``). Codes never change meaning.
+``ERROR_TABLE`` lists them: every other list of codes is derived from it.
 """
 
 from __future__ import annotations
 
-ERROR_CODES: tuple[str, ...] = (
-    "bad_request",
-    "too_long",
-    "unsupported_mode",
-    "expired",
-    "dead_letter",
-    "internal",
-)
+from dataclasses import dataclass
 
 
 class ScoringError(Exception):
@@ -104,14 +98,43 @@ class ProtocolError(BadRequest):
         self.raw = raw[:256] if raw is not None else None
 
 
-_BY_CODE: dict[str, type[ScoringError]] = {
-    "bad_request": BadRequest,
-    "too_long": TooLong,
-    "unsupported_mode": UnsupportedMode,
-    "expired": Expired,
-    "dead_letter": DeadLetter,
-    "internal": InternalError,
-}
+@dataclass(frozen=True)
+class ErrorKind:
+    """One row of ``ERROR_TABLE``: a wire error code and the classes that carry it."""
+
+    #: The class raised inside the worker; its ``code`` attribute is the wire code.
+    error: type[ScoringError]
+    #: The name of the ``worker.client`` class a producer catches (a ``JobFailed`` and ``error``).
+    job_failed: str
+
+    @property
+    def code(self) -> str:
+        """The wire code."""
+        return self.error.code
+
+    @property
+    def meaning(self) -> str:
+        """What the code means (the first line of the class docstring)."""
+        return (self.error.__doc__ or "").strip().splitlines()[0]
+
+
+# The declarative table of error codes, one row per wire code, in the order of docs/protocol.md.
+# Everything else derives from it: ERROR_CODES, _BY_CODE here, the client's code -> JobFailed map
+# (worker.client.errors, which checks its classes against it) and the job outcomes counted in the
+# metrics (worker.observability.metrics.JOB_OUTCOMES = ("ok", *ERROR_CODES)).
+ERROR_TABLE: tuple[ErrorKind, ...] = (
+    ErrorKind(BadRequest, job_failed="BadRequestError"),
+    ErrorKind(TooLong, job_failed="TooLongError"),
+    ErrorKind(UnsupportedMode, job_failed="UnsupportedModeError"),
+    ErrorKind(Expired, job_failed="ExpiredError"),
+    ErrorKind(DeadLetter, job_failed="DeadLetterError"),
+    ErrorKind(InternalError, job_failed="InternalJobError"),
+)
+#: Every wire error code; codes never change meaning.
+ERROR_CODES: tuple[str, ...] = tuple(kind.code for kind in ERROR_TABLE)
+_BY_CODE: dict[str, type[ScoringError]] = {kind.code: kind.error for kind in ERROR_TABLE}
+if len(_BY_CODE) != len(ERROR_TABLE):
+    raise RuntimeError(f"ERROR_TABLE has a code twice: {ERROR_CODES}")
 
 
 def error_for_code(code: str, message: str) -> ScoringError:

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
+from worker.errors import ERROR_CODES
+
 if TYPE_CHECKING:
     from worker.observability.health import HealthState
 
@@ -26,10 +28,11 @@ BYTES_BUCKETS = tuple(float(2**p) for p in range(20, 39, 1))  # 1 MiB .. 256 GiB
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 BATCH_TOKENS_BUCKETS = tuple(float(2**p) for p in range(6, 21))  # 64 .. 1M tokens
 
-JOB_OUTCOMES = ("ok", "bad_request", "too_long", "unsupported_mode", "expired", "dead_letter",
-                "internal")  # fmt: skip
+JOB_OUTCOMES: tuple[str, ...] = ("ok", *ERROR_CODES)  # the table in worker.errors
 
 
+# The metric definitions: a declarative table (one constructor call per exported metric, with its
+# name, help and labels), followed by a few recording helpers; its length is the catalogue's.
 class WorkerMetrics:
     """Every metric a worker exports. Pass a fresh ``CollectorRegistry`` in tests."""
 
