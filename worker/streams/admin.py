@@ -15,14 +15,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from worker import keys, protocol
-
-
-def _s(value: Any) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+from worker.streams.reading import as_text
+from worker.streams.stats import stream_stats
 
 
 def _id_ms(entry_id: Any) -> int:
-    return int(_s(entry_id).split("-", 1)[0])
+    return int(as_text(entry_id).split("-", 1)[0])
 
 
 def server_time_ms(client: Any) -> int:
@@ -36,56 +34,43 @@ def server_time_ms(client: Any) -> int:
 
 def stream_info(client: Any, stream: str, group: str, now_ms: int | None = None) -> dict[str, Any]:
     """One stream and group: length, lag, pending, oldest pending age, consumers with idle time,
-    and the depth of its dead-letter stream."""
+    and the depth of its dead-letter stream.
+
+    Length, lag, pending and consumers are :func:`worker.streams.stats.stream_stats` (the
+    numbers the worker's gauges export; its docstring says what lag is with no group), in the
+    shape of ``scoring-worker info --json``; the oldest pending age (``XPENDING`` summary,
+    against the server's clock) and the dead-letter depth are added here.
+    """
     now_ms = server_time_ms(client) if now_ms is None else now_ms
+    st = stream_stats(client, stream, group)
     dead = keys.dead_letter_stream(stream)
-    out: dict[str, Any] = {
+    oldest_pending_age_s = None
+    if st["pending"]:
+        smallest = client.xpending(stream, group).get("min")
+        if smallest:
+            oldest_pending_age_s = max(0.0, (now_ms - _id_ms(smallest)) / 1000)
+    return {
         "stream": stream,
         "group": group,
-        "exists": bool(client.exists(stream)),
-        "group_exists": False,
-        "length": int(client.xlen(stream)),
-        "lag": None,
-        "pending": 0,
-        "oldest_pending_age_s": None,
-        "last_delivered_id": None,
-        "consumers": [],
+        "exists": st["exists"],
+        "group_exists": st["group_exists"],
+        "length": st["length"],
+        "lag": st["lag"],
+        "pending": st["pending"],
+        "oldest_pending_age_s": oldest_pending_age_s,
+        "last_delivered_id": st["last_delivered_id"],
+        "consumers": [
+            {
+                "name": c["name"],
+                "pending": c["pending"],
+                "idle_s": c["idle_ms"] / 1000,
+                "inactive_s": None if c["inactive_ms"] is None else c["inactive_ms"] / 1000,
+            }
+            for c in st["consumer_details"]
+        ],
         "dead_letter_stream": dead,
         "dead_letters": int(client.xlen(dead)),
     }
-    if not out["exists"]:
-        return out
-    for g in client.xinfo_groups(stream):
-        if _s(g.get("name")) != group:
-            continue
-        out["group_exists"] = True
-        out["pending"] = int(g.get("pending") or 0)
-        out["last_delivered_id"] = _s(g.get("last-delivered-id", ""))
-        lag = g.get("lag")
-        if lag is not None:
-            out["lag"] = int(lag)
-        elif out["last_delivered_id"] in ("0", "0-0"):
-            out["lag"] = out["length"]
-    if not out["group_exists"]:
-        out["lag"] = out["length"]  # nothing has been read yet
-        return out
-    if out["pending"]:
-        summary = client.xpending(stream, group)
-        smallest = summary.get("min")
-        if smallest:
-            out["oldest_pending_age_s"] = max(0.0, (now_ms - _id_ms(smallest)) / 1000)
-    out["consumers"] = [
-        {
-            "name": _s(c.get("name")),
-            "pending": int(c.get("pending") or 0),
-            "idle_s": int(c.get("idle") or 0) / 1000,
-            "inactive_s": (
-                int(c["inactive"]) / 1000 if c.get("inactive") not in (None, -1) else None
-            ),
-        }
-        for c in client.xinfo_consumers(stream, group)
-    ]
-    return out
 
 
 def queue_info(
@@ -145,21 +130,21 @@ class DeadLetterEntry:
 def _entry(
     dlq: str, job_stream: str, dlq_id: Any, fields: dict[Any, Any], partition: int | None = None
 ) -> DeadLetterEntry:
-    f = {_s(k): v for k, v in fields.items()}
+    f = {as_text(k): v for k, v in fields.items()}
     payload = f.get("payload") or b""
     envelope = protocol.peek_envelope(payload) if payload else {}
     deliveries = f.get("deliveries")
     at_ms = f.get("at_ms")
     return DeadLetterEntry(
         dlq_stream=dlq,
-        dlq_id=_s(dlq_id),
-        job_stream=_s(f.get("stream", job_stream)),
-        job_id=envelope.get("id") or (_s(f["job_id"]) if "job_id" in f else None),
-        reason=_s(f.get("reason", "")),
-        deliveries=int(_s(deliveries)) if deliveries is not None else None,
-        consumer=_s(f["consumer"]) if "consumer" in f else None,
-        dead_at_ms=int(_s(at_ms)) if at_ms is not None else _id_ms(dlq_id),
-        original_entry_id=_s(f["id"]) if "id" in f else None,
+        dlq_id=as_text(dlq_id),
+        job_stream=as_text(f.get("stream", job_stream)),
+        job_id=envelope.get("id") or (as_text(f["job_id"]) if "job_id" in f else None),
+        reason=as_text(f.get("reason", "")),
+        deliveries=int(as_text(deliveries)) if deliveries is not None else None,
+        consumer=as_text(f["consumer"]) if "consumer" in f else None,
+        dead_at_ms=int(as_text(at_ms)) if at_ms is not None else _id_ms(dlq_id),
+        original_entry_id=as_text(f["id"]) if "id" in f else None,
         payload_bytes=len(payload),
         partition=partition,
     )
@@ -259,7 +244,7 @@ def dlq_replay(
                 pipe.xdel(dlq, dlq_id)
                 pipe.execute()
                 replayed.append(entry)
-            last = _s(chunk[-1][0])
+            last = as_text(chunk[-1][0])
             start = "(" + last
             if len(chunk) < batch:
                 break

@@ -1,0 +1,68 @@
+"""Consumer groups and the server they live on: what the worker asks before and after it reads.
+
+* :func:`ensure_group` - ``XGROUP CREATE ... MKSTREAM``, tolerating only ``BUSYGROUP``;
+* :func:`forget_consumer` - ``XGROUP DELCONSUMER`` when the consumer holds nothing (script
+  :data:`~worker.streams.scripts.FORGET`);
+* :func:`pending_count` - ``XPENDING`` (summary, or one consumer's range);
+* :func:`is_cluster`, :func:`server_version` (``INFO server``), :func:`supports_autoclaim`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+from worker.connections import server_version
+from worker.streams.scripts import FORGET
+
+
+def is_cluster(client: Any) -> bool:
+    """True for a ``redis.RedisCluster`` client."""
+    return isinstance(client, redis.RedisCluster)
+
+
+def supports_autoclaim(version: tuple[int, int, int]) -> bool:
+    """XAUTOCLAIM exists from Redis 6.2; we use it from 7.0, whose reply (3 elements, deleted
+    ids removed from the PEL) redis-py parses safely. Older servers use XPENDING + XCLAIM."""
+    return version >= (7, 0, 0)
+
+
+def ensure_group(client: Any, stream: str, group: str, start_id: str = "0") -> bool:
+    """Create ``group`` on ``stream`` (creating the stream). True if created, False if it existed.
+
+    Only ``BUSYGROUP`` is tolerated; any other error propagates. The default ``start_id`` "0"
+    means the group reads every entry already in the stream (see
+    :func:`worker.streams.stats.stream_stats` for what that makes the lag of a missing group).
+    """
+    try:
+        client.xgroup_create(stream, group, id=start_id, mkstream=True)
+        return True
+    except redis.ResponseError as exc:
+        if str(exc).startswith("BUSYGROUP"):
+            return False
+        raise
+
+
+def forget_consumer(client: Any, stream: str, group: str, consumer: str) -> bool:
+    """Delete ``consumer`` from ``group`` if it holds no pending entry (atomic check-and-delete),
+    so a fleet whose pods come and go does not pile up dead consumer names. True if deleted."""
+    return int(client.eval(FORGET, 1, stream, group, consumer)) == 1
+
+
+def pending_count(client: Any, stream: str, group: str, consumer: str | None = None) -> int:
+    """Entries pending in ``group`` (of ``consumer`` only when given)."""
+    if consumer is None:
+        return int(client.xpending(stream, group)["pending"])
+    rows = client.xpending_range(stream, group, "-", "+", 1000, consumername=consumer)
+    return len(rows)
+
+
+__all__ = [
+    "ensure_group",
+    "forget_consumer",
+    "is_cluster",
+    "pending_count",
+    "server_version",
+    "supports_autoclaim",
+]
