@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,6 @@ def tree() -> dict[str, arch.Module]:
     return arch.load_tree(ROOT)
 
 
-def _report(title: str, problems: list[str]) -> str:
-    return f"{title} ({len(problems)}):\n  " + "\n  ".join(problems)
-
-
 # ----------------------------------------------------------------------------- the real tree
 
 
@@ -35,24 +32,21 @@ def test_tree_is_read(tree: dict[str, arch.Module]) -> None:
     assert len(tree) > 30
 
 
-def test_imports_follow_the_layer_rules(tree: dict[str, arch.Module]) -> None:
-    problems = arch.layer_violations(tree)
-    assert not problems, _report("imports that break the layer rules", problems)
-
-
-def test_no_import_cycles(tree: dict[str, arch.Module]) -> None:
-    problems = arch.cycle_violations(tree)
-    assert not problems, _report("import cycles", problems)
-
-
-def test_no_module_over_the_size_limit(tree: dict[str, arch.Module]) -> None:
-    problems = arch.module_size_violations(tree)
-    assert not problems, _report("oversized modules", problems)
-
-
-def test_no_class_over_the_size_limit(tree: dict[str, arch.Module]) -> None:
-    problems = arch.class_size_violations(tree)
-    assert not problems, _report("oversized classes", problems)
+@pytest.mark.parametrize(
+    "check, title",
+    [
+        (arch.layer_violations, "imports that break the layer rules"),
+        (arch.cycle_violations, "import cycles"),
+        (arch.module_size_violations, "oversized modules"),
+        (arch.class_size_violations, "oversized classes"),
+    ],
+    ids=["layer-rules", "no-import-cycles", "module-sizes", "class-sizes"],
+)
+def test_the_tree_keeps_the_rule(
+    tree: dict[str, arch.Module], check: Callable[[dict[str, arch.Module]], list[str]], title: str
+) -> None:
+    problems = check(tree)
+    assert not problems, f"{title} ({len(problems)}):\n  " + "\n  ".join(problems)
 
 
 def _doc_table() -> dict[str, tuple[set[str], set[str]]]:

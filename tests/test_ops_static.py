@@ -574,22 +574,17 @@ def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
 
 @needs_promtool
 @pytest.mark.timeout(60)
-def test_promtool_check_config() -> None:
-    res = _promtool("check", "config", str(OPS / "prometheus/prometheus.yml"))
-    assert res.returncode == 0, res.stdout + res.stderr
-
-
-@needs_promtool
-@pytest.mark.timeout(60)
-def test_promtool_check_rules() -> None:
-    res = _promtool("check", "rules", str(ALERTS))
-    assert res.returncode == 0, res.stdout + res.stderr
-
-
-@needs_promtool
-@pytest.mark.timeout(60)
-def test_promtool_alert_unit_tests() -> None:
-    res = _promtool("test", "rules", str(OPS / "prometheus/alerts_test.yml"))
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("check", "config", OPS / "prometheus/prometheus.yml"),
+        ("check", "rules", ALERTS),
+        ("test", "rules", OPS / "prometheus/alerts_test.yml"),  # the alert unit tests
+    ],
+    ids=["check-config", "check-rules", "alert-unit-tests"],
+)
+def test_promtool_accepts_the_ops_files(args: tuple[str, str, Path]) -> None:
+    res = _promtool(*args[:2], str(args[2]))
     assert res.returncode == 0, res.stdout + res.stderr
 
 
