@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tests.support.models import random_tokens, tiny_causal
-from worker import executor as executor_module
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor, memory
+from worker.executor import core as executor_module
 
 SEQS = [SequenceInput(random_tokens(n, n), prompt_len=2) for n in (9, 14)]
 

@@ -1,0 +1,100 @@
+"""``ExecutorConfig``: the executor's settings, validated once at construction.
+
+Plain data (no torch): every invalid value raises ``ConfigError`` naming the field, so a bad flag
+fails at startup rather than on the first batch.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from worker.errors import ConfigError
+from worker.modes import MODES, Mode
+from worker.scorer.inputs import is_int
+
+BACKENDS = ("auto", "flash_attention_2", "sdpa", "eager")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+PACKINGS = ("auto", "packed", "padded")
+OUTPUT_DTYPES = ("float32", "float64")
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """Executor settings; every invalid value raises ``ConfigError`` at construction.
+
+    ``max_batch_tokens`` bounds one forward (a packed row, or ``rows * longest`` of a padded
+    bucket); a single sequence longer than it runs alone. ``logprob_chunk_tokens`` is the number
+    of scored positions pushed through the LM head at once (peak extra memory is
+    ``logprob_chunk_tokens * vocab * 4`` bytes). ``self_check`` runs a tiny probe at construction
+    that compares the fast path against the model's own logits and packed rows against
+    one-by-one forwards (packing falls back to padded buckets when they disagree).
+    ``packed_row_tokens`` caps one packed row for backends that build a dense block-diagonal mask
+    (sdpa, eager: attention cost grows with the row length squared); a forward then holds several
+    such rows. Flash/flex attention skip the cross-sequence blocks and pack up to the full budget.
+    """
+
+    mode: Mode = "reference"
+    attention_backend: Literal["auto", "flash_attention_2", "sdpa", "eager"] = "auto"
+    reject_kv_cache_outputs: bool = True
+    temperature: float = 1.0
+    output_dtype: Literal["float32", "float64"] = "float32"
+    max_batch_tokens: int = 16384
+    logprob_chunk_tokens: int = 1024
+    device: str = "cpu"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    packing: Literal["auto", "packed", "padded"] = "auto"
+    packed_row_tokens: int = 2048
+    self_check: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ConfigError:
+            return ConfigError(f"ExecutorConfig.{name}={getattr(self, name)!r}: {why}")
+
+        if self.mode not in MODES:
+            raise bad("mode", f"expected one of {MODES}")
+        if self.attention_backend not in BACKENDS:
+            raise bad("attention_backend", f"expected one of {BACKENDS}")
+        if not isinstance(self.reject_kv_cache_outputs, bool):
+            raise bad("reject_kv_cache_outputs", "expected a bool")
+        if not positive_float(self.temperature):
+            raise bad("temperature", "expected a finite number > 0")
+        if self.output_dtype not in OUTPUT_DTYPES:
+            raise bad("output_dtype", "expected 'float32' or 'float64'")
+        for name in ("max_batch_tokens", "logprob_chunk_tokens", "packed_row_tokens"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise bad(name, "expected an integer >= 1")
+        if not isinstance(self.device, str) or not valid_device(self.device):
+            raise bad("device", "expected 'cpu', 'cuda', 'cuda:N' or 'auto'")
+        if self.dtype not in DTYPES:
+            raise bad("dtype", f"expected one of {DTYPES}")
+        if self.packing not in PACKINGS:
+            raise bad("packing", "expected 'auto', 'packed' or 'padded'")
+
+    def row_tokens(self, backend: str) -> int:
+        """Packed row cap on ``backend``: the whole budget where the kernel skips
+        cross-sequence blocks (flash, flex), ``packed_row_tokens`` where it builds a dense mask."""
+        if backend.startswith("flash_attention") or backend == "flex_attention":
+            return self.max_batch_tokens
+        return self.packed_row_tokens
+
+
+def positive_float(value: Any) -> bool:
+    """A real number (not a bool), finite and > 0."""
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(float(value))
+        and float(value) > 0
+    )
+
+
+def valid_device(device: str) -> bool:
+    """``cpu``, ``cuda``, ``cuda:N``, ``mps`` or ``auto``."""
+    if device in ("cpu", "cuda", "auto", "mps"):
+        return True
+    head, _, index = device.partition(":")
+    return head == "cuda" and index.isdigit()

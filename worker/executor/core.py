@@ -1,0 +1,316 @@
+"""``StatelessExecutor``: the torch ``Scorer``, ragged sequences in, log-probs and/or rewards out.
+
+Construction settles everything that is fixed for the executor's life: the models (placed, eval
+mode), the attention backend (``backends.resolve``), the KV guard's hooks, and whether batches
+are packed (the load-time probe, ``selfcheck``). A ``score`` call keeps its own state in a
+``ScoreCall`` (``call``) and hands its planned batches to the ``BatchRunner`` (``fallback``),
+which runs them through ``BatchForward`` (``forward``). Nothing a call computes is kept on the
+executor, so calls may overlap (see ``fallback`` for the one gate they share).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from worker.errors import ConfigError
+from worker.executor import backends
+from worker.executor.call import ScoreCall, call_args, prepare
+from worker.executor.config import ExecutorConfig
+from worker.executor.fallback import BatchRunner
+from worker.executor.forward import BatchForward
+from worker.executor.kvcache import KVGuard
+from worker.executor.loading import load_model, resolve_device, resolve_dtype
+from worker.executor.memory import device_total_bytes, read_peak, reset_peak
+from worker.executor.pooling import RewardAdapter, SequenceClassificationAdapter, backbone_of
+from worker.executor.selfcheck import self_check
+from worker.modes import Mode
+from worker.scorer.inputs import SequenceInput, is_int
+from worker.scorer.outputs import FallbackEvent, ScoreOutput
+
+log = logging.getLogger(__name__)
+
+
+class StatelessExecutor:
+    """Scores ragged sequences with a reference LM and/or a reward model; stateless between calls.
+
+    ``reference_model``: a ``*ForCausalLM`` (log-probs). ``reward_model``: a
+    ``*ForSequenceClassification`` with ``num_labels=1`` (default adapter) or any model served
+    through ``reward_adapter``; with an adapter and no reward model, the reference model is used
+    (one model, both surfaces). Implements ``worker.scorer.Scorer``.
+    """
+
+    def __init__(
+        self,
+        config: ExecutorConfig,
+        reference_model: nn.Module | None = None,
+        reward_model: nn.Module | None = None,
+        reward_adapter: RewardAdapter | None = None,
+        model_name: str | None = None,
+        *,
+        reward_model_name: str | None = None,
+    ) -> None:
+        if reference_model is None and reward_model is None:
+            raise ConfigError("StatelessExecutor needs a reference_model or a reward_model")
+        self.config = config
+        self.device = resolve_device(config.device)
+        if reward_model is None and reward_adapter is not None:
+            reward_model = reference_model
+        if reward_model is not None and reward_adapter is None:
+            SequenceClassificationAdapter.check(reward_model)
+            reward_adapter = SequenceClassificationAdapter()
+        self.reference_model = self._place(reference_model)
+        self.reward_model = self._place(reward_model)
+        self.reward_adapter = reward_adapter
+        self.model_name = model_name or _name_of(reference_model or reward_model)
+        self.reward_model_name = reward_model_name or (
+            _name_of(reward_model) if reward_model is not None else None
+        )
+        if (
+            self.reference_model is not None
+            and self.reference_model.get_output_embeddings() is None
+        ):
+            raise ConfigError(f"{type(self.reference_model).__name__} has no LM head")
+        if config.mode not in self.modes:
+            raise ConfigError(
+                f"ExecutorConfig.mode={config.mode!r} but this executor serves {self.modes}"
+            )
+        self._listeners: list[Callable[[FallbackEvent], None]] = []
+        self._listeners_lock = threading.Lock()
+        self._load_fallbacks: list[FallbackEvent] = []
+        self._last_fallback: FallbackEvent | None = None
+        forward = BatchForward(
+            config, self.device, self.reference_model, self.reward_model, reward_adapter
+        )
+        backend = self._resolve_backends(forward.models)
+        self._guard = KVGuard(
+            {id(m): m for model in forward.models for m in (model, backbone_of(model))}.values()
+        )
+        packed = config.packing != "padded"
+        if config.self_check:
+            event = self_check(
+                forward,
+                vocab=self.vocab_size,
+                modes=self.modes,
+                backend=backend,
+                packed=packed,
+                packing=config.packing,
+            )
+            if event is not None:
+                log.warning("packing disabled: %s", event.message)
+                self._on_load_fallback(event)
+                packed = False
+        self._runner = BatchRunner(
+            config, forward, self._guard, backend=backend, packed=packed, notify=self._on_fallback
+        )
+        log.info("executor ready: %s", self.info)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        config: ExecutorConfig,
+        reference_model: str | None = None,
+        reward_model: str | None = None,
+        *,
+        gguf_file: str | None = None,
+        reward_gguf_file: str | None = None,
+        trust_remote_code: bool = False,
+        revision: str | None = None,
+        reward_adapter: RewardAdapter | None = None,
+    ) -> StatelessExecutor:
+        """Load models from local directories, hub ids or ``.gguf`` files (a directory plus
+        ``gguf_file`` also works) and build; ``reward_adapter`` replaces the default
+        sequence-classification head reader."""
+        if reference_model is None and reward_model is None:
+            raise ConfigError("from_pretrained needs reference_model and/or reward_model")
+        device = resolve_device(config.device)
+        common: dict[str, Any] = {
+            "device": device,
+            "dtype": resolve_dtype(config.dtype, device),
+            "trust_remote_code": trust_remote_code,
+            "revision": revision,
+        }
+        ref = rew = None
+        if reference_model:
+            ref = load_model(reference_model, kind="causal", gguf_file=gguf_file, **common)
+        if reward_model:
+            rew = load_model(reward_model, kind="reward", gguf_file=reward_gguf_file, **common)
+        return cls(
+            config,
+            ref,
+            rew,
+            reward_adapter=reward_adapter,
+            model_name=reference_model,
+            reward_model_name=reward_model,
+        )
+
+    def _place(self, model: nn.Module | None) -> Any:
+        if model is None:
+            return None
+        if self.config.dtype != "auto":
+            model.to(resolve_dtype(self.config.dtype, self.device))
+        model.to(self.device)
+        model.eval()
+        return model
+
+    def _resolve_backends(self, models: Sequence[nn.Module]) -> str:
+        active = ""
+        for model in models:
+            dtype = next(model.parameters()).dtype
+            try:
+                active, event = backends.resolve(
+                    model, self.config.attention_backend, self.device, dtype
+                )
+            except RuntimeError as exc:
+                raise ConfigError(str(exc)) from exc
+            if event is not None:
+                log.warning("attention backend fallback at load: %s", event.message)
+                self._on_load_fallback(event)
+        return active
+
+    def _on_load_fallback(self, event: FallbackEvent) -> None:
+        self._load_fallbacks.append(event)
+        self._last_fallback = event
+
+    def _on_fallback(self, event: FallbackEvent) -> None:
+        """A run-time fallback: remember it for ``info`` and tell the listeners."""
+        self._last_fallback = event
+        with self._listeners_lock:
+            listeners = list(self._listeners)
+        for callback in listeners:
+            try:
+                callback(event)
+            except Exception:  # a metrics callback must never break scoring
+                log.exception("fallback listener failed")
+
+    # ----------------------------------------------------------------- public surface
+
+    @property
+    def vocab_size(self) -> int:
+        """Smallest input-embedding size among the served models: valid ids are ``[0, vocab)``."""
+        models = [m for m in (self.reference_model, self.reward_model) if m is not None]
+        return min(int(m.get_input_embeddings().weight.shape[0]) for m in models)
+
+    @property
+    def max_positions(self) -> int | None:
+        """Longest sequence the models accept (``max_position_embeddings``/``n_positions``)."""
+        limits = []
+        for model in (self.reference_model, self.reward_model):
+            config = getattr(model, "config", None)
+            for name in ("max_position_embeddings", "n_positions"):
+                value: Any = getattr(config, name, None)
+                if is_int(value) and value > 0:
+                    limits.append(int(value))
+                    break
+        return min(limits) if limits else None
+
+    @property
+    def modes(self) -> tuple[Mode, ...]:
+        """Modes this executor can serve."""
+        found: list[Mode] = []
+        if self.reference_model is not None:
+            found.append("reference")
+        if self.reward_model is not None:
+            found.append("reward")
+        if len(found) == 2:
+            found.append("both")
+        return tuple(found)
+
+    @property
+    def attention_backend(self) -> str:
+        """The attention backend active between calls."""
+        return self._runner.backend
+
+    @property
+    def packed(self) -> bool:
+        """Whether batches are packed padding-free (else length-sorted padded buckets)."""
+        return self._runner.packed
+
+    @property
+    def load_fallbacks(self) -> list[FallbackEvent]:
+        """Fallbacks taken while loading (attention backend, packing), oldest first."""
+        return list(self._load_fallbacks)
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """Identity of what produces the scores (goes into result metadata and logs)."""
+        import transformers
+
+        model = self.reference_model or self.reward_model
+        last = self._last_fallback
+        return {
+            "model": self.model_name,
+            "reward_model": self.reward_model_name,
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "attention_backend": self._runner.backend,
+            "requested_backend": self.config.attention_backend,
+            "fallback": last.as_dict() if last else None,
+            "packing": "packed" if self._runner.packed else "padded",
+            "modes": list(self.modes),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        }
+
+    def close(self) -> None:
+        """Detach the executor's hooks from the models (they stay usable elsewhere)."""
+        self._guard.close()
+        with self._listeners_lock:
+            self._listeners.clear()
+
+    def add_fallback_listener(self, callback: Callable[[FallbackEvent], None]) -> None:
+        """Call ``callback(event)`` on every run-time fallback (load-time: ``load_fallbacks``)."""
+        with self._listeners_lock:
+            self._listeners.append(callback)
+
+    def validate(
+        self,
+        seqs: Sequence[SequenceInput],
+        mode: Mode | None = None,
+        temperature: float | None = None,
+    ) -> None:
+        """Raise ``BadRequest`` / ``TooLong`` / ``UnsupportedMode`` if ``seqs`` cannot be scored."""
+        mode, _ = call_args(self.config, self.modes, mode, temperature)
+        prepare(seqs, self.vocab_size, self.max_positions, mode)
+
+    def score(
+        self,
+        seqs: Sequence[SequenceInput],
+        *,
+        mode: Mode | None = None,
+        temperature: float | None = None,
+    ) -> ScoreOutput:
+        """Validate, batch under ``max_batch_tokens``, run, and return scores in input order.
+
+        Raises the validation errors of ``validate``; ``KVCacheRejected`` when a model returns
+        a cache (and rejection is on); ``AttentionBackendError`` when no backend can run a batch;
+        ``InternalError`` for any other failure. A sequence that does not fit on the device even
+        alone gets ``SequenceScore(error=TooLong(...))``. Safe to call from several threads; the
+        peak-memory figures of overlapping calls then cover them all (the device counter is one).
+        """
+        started = time.perf_counter()
+        mode, temp = call_args(self.config, self.modes, mode, temperature)
+        prepared = prepare(seqs, self.vocab_size, self.max_positions, mode)
+        call = ScoreCall(mode, temp, prepared, started=started)
+        reset_peak(self.device)
+        runner = self._runner
+        for group in call.plan(self.config, packed=runner.packed, backend=runner.backend):
+            runner.run_group(group, call)
+        return call.output(
+            backend=runner.backend,
+            requested_backend=self.config.attention_backend,
+            peak=read_peak(self.device),
+            device_total=device_total_bytes(self.device),
+        )
+
+
+def _name_of(model: nn.Module | None) -> str | None:
+    config = getattr(model, "config", None)
+    name = getattr(config, "_name_or_path", None)
+    return str(name) if name else (type(model).__name__ if model is not None else None)

@@ -1,0 +1,224 @@
+"""Running planned batches: attention-backend fallback, halving on device OOM, the KV guard.
+
+``BatchRunner.run_group`` runs one planned batch of a ``ScoreCall`` and writes its results into
+that call. A batch runs on the active backend; an error raised inside an attention kernel
+retries it on the next backend(s) of the chain (the models switch for that batch only, and the
+fallback is reported); a device OOM splits the batch in halves, and a sequence that does not
+fit even alone gets ``TooLong``. Every forward runs inside a ``KVGuard`` scope: a returned cache
+rejects the batch (``KVCacheRejected``) or, in warn mode, is dropped and counted.
+
+Threads: forwards on the active backend run concurrently; switching the models' backend for a
+fallback holds ``BackendGate`` alone (the switch rewrites model configs that every forward
+reads), so no forward runs while the models are on a fallback backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+
+import torch
+
+from worker.errors import (
+    AttentionBackendError,
+    InternalError,
+    KVCacheRejected,
+    ScoringError,
+    TooLong,
+)
+from worker.executor import backends
+from worker.executor.call import BatchResult, ScoreCall
+from worker.executor.config import ExecutorConfig
+from worker.executor.forward import BatchForward
+from worker.executor.kvcache import KVGuard
+from worker.executor.memory import free_device_memory
+from worker.scorer.outputs import FallbackEvent, SequenceScore
+
+log = logging.getLogger(__name__)
+
+
+class BackendGate:
+    """Readers-writer gate over the models' attention backend.
+
+    ``shared()``: a forward on the active backend (any number at once). ``exclusive()``: a
+    temporary backend switch (alone; waiting switches hold back new forwards so they are not
+    starved).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writing = False
+        self._writers_waiting = 0
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        """Hold the gate together with other forwards."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writing and not self._writers_waiting)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if self._readers == 0:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the gate alone."""
+        with self._cond:
+            self._writers_waiting += 1
+            self._cond.wait_for(lambda: not self._writing and self._readers == 0)
+            self._writers_waiting -= 1
+            self._writing = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+
+
+class BatchRunner:
+    """Runs the batches of ``score`` calls on ``forward`` (see the module docstring).
+
+    ``backend``/``packed``: the backend active between calls and whether batches are packed,
+    both settled at load. ``notify(event)`` is called on every run-time fallback.
+    """
+
+    def __init__(
+        self,
+        config: ExecutorConfig,
+        forward: BatchForward,
+        guard: KVGuard,
+        *,
+        backend: str,
+        packed: bool,
+        notify: Callable[[FallbackEvent], None],
+    ) -> None:
+        self.config = config
+        self.forward = forward
+        self.guard = guard
+        self.backend = backend
+        self.packed = packed
+        self._notify = notify
+        self._gate = BackendGate()
+
+    def run_group(self, group: list[int], call: ScoreCall) -> None:
+        """Run one planned batch into ``call``; on device OOM split it in halves."""
+        device = self.forward.device
+        try:
+            call.add(group, self._run_with_fallback(group, call))
+        except torch.OutOfMemoryError as exc:
+            free_device_memory(device)
+            if len(group) == 1:
+                n = len(call.prepared[group[0]].ids)
+                log.warning("sequence of %d tokens does not fit on %s", n, device)
+                error = TooLong(f"sequence of {n} tokens does not fit on {device}: {exc}"[:500])
+                call.results[group[0]] = SequenceScore(error=error)
+                return
+            call.oom_splits += 1
+            half = len(group) // 2
+            log.warning("out of memory on a batch of %d sequences; splitting", len(group))
+            self.run_group(group[:half], call)
+            self.run_group(group[half:], call)
+
+    def _run_with_fallback(self, group: list[int], call: ScoreCall) -> BatchResult:
+        """Run a batch; an attention-kernel error retries it on the next backend(s)."""
+        failed = self.backend
+        with self._gate.shared():
+            try:
+                return self._run_batch(group, call, failed)
+            except (torch.OutOfMemoryError, ScoringError):
+                raise
+            except Exception as exc:
+                if not backends.is_attention_kernel_error(exc):
+                    raise InternalError(
+                        f"forward failed: {type(exc).__name__}: {exc}"[:500]
+                    ) from exc
+                errors = [f"{failed}: {type(exc).__name__}: {exc}"[:300]]
+        with self._gate.exclusive():
+            return self._fall_back(group, call, failed, errors)
+
+    def _fall_back(
+        self, group: list[int], call: ScoreCall, failed: str, errors: list[str]
+    ) -> BatchResult:
+        """Try the backends after ``failed`` in turn, each switched on for this batch only."""
+        candidate = backends.next_backend(failed)
+        while candidate is not None:
+            with ExitStack() as stack:
+                try:
+                    for model in self.forward.models:
+                        stack.enter_context(backends.temporary_backend(model, candidate))
+                except Exception as exc:  # switch refused; configs already restored
+                    errors.append(f"{candidate}: cannot switch: {exc}"[:300])
+                    candidate = backends.next_backend(candidate)
+                    continue
+                try:
+                    result = self._run_batch(group, call, candidate)
+                except (torch.OutOfMemoryError, ScoringError):
+                    raise
+                except Exception as exc:
+                    if not backends.is_attention_kernel_error(exc):
+                        raise InternalError(
+                            f"forward failed on {candidate}: {type(exc).__name__}: {exc}"[:500]
+                        ) from exc
+                    errors.append(f"{candidate}: {type(exc).__name__}: {exc}"[:300])
+                    candidate = backends.next_backend(candidate)
+                    continue
+            event = FallbackEvent(failed, candidate, "kernel_error", "; ".join(errors), "run")
+            log.warning(
+                "attention backend fallback at run time: %s -> %s (%s)",
+                event.requested,
+                event.used,
+                event.message,
+            )
+            call.fallbacks.append(event)
+            self._notify(event)
+            return result
+        raise AttentionBackendError(
+            "no attention backend could run the batch: " + "; ".join(errors)
+        )
+
+    def _run_batch(self, group: list[int], call: ScoreCall, backend: str) -> BatchResult:
+        """One forward of ``group`` on ``backend``, timed, inside a KV-guard scope."""
+        seqs = [call.prepared[i] for i in group]
+        packed = self.packed and backend in backends.PACKABLE
+        reject = self.config.reject_kv_cache_outputs
+        t0 = time.perf_counter()
+        with self.guard.scope(drop=not reject) as kv:
+            computed = self.forward.compute(
+                seqs,
+                group,
+                call.mode,
+                call.temperature,
+                packed=packed,
+                row_tokens=self.config.row_tokens(backend),
+            )
+        if self.forward.device.type == "cuda":
+            torch.cuda.synchronize(self.forward.device)
+        elapsed = time.perf_counter() - t0
+        if kv.tensors:
+            if reject:
+                raise KVCacheRejected(
+                    f"model returned a KV cache despite use_cache=False "
+                    f"({kv.tensors} tensors, {kv.nbytes} bytes); batch rejected",
+                    kv_output_tensors=kv.tensors, kv_output_bytes=kv.nbytes,
+                )  # fmt: skip
+            log.warning(
+                "model returned a KV cache (%d tensors, %d bytes); dropped", kv.tensors, kv.nbytes
+            )
+        return BatchResult(
+            scores=computed.scores,
+            backend=backend,
+            packed=packed,
+            forward_s=elapsed,
+            extra_tokens=max(0, computed.slot_tokens - sum(len(s.ids) for s in seqs)),
+            kv_tensors=kv.tensors,
+            kv_bytes=kv.nbytes,
+        )

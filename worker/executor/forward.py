@@ -1,0 +1,165 @@
+"""One batch's forward: lay the sequences out (packed rows or a padded bucket), run each distinct
+model once with ``use_cache=False``, and read completion-only log-probs and pooled rewards.
+
+``BatchForward`` holds the served models and what it needs to read them (LM-head transform,
+reward adapter, device, output dtype); it keeps nothing between batches: ``compute`` returns the
+scores and the number of token slots the forward held. No fallback, OOM or KV handling here
+(``fallback.BatchRunner`` wraps it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from worker.executor.config import ExecutorConfig
+from worker.executor.logprobs import chunked_token_logps, logit_transform_for
+from worker.executor.packing import ForwardBatch, gather_flat, pack_rows, pad, plan_packed
+from worker.executor.pooling import (
+    HiddenStateRewardAdapter,
+    RewardAdapter,
+    RewardOutput,
+    backbone_hidden,
+)
+from worker.modes import LOGPROB_MODES, REWARD_MODES, Mode
+from worker.scorer.inputs import PreparedSequence
+from worker.scorer.outputs import SequenceScore
+
+
+@dataclass(frozen=True)
+class Computed:
+    """What one forward produced: scores in the order of its sequences, and the token slots it
+    held (real tokens plus right padding, or plus the fill of packed rows shorter than the
+    longest)."""
+
+    scores: list[SequenceScore]
+    slot_tokens: int
+
+
+class BatchForward:
+    """Runs one planned batch through the served models (log-probs and/or rewards).
+
+    ``reference_model``: a ``*ForCausalLM`` (log-probs) or ``None``; ``reward_model`` with its
+    ``reward_adapter``, or ``None``. When one model serves both surfaces through a
+    ``HiddenStateRewardAdapter``, ``mode="both"`` runs its backbone once per batch.
+    """
+
+    def __init__(
+        self,
+        config: ExecutorConfig,
+        device: torch.device,
+        reference_model: Any,
+        reward_model: Any,
+        reward_adapter: RewardAdapter | None,
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.reference_model = reference_model
+        self.reward_model = reward_model
+        self.reward_adapter = reward_adapter
+        self.shared_adapter: HiddenStateRewardAdapter | None = (
+            reward_adapter
+            if reference_model is not None
+            and reward_model is reference_model
+            and isinstance(reward_adapter, HiddenStateRewardAdapter)
+            else None
+        )
+        self.transform = (
+            logit_transform_for(reference_model) if reference_model is not None else None
+        )
+        self.out_dtype = np.float64 if config.output_dtype == "float64" else np.float32
+        found = [m for m in (reference_model, reward_model) if m is not None]
+        #: Distinct models served (the same object twice counts once).
+        self.models: tuple[Any, ...] = tuple({id(m): m for m in found}.values())
+
+    def compute(
+        self,
+        seqs: list[PreparedSequence],
+        group: list[int],
+        mode: Mode,
+        temp: float,
+        *,
+        packed: bool,
+        row_tokens: int,
+    ) -> Computed:
+        """One backbone forward per distinct model for ``seqs`` (``group``: their indices in the
+        call, carried as the batch's sequence ids); packed rows hold at most ``row_tokens``."""
+        ids = [s.ids for s in seqs]
+        if packed:
+            rows = plan_packed([len(x) for x in ids], row_tokens)
+            order = [j for row in rows for j in row]  # batch order -> index into seqs
+            batch = pack_rows([[ids[j] for j in row] for row in rows], [group[j] for j in order])
+        else:
+            order = list(range(len(seqs)))
+            batch = pad(ids, group)
+        slots = batch.slot_tokens
+        batch = batch.to(self.device)
+        scores = [SequenceScore() for _ in seqs]
+        with torch.inference_mode():
+            rewarded: RewardOutput | None = None
+            if mode in LOGPROB_MODES:
+                rewarded = self._logprobs(
+                    batch, [seqs[j] for j in order], order, mode, temp, scores
+                )
+            if mode in REWARD_MODES:
+                assert self.reward_adapter is not None and self.reward_model is not None
+                if rewarded is None:
+                    rewarded = self.reward_adapter(self.reward_model, batch)
+                for k, j in enumerate(order):
+                    scores[j].reward = float(rewarded.rewards[k])
+                    if rewarded.token_scores is not None:
+                        scores[j].token_scores = self._host(rewarded.token_scores[k])
+        return Computed(scores=scores, slot_tokens=slots)
+
+    def _logprobs(
+        self,
+        batch: ForwardBatch,
+        ordered: list[PreparedSequence],
+        order: list[int],
+        mode: Mode,
+        temp: float,
+        scores: list[SequenceScore],
+    ) -> RewardOutput | None:
+        """Fill ``scores[j].logps``; returns the rewards when the shared adapter pooled them
+        from the same hidden states."""
+        model = self.reference_model
+        assert model is not None
+        rewarded = None
+        hidden = backbone_hidden(model, batch)  # [R, T, H]: the one forward of `model`
+        if mode == "both" and self.shared_adapter is not None:
+            # One model, both surfaces: the reward head reads the same hidden states.
+            rewarded = self.shared_adapter.from_hidden(model, batch, hidden)
+        picked, labels, sizes = self._scored_rows(hidden, batch, ordered)
+        del hidden  # the LM-head chunks below need only the scored rows
+        logps = chunked_token_logps(
+            picked,
+            model.get_output_embeddings(),
+            labels,
+            temperature=temp,
+            chunk_tokens=self.config.logprob_chunk_tokens,
+            transform=self.transform,
+        )  # [N]
+        for j, row in zip(order, torch.split(logps, sizes), strict=True):
+            scores[j].logps = self._host(row)
+        return rewarded
+
+    def _scored_rows(
+        self, hidden: torch.Tensor, batch: ForwardBatch, seqs: list[PreparedSequence]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Hidden states ``[N, H]`` of the positions that predict a scored token, their labels
+        ``[N]`` and the number of scored tokens per sequence, batch order."""
+        starts = batch.starts.cpu().numpy()
+        scored = [s.scored for s in seqs]
+        assert all(p is not None for p in scored)
+        where = np.concatenate([st + p - 1 for st, p in zip(starts, scored, strict=True)])
+        labels = np.concatenate([s.ids[p] for s, p in zip(seqs, scored, strict=True)])
+        picked = gather_flat(hidden, torch.from_numpy(where).to(self.device))  # [N, H]
+        sizes = [len(p) for p in scored]  # type: ignore[arg-type]
+        return picked, torch.from_numpy(labels).to(self.device), sizes
+
+    def _host(self, values: torch.Tensor) -> np.ndarray:
+        """A result tensor as a host array of the configured output dtype."""
+        return values.cpu().numpy().astype(self.out_dtype, copy=False)

@@ -1,0 +1,102 @@
+"""The load-time probe: does the fast path reproduce the model, and do packed rows isolate
+their sequences on this backend?
+
+Three short sequences go through ``BatchForward.compute`` one by one and are compared with the
+reference model's own logits (``naive_token_logps``): a mismatch means a logit post-processing
+the executor does not reproduce, a ``ConfigError``. Then the three go packed into one row and are
+compared with the one-by-one results: a mismatch turns packing off (a load ``FallbackEvent``),
+or is a ``ConfigError`` when ``packing="packed"`` was asked for. The probe runs outside any KV
+scope, so a model that leaks a cache still loads; rejection happens on the first real batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from worker.errors import ConfigError
+from worker.executor import backends
+from worker.executor.forward import BatchForward
+from worker.executor.logprobs import naive_token_logps
+from worker.modes import Mode
+from worker.scorer.inputs import PreparedSequence
+from worker.scorer.outputs import FallbackEvent, SequenceScore
+
+_LENGTHS = (5, 9, 3)
+
+
+def probe_sequences(vocab: int) -> list[PreparedSequence]:
+    """Three deterministic sequences of ids in ``[0, vocab)``, every position after the first
+    scored."""
+    return [
+        PreparedSequence(ids=ids, scored=np.arange(1, len(ids), dtype=np.int64))
+        for ids in ((np.arange(n) * 7919 + 17 * n + 3) % vocab for n in _LENGTHS)
+    ]
+
+
+def self_check(
+    forward: BatchForward,
+    *,
+    vocab: int,
+    modes: tuple[Mode, ...],
+    backend: str,
+    packed: bool,
+    packing: str,
+) -> FallbackEvent | None:
+    """Run the probe (module docstring). Returns the packing fallback to take (``None``: keep
+    ``packed`` as it is); raises ``ConfigError`` when the model cannot be served as asked."""
+    model = forward.models[0]
+    seqs = probe_sequences(vocab)
+    mode: Mode = "both" if "both" in modes else modes[0]
+    row = forward.config.row_tokens(backend)
+    alone = [
+        forward.compute([s], [0], mode, 1.0, packed=True, row_tokens=row).scores[0] for s in seqs
+    ]
+    tol = 1e-3 if next(model.parameters()).dtype == torch.float32 else 0.25
+    if forward.reference_model is not None:
+        _check_logits(forward, seqs, alone, tol)
+    if packed and backend in backends.PACKABLE:
+        together = forward.compute(
+            seqs, list(range(len(seqs))), mode, 1.0, packed=True, row_tokens=row
+        ).scores
+        if all(_close(a, b, tol) for a, b in zip(alone, together, strict=True)):
+            return None
+        reason = "packed rows disagree with one-by-one forwards"
+    else:
+        reason = f"backend {backend} is not known to isolate packed sequences"
+    if packing == "packed":
+        raise ConfigError(f"packing='packed' requested but {reason}")
+    if not packed:
+        return None
+    return FallbackEvent("packed", "padded", "no_packing", reason, "load")
+
+
+def _check_logits(
+    forward: BatchForward, seqs: list[PreparedSequence], got: list[SequenceScore], tol: float
+) -> None:
+    """The fast path's log-probs against the reference model's own logits, per sequence."""
+    model = forward.reference_model
+    for s, score in zip(seqs, got, strict=True):
+        ids = torch.from_numpy(s.ids)[None].to(forward.device)
+        with torch.inference_mode():
+            logits = model(input_ids=ids, use_cache=False).logits[0]
+        want = naive_token_logps(logits[:-1], ids[0, 1:]).cpu().numpy()
+        assert score.logps is not None
+        if not np.allclose(score.logps, want, atol=tol, rtol=0):
+            raise ConfigError(
+                f"{type(model).__name__}: backbone + LM head does not reproduce the model's own "
+                "logits (unsupported logit post-processing); "
+                f"max |diff| {np.abs(score.logps - want).max():.3g}"
+            )
+
+
+def _close(a: SequenceScore, b: SequenceScore, tol: float) -> bool:
+    """Same log-probs within ``tol`` and same reward within ``10 * tol``."""
+    if (
+        a.logps is not None
+        and b.logps is not None
+        and not np.allclose(a.logps, b.logps, atol=tol, rtol=0)
+    ):
+        return False
+    both = a.reward is not None and b.reward is not None
+    return not (both and abs(a.reward - b.reward) > tol * 10)  # type: ignore[operator]
