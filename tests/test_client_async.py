@@ -11,9 +11,9 @@ import pytest
 import redis
 from test_client_support import OutstandingSampler, Responder, expected_logps
 
-from worker import client as client_mod
 from worker import keys
 from worker.client import DeadLetterError, JobFailed, ScoringTimeout
+from worker.client import window as window_mod
 from worker.client.aio import AsyncScoringClient
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(30), pytest.mark.usefixtures("cleanup_keys")]
@@ -102,18 +102,18 @@ def test_async_errors_timeouts_duplicates_and_cleanup(redis_url: str, key_prefix
 def test_async_score_many_without_timeout_waits_across_slices(
     redis_url: str, key_prefix: str, ordered: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(client_mod, "_WAIT_SLICE_S", 0.02)
+    monkeypatch.setattr(window_mod, "_WAIT_SLICE_S", 0.02)
     waits: list[float | None] = []
 
     async def main() -> list:
         async with AsyncScoringClient(redis_url, queue=key_prefix) as client:
-            real_wait_any = client._wait_any
+            real_wait_any = client._core.wait_any
 
-            async def counting_wait_any(job_ids: Any, timeout: float | None) -> Any:
+            def counting_wait_any(job_ids: Any, timeout: float | None) -> Any:
                 waits.append(timeout)
-                return await real_wait_any(job_ids, timeout)
+                return real_wait_any(job_ids, timeout)
 
-            monkeypatch.setattr(client, "_wait_any", counting_wait_any)
+            monkeypatch.setattr(client._core, "wait_any", counting_wait_any)
             jobs = [{"seqs": [([1, 2, 3], 1)], "meta": {"i": i}} for i in range(2)]
             return [
                 r

@@ -12,7 +12,6 @@ import pytest
 import redis
 from test_client_support import OutstandingSampler, Responder, expected_logps
 
-from worker import client as client_mod
 from worker import errors, keys, protocol
 from worker.client import (
     BadRequestError,
@@ -25,6 +24,7 @@ from worker.client import (
     TooLongError,
     UnsupportedModeError,
 )
+from worker.client import window as window_mod
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(30), pytest.mark.usefixtures("cleanup_keys")]
 
@@ -292,19 +292,19 @@ def test_score_many_without_timeout_waits_across_slices(
 ) -> None:
     """timeout=None waits as long as it takes, in bounded slices (it used to give up after the
     one-hour cap); here the slice is 20 ms and the worker takes 0.4 s per job."""
-    monkeypatch.setattr(client_mod, "_WAIT_SLICE_S", 0.02)
+    monkeypatch.setattr(window_mod, "_WAIT_SLICE_S", 0.02)
     waits: list[float] = []
     with (
         Responder(redis_url, keys.job_streams(key_prefix), delay_s=0.4, count=1),
         ScoringClient(redis_url, queue=key_prefix) as client,
     ):
-        real_wait_any = client._wait_any
+        real_wait_any = client._core.wait_any
 
         def counting_wait_any(job_ids: Any, timeout: float) -> Any:
             waits.append(timeout)
             return real_wait_any(job_ids, timeout)
 
-        monkeypatch.setattr(client, "_wait_any", counting_wait_any)
+        monkeypatch.setattr(client._core, "wait_any", counting_wait_any)
         jobs = [{"seqs": [([1, 2, 3], 1)], "meta": {"i": i}} for i in range(2)]
         out = list(client.score_many(jobs, max_in_flight=2, ordered=ordered, timeout=None))
     assert sorted(r.meta["i"] for r in out) == [0, 1]

@@ -7,8 +7,9 @@
         async for result in client.score_many(jobs, max_in_flight=32, ordered=False):
             ...
 
-A reader task owns the reply stream; results for any job id are buffered until awaited.
-No torch import.
+A reader task owns the reply stream; results for any job id are buffered until awaited. The
+logic is the shared core's (``worker.client.core``); this module performs its effects with
+``await``. No torch import.
 """
 
 from __future__ import annotations
@@ -16,53 +17,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections import OrderedDict
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
-from worker import client as _sync
-from worker import protocol
-from worker.client import (
-    DEFAULT_URL,
-    ClientClosed,
-    JobFailed,
-    JobHandle,
-    ScoreResult,
-    ScoringTimeout,
-    SeqScore,
-    _ClientBase,
-    _job_id,
-    as_job_spec,
-    job_failed,
-    unwrap,
-)
-from worker.config import RedisSettings
+from worker.client.base import ClientBase
+from worker.client.core import END, Block, Command, Delivered, Effect, Pause, Steps
+from worker.client.errors import ClientClosed, JobFailed
+from worker.client.results import JobHandle, ScoreResult, SeqScore, job_id_of, unwrap
+from worker.client.window import ScoreWindow
+from worker.config import DEFAULT_REDIS_URL
 from worker.connections import connect_async
+from worker.protocol import Result
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 
-class AsyncScoringClient(_ClientBase):
+
+class AsyncScoringClient(ClientBase):
     """Asyncio producer client. Use ``async with`` or ``await client.close()``.
 
     Same constructor arguments as ``ScoringClient``. Create it inside the running loop.
     """
 
-    def __init__(self, redis_url: str = DEFAULT_URL, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, redis_url: str = DEFAULT_REDIS_URL, *args: Any, **kwargs: Any) -> None:
         super().__init__(redis_url, *args, **kwargs)
         self.redis: Any = connect_async(self.settings)
         self._cond: asyncio.Condition | None = None
         self._reader: asyncio.Task[None] | None = None
-        self._closed = False
-        self.reconnects = 0
-
-    @classmethod
-    def from_settings(cls, settings: RedisSettings, **kwargs: Any) -> AsyncScoringClient:
-        """Build from a ``RedisSettings``."""
-        return cls(settings.url, settings=settings, **kwargs)
 
     async def __aenter__(self) -> AsyncScoringClient:
         return self
@@ -70,30 +54,78 @@ class AsyncScoringClient(_ClientBase):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def _ensure_reader(self) -> asyncio.Condition:
-        if self._closed:
-            raise ClientClosed("the client is closed")
-        if self._cond is None:
+    # -- effects
+
+    async def _run(self, steps: Steps[T]) -> T:
+        """Perform the effects of one core operation (stepping it never awaits, so the core is
+        never seen half-changed by another task)."""
+        reply: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                effect = steps.throw(error) if error is not None else steps.send(reply)
+            except StopIteration as stop:
+                return stop.value
+            reply, error = None, None
+            try:
+                reply = await self._perform(effect)
+            except BaseException as exc:  # cancellation too: score forgets its job
+                error = exc
+
+    async def _perform(self, effect: Effect) -> Any:
+        core = self._core
+        if isinstance(effect, Command):
+            return await getattr(self.redis, effect.name)(*effect.args, **effect.kwargs)
+        if isinstance(effect, Block):
+            seen = effect.seen
+            cond = self._condition()
+            async with cond:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(
+                        cond.wait_for(lambda: core.arrivals != seen or core.closed),
+                        effect.timeout_s,
+                    )
+            return None
+        if isinstance(effect, Delivered):
+            cond = self._condition()
+            async with cond:
+                cond.notify_all()
+            return None
+        if isinstance(effect, Pause):
+            await asyncio.sleep(effect.seconds)
+            return None
+        source = effect.source  # NextItem
+        if isinstance(source, AsyncIterator):
+            return await anext(source, END)
+        return next(source, END)
+
+    # -- lifecycle
+
+    def _condition(self) -> asyncio.Condition:
+        if self._cond is None:  # made on first use, inside the running loop
             self._cond = asyncio.Condition()
-        if self._reader is None:
-            self._reader = asyncio.create_task(self._read_loop(), name=f"reply-{self.client_id}")
         return self._cond
+
+    def _ensure_reader(self) -> None:
+        if self._core.closed:
+            raise ClientClosed("the client is closed")
+        if self._reader is None:
+            self._reader = asyncio.create_task(
+                self._run(self._core.read_replies()), name=f"reply-{self.client_id}"
+            )
 
     async def close(self) -> None:
         """Stop the reader task and delete the reply stream (TTL when jobs are outstanding or
         were forgotten unanswered)."""
-        if self._closed:
+        if self._core.closed:
             return
-        self._closed = True
+        self._core.closed = True
         try:
             if self._reader is not None:
                 self._reader.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await self._reader
-            if self._keep_reply_stream():
-                await self.redis.expire(self.reply_stream, self.reply_ttl_s)
-            else:
-                await self.redis.delete(self.reply_stream)
+            await self._run(self._core.close_reply_stream())
         except redis.RedisError as exc:
             log.warning("could not clean up reply stream %s: %s", self.reply_stream, exc)
         finally:
@@ -102,48 +134,7 @@ class AsyncScoringClient(_ClientBase):
                     self._cond.notify_all()
             await self.redis.aclose()
 
-    async def _read_loop(self) -> None:
-        assert self._cond is not None
-        last_id: Any = b"0-0"
-        backoff = 0.05
-        next_expire = 0.0
-        while not self._closed:
-            try:
-                now = time.monotonic()
-                if now >= next_expire and await self.redis.expire(
-                    self.reply_stream, self.reply_ttl_s
-                ):
-                    next_expire = now + self.reply_ttl_s / 3  # the key exists and has a TTL
-                reply = await self.redis.xread({self.reply_stream: last_id}, block=self.block_ms)
-                backoff = 0.05
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                self.reconnects += 1
-                log.warning("reply reader: %s; retrying in %.2f s", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-                continue
-            except redis.RedisError as exc:  # a server reply (e.g. NOPERM): no traceback
-                log.error("reply reader failed on %s: %s", self.reply_stream, exc)
-                await asyncio.sleep(1.0)
-                continue
-            if not reply:
-                continue
-            entries = reply[0][1]
-            if not entries:
-                continue
-            last_id = entries[-1][0]
-            async with self._cond:
-                if self._decode_entries(entries):
-                    self._cond.notify_all()
-            try:
-                await self.redis.xdel(self.reply_stream, *[e[0] for e in entries])
-                now = time.monotonic()
-                if now >= next_expire and await self.redis.expire(
-                    self.reply_stream, self.reply_ttl_s
-                ):
-                    next_expire = now + self.reply_ttl_s / 3
-            except redis.RedisError as exc:
-                log.debug("xdel on %s failed: %s", self.reply_stream, exc)
+    # -- producing
 
     async def submit(
         self,
@@ -158,50 +149,23 @@ class AsyncScoringClient(_ClientBase):
     ) -> JobHandle:
         """Enqueue one job (see ``ScoringClient.submit``)."""
         self._ensure_reader()
-        job_id, stream, payload, n = self._encode(
-            seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id
+        job = self._core.prepare(
+            seqs,
+            mode,
+            temperature,
+            deadline_ms=deadline_ms,
+            expires_in_s=expires_in_s,
+            meta=meta,
+            job_id=job_id,
         )
-        now = time.monotonic()
-        self._outstanding[job_id] = now
-        try:
-            entry_id = await self.redis.xadd(stream, {protocol.PAYLOAD_FIELD: payload})
-        except BaseException:
-            self._outstanding.pop(job_id, None)
-            raise
-        eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-        return JobHandle(job_id, stream, eid, now, n)
-
-    async def _wait_any(
-        self, job_ids: Iterable[str], timeout: float | None
-    ) -> tuple[str, protocol.Result] | None:
-        cond = self._ensure_reader()
-        ids = list(job_ids)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        async with cond:
-            while True:
-                for job_id in ids:
-                    result = self._buffer.take(job_id)
-                    if result is not None:
-                        self._outstanding.pop(job_id, None)
-                        return job_id, result
-                if self._closed:
-                    raise ClientClosed("client closed while waiting for results")
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return None
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(cond.wait(), remaining)
+        return await self._run(self._core.submit(job))
 
     async def raw_result(
         self, handle_or_id: JobHandle | str, timeout: float | None = None
-    ) -> protocol.Result:
+    ) -> Result:
         """Wait for a job's wire ``Result`` (ok or error) without raising on error results."""
-        job_id = _job_id(handle_or_id)
-        start = time.monotonic()
-        got = await self._wait_any([job_id], timeout)
-        if got is None:
-            raise ScoringTimeout(job_id, time.monotonic() - start, self.reply_stream)
-        return got[1]
+        self._ensure_reader()
+        return await self._run(self._core.wait_result(job_id_of(handle_or_id), timeout))
 
     async def result(
         self, handle_or_id: JobHandle | str, timeout: float | None = None
@@ -212,7 +176,7 @@ class AsyncScoringClient(_ClientBase):
 
     def forget(self, handle_or_id: JobHandle | str) -> bool:
         """Give up on a job (see ``ScoringClient.forget``); a plain method, not a coroutine."""
-        return self._forget(_job_id(handle_or_id))
+        return self._core.forget(job_id_of(handle_or_id))
 
     async def score(
         self,
@@ -225,12 +189,9 @@ class AsyncScoringClient(_ClientBase):
         expires_in_s: float | None = None,
     ) -> list[SeqScore]:
         """Submit one job and await its scores; forgotten on a timeout or cancellation."""
-        handle = await self.submit(seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s)
-        try:
-            return (await self.result(handle, timeout)).seqs
-        except BaseException:
-            self.forget(handle)
-            raise
+        self._ensure_reader()
+        job = self._core.prepare(seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s)
+        return await self._run(self._core.score(job, timeout))
 
     async def score_many(
         self,
@@ -247,67 +208,19 @@ class AsyncScoringClient(_ClientBase):
 
         ``timeout=None`` waits as long as it takes; jobs still in flight when it stops are
         forgotten."""
-        if max_in_flight < 1:
-            raise ValueError("max_in_flight must be >= 1")
-        if isinstance(jobs, AsyncIterable):
-            ait = jobs.__aiter__()
-        else:
-            sync_it = iter(jobs)
-
-            async def _gen() -> AsyncIterator[Any]:
-                for item in sync_it:
-                    yield item
-
-            ait = _gen()
-        # job id -> (submitted at, deadline), both monotonic
-        pending: OrderedDict[str, tuple[float, float]] = OrderedDict()
-        exhausted = False
+        window = ScoreWindow(
+            self._core,
+            jobs,
+            max_in_flight=max_in_flight,
+            ordered=ordered,
+            timeout=timeout,
+            mode=mode,
+            temperature=temperature,
+            raise_errors=raise_errors,
+        )
+        self._ensure_reader()
         try:
-            while True:
-                while not exhausted and len(pending) < max_in_flight:
-                    try:
-                        item = await ait.__anext__()
-                    except StopAsyncIteration:
-                        exhausted = True
-                        break
-                    spec = as_job_spec(item)
-                    handle = await self.submit(
-                        spec.seqs,
-                        spec.mode or mode,
-                        spec.temperature if spec.temperature is not None else temperature,
-                        deadline_ms=spec.deadline_ms,
-                        meta=spec.meta,
-                        job_id=spec.job_id,
-                    )
-                    start = handle.submitted_at
-                    limit = float("inf") if timeout is None else start + timeout
-                    pending[handle.job_id] = (start, limit)
-                if not pending:
-                    return
-                head, (head_start, head_deadline) = next(iter(pending.items()))
-                while True:  # bounded slices, as in the sync client
-                    wait_s = min(head_deadline - time.monotonic(), _sync._WAIT_SLICE_S)
-                    got = await self._wait_any(
-                        [head] if ordered else list(pending), max(wait_s, 0.0)
-                    )
-                    if got is not None:
-                        break
-                    now = time.monotonic()
-                    if now >= head_deadline:
-                        raise ScoringTimeout(head, now - head_start, self.reply_stream)
-                job_id, raw = got
-                del pending[job_id]
-                if raw.ok:
-                    yield ScoreResult.from_wire(raw)
-                elif raise_errors:
-                    raise job_failed(raw)
-                else:
-                    yield job_failed(raw)
+            while (out := await self._run(window.next())) is not None:
+                yield out
         finally:
-            if pending:
-                log.debug("score_many stopped with %d jobs in flight: forgotten", len(pending))
-                for pending_id in pending:
-                    self._forget(pending_id)
-
-
-__all__ = ["AsyncScoringClient"]
+            window.close()

@@ -1,0 +1,324 @@
+"""The sans-I/O core of the producer clients: everything ``ScoringClient`` and
+``AsyncScoringClient`` share, written once.
+
+Each operation is a generator of *effects*: it yields what it needs done (a Redis ``Command``, a
+``Block`` until results arrive, a ``Pause``, ``Delivered`` to wake waiters, the ``NextItem`` of
+a job source) and receives the outcome (a reply is sent back, an error thrown in). The sync
+client performs effects with blocking calls under its ``threading.Condition``, the asyncio client
+with ``await``; neither holds any logic of its own (``worker.client.sync``, ``worker.client.aio``).
+
+Here: the job payloads and handles, the reply buffer with de-duplication, the decoding and
+dispatch of replies, timeouts, ``forget``, and the reply reader (``XREAD BLOCK``, ``XDEL`` of what
+was read, a TTL kept on the key, back-off on connection errors). ``score_many``'s window is
+``worker.client.window``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+import zlib
+from collections.abc import Generator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import redis
+
+from worker import errors, keys, protocol
+from worker.client.buffer import ReplyBuffer
+from worker.client.errors import ClientClosed, ScoringTimeout
+from worker.client.inputs import normalize_seqs
+from worker.client.results import JobHandle, SeqScore, unwrap
+from worker.config import DEFAULT_REDIS_URL, RedisSettings
+from worker.modes import MODES
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: The field of the entry ``close()`` adds to the reply stream to end a blocked ``XREAD``.
+WAKE_FIELD = b"wake"
+_FIRST_BACKOFF_S = 0.05
+_MAX_BACKOFF_S = 2.0
+_SERVER_ERROR_PAUSE_S = 1.0
+
+
+@dataclass(frozen=True)
+class Command:
+    """Run ``redis.<name>(*args, **kwargs)``: its reply is sent back, its error thrown in."""
+
+    name: str
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Block:
+    """Wait until results arrived after ``seen`` (``ClientCore.arrivals``), the client closes,
+    or ``timeout_s`` passes (None: no limit)."""
+
+    timeout_s: float | None
+    seen: int
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Sleep ``seconds``, or less if the client closes (the reader's back-off)."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """New results are in the buffer: wake every ``Block``."""
+
+
+@dataclass(frozen=True)
+class NextItem:
+    """The next item of ``source`` (an iterator, or an async iterator for the asyncio client) is
+    sent back, or ``END`` when it is exhausted."""
+
+    source: Any
+
+
+END: Any = object()  # what a NextItem effect sends back when its source is exhausted
+Effect = Command | Block | Pause | Delivered | NextItem
+#: An operation of the core: yields effects, returns a ``T``.
+Steps = Generator[Effect, Any, T]
+
+
+@dataclass(frozen=True)
+class PreparedJob:
+    """A validated, encoded job that is ready to be added to its stream."""
+
+    job_id: str
+    stream: str
+    payload: bytes
+    num_seqs: int
+
+
+class ClientCore:
+    """The state and logic of one producer client (configuration, jobs in flight, reply buffer),
+    without I/O. Not thread-safe: the sync client steps it under its lock."""
+
+    def __init__(
+        self,
+        redis_url: str = DEFAULT_REDIS_URL,
+        queue: str = keys.DEFAULT_QUEUE,
+        partitions: int = 1,
+        *,
+        cluster: bool = False,
+        ssl_ca_certs: str | None = None,
+        ssl_certfile: str | None = None,
+        ssl_keyfile: str | None = None,
+        ssl_check_hostname: bool = True,
+        settings: RedisSettings | None = None,
+        client_id: str | None = None,
+        mode: str = "reference",
+        reply_ttl_s: int = 3600,
+        block_ms: int = 2000,
+        limits: protocol.Limits = protocol.DEFAULT_LIMITS,
+    ) -> None:
+        self.client_id = client_id or uuid.uuid4().hex[:16]
+        if settings is None:
+            settings = RedisSettings(
+                client_name=f"scoring-client-{self.client_id}",
+                url=redis_url,
+                cluster=cluster,
+                ssl_ca_certs=ssl_ca_certs,
+                ssl_certfile=ssl_certfile,
+                ssl_keyfile=ssl_keyfile,
+                ssl_check_hostname=ssl_check_hostname,
+            )
+        if mode not in MODES:
+            raise errors.ConfigError(f"mode must be one of {MODES}, got {mode!r}")
+        if reply_ttl_s < 1:
+            raise errors.ConfigError("reply_ttl_s must be >= 1")
+        self.settings = settings
+        self.queue = queue
+        self.partitions = partitions
+        self.job_streams = keys.job_streams(queue, partitions)
+        self.reply_stream = keys.reply_stream(self.job_streams[0], self.client_id)
+        self.mode = mode
+        self.reply_ttl_s = int(reply_ttl_s)
+        self.block_ms = int(block_ms)
+        self.limits = limits
+        self.buffer = ReplyBuffer()
+        self.outstanding: dict[str, float] = {}  # job id -> submit time (monotonic)
+        self.arrivals = 0  # bumped whenever new results are buffered (see Block)
+        self.reconnects = 0
+        self.closed = False
+
+    # -- jobs
+
+    def stream_for(self, job_id: str) -> str:
+        """The job stream (partition) of ``job_id``: a stable hash of the id."""
+        if len(self.job_streams) == 1:
+            return self.job_streams[0]
+        return self.job_streams[zlib.crc32(job_id.encode()) % len(self.job_streams)]
+
+    def prepare(
+        self,
+        seqs: Any,
+        mode: str | None = None,
+        temperature: float = 1.0,
+        *,
+        deadline_ms: int | None = None,
+        expires_in_s: float | None = None,
+        meta: Any = None,
+        job_id: str | None = None,
+    ) -> PreparedJob:
+        """Validate and encode a job (see ``ScoringClient.submit`` for the arguments)."""
+        specs = normalize_seqs(seqs)
+        job_id = job_id or uuid.uuid4().hex
+        if expires_in_s is not None:
+            deadline_ms = int((time.time() + expires_in_s) * 1000)
+        payload = protocol.encode_job(
+            job_id,
+            mode or self.mode,
+            self.reply_stream,
+            specs,
+            temperature=temperature,
+            deadline_ms=deadline_ms,
+            meta=meta,
+        )
+        return PreparedJob(job_id, self.stream_for(job_id), payload, len(specs))
+
+    def submit(self, job: PreparedJob) -> Steps[JobHandle]:
+        """Add ``job`` to its stream; it counts as outstanding from before the ``XADD``."""
+        if self.closed:
+            raise ClientClosed("the client is closed")
+        now = time.monotonic()
+        self.outstanding[job.job_id] = now
+        try:
+            entry_id = yield Command("xadd", (job.stream, {protocol.PAYLOAD_FIELD: job.payload}))
+        except BaseException:
+            self.outstanding.pop(job.job_id, None)
+            raise
+        eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+        return JobHandle(job.job_id, job.stream, eid, now, job.num_seqs)
+
+    def forget(self, job_id: str) -> bool:
+        """Give up on ``job_id``: drop its buffered result, or drop its result on arrival."""
+        outstanding = self.outstanding.pop(job_id, None) is not None
+        return self.buffer.forget(job_id, outstanding)
+
+    def keep_reply_stream(self) -> bool:
+        """Whether results may still arrive (close() then sets a TTL instead of deleting)."""
+        return bool(self.outstanding) or self.buffer.awaiting_late
+
+    # -- waiting
+
+    def wait_any(
+        self, job_ids: Sequence[str], timeout_s: float | None
+    ) -> Steps[tuple[str, protocol.Result] | None]:
+        """The first of ``job_ids`` whose result has arrived, waiting up to ``timeout_s`` (None:
+        as long as it takes); None once the time is up."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            for job_id in job_ids:
+                result = self.buffer.take(job_id)
+                if result is not None:
+                    self.outstanding.pop(job_id, None)
+                    return job_id, result
+            if self.closed:
+                what = f"job {job_ids[0]}" if len(job_ids) == 1 else "results"
+                raise ClientClosed(f"client closed while waiting for {what}")
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return None
+            yield Block(remaining, self.arrivals)
+
+    def wait_result(self, job_id: str, timeout_s: float | None) -> Steps[protocol.Result]:
+        """The wire result of ``job_id``; ``ScoringTimeout`` after ``timeout_s`` (the job stays
+        tracked)."""
+        start = time.monotonic()
+        got = yield from self.wait_any([job_id], timeout_s)
+        if got is None:
+            raise ScoringTimeout(job_id, time.monotonic() - start, self.reply_stream)
+        return got[1]
+
+    def score(self, job: PreparedJob, timeout_s: float | None) -> Steps[list[SeqScore]]:
+        """Submit ``job`` and wait for its scores; the job is forgotten if the wait fails (a
+        timeout, an interrupt, a cancellation): the caller has no handle to wait again with."""
+        handle = yield from self.submit(job)
+        try:
+            return unwrap((yield from self.wait_result(handle.job_id, timeout_s))).seqs
+        except BaseException:
+            self.forget(handle.job_id)
+            raise
+
+    # -- reading replies
+
+    def ingest(self, entries: Iterable[tuple[Any, Mapping[bytes, bytes]]]) -> int:
+        """Decode reply entries into the buffer; returns how many new results arrived."""
+        new = 0
+        for entry_id, fields in entries:
+            payload = fields.get(protocol.PAYLOAD_FIELD)
+            if payload is None:
+                continue  # a wake-up marker written by close()
+            try:
+                result = protocol.decode_result(payload, self.limits)
+            except errors.ProtocolError as exc:
+                log.warning("undecodable result %r on %s: %s", entry_id, self.reply_stream, exc)
+                continue
+            if self.buffer.offer(result, expected=result.id in self.outstanding):
+                new += 1
+        if new:
+            self.arrivals += 1
+        return new
+
+    def read_replies(self) -> Steps[None]:
+        """The reply reader, until the client closes: ``XREAD BLOCK`` the reply stream, buffer
+        the results, ``XDEL`` what was read and keep a TTL on the key; connection errors are
+        retried with back-off."""
+        last_id: Any = b"0-0"
+        backoff = _FIRST_BACKOFF_S
+        next_expire = 0.0
+        while not self.closed:
+            try:
+                next_expire = yield from self._keep_ttl(next_expire)
+                reply = yield Command(
+                    "xread", ({self.reply_stream: last_id},), {"block": self.block_ms}
+                )
+                backoff = _FIRST_BACKOFF_S
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if self.closed:
+                    break
+                self.reconnects += 1
+                log.warning("reply reader: %s; retrying in %.2f s", exc, backoff)
+                yield Pause(backoff)
+                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+                continue
+            except redis.RedisError as exc:  # a server reply (e.g. NOPERM): no traceback
+                if self.closed:
+                    break
+                log.error("reply reader failed on %s: %s", self.reply_stream, exc)
+                yield Pause(_SERVER_ERROR_PAUSE_S)
+                continue
+            entries = reply[0][1] if reply else None
+            if not entries:
+                continue
+            last_id = entries[-1][0]
+            if self.ingest(entries):
+                yield Delivered()
+            try:
+                yield Command("xdel", (self.reply_stream, *[e[0] for e in entries]))
+                next_expire = yield from self._keep_ttl(next_expire)
+            except redis.RedisError as exc:  # harmless: the ids are behind last_id
+                log.debug("xdel on %s failed: %s", self.reply_stream, exc)
+
+    def _keep_ttl(self, next_expire: float) -> Steps[float]:
+        """Refresh the reply stream's TTL when it is due; returns when it is due next."""
+        now = time.monotonic()
+        if now >= next_expire and (yield Command("expire", (self.reply_stream, self.reply_ttl_s))):
+            return now + self.reply_ttl_s / 3  # the key exists and has a TTL
+        return next_expire
+
+    def close_reply_stream(self) -> Steps[None]:
+        """Delete the reply stream, or give it a TTL when results may still arrive."""
+        if self.keep_reply_stream():
+            yield Command("expire", (self.reply_stream, self.reply_ttl_s))
+        else:
+            yield Command("delete", (self.reply_stream,))

@@ -1,0 +1,98 @@
+"""What a producer catches: ``JobFailed`` and its subclass per wire error code, ``ScoringTimeout``
+and ``ClientClosed``.
+
+Each ``JobFailed`` subclass is also the ``worker.errors`` class of its code, so
+``except worker.errors.TooLong`` catches ``TooLongError``. The code -> class map is built from
+``worker.errors.ERROR_TABLE``, and importing this module fails if a row has no class here or a
+class does not carry its row's code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from worker import errors
+from worker.protocol import Result
+
+
+class JobFailed(errors.ScoringError):
+    """A job came back with an error result; ``code``, ``message``, ``job_id`` say which and why."""
+
+    def __init__(
+        self, job_id: str, message: str, *, info: Mapping[str, Any] | None = None, meta: Any = None
+    ) -> None:
+        super().__init__(f"job {job_id} failed [{self.code}]: {message}")
+        self.job_id = job_id
+        self.reason = message
+        self.info = dict(info or {})
+        self.meta = meta
+
+
+class BadRequestError(JobFailed, errors.BadRequest):
+    """The worker rejected the job as malformed (``bad_request``)."""
+
+
+class TooLongError(JobFailed, errors.TooLong):
+    """A sequence is longer than the worker's model accepts (``too_long``)."""
+
+
+class UnsupportedModeError(JobFailed, errors.UnsupportedMode):
+    """The worker does not serve the requested mode (``unsupported_mode``)."""
+
+
+class ExpiredError(JobFailed, errors.Expired):
+    """The job was still queued after its deadline (``expired``)."""
+
+
+class DeadLetterError(JobFailed, errors.DeadLetter):
+    """The job was dead-lettered after too many deliveries (``dead_letter``)."""
+
+
+class InternalJobError(JobFailed, errors.InternalError):
+    """The worker failed unexpectedly on this job (``internal`` or an unknown code)."""
+
+
+def _failed_class(kind: errors.ErrorKind) -> type[JobFailed]:
+    """The class named by ``kind.job_failed``, checked to be a ``JobFailed`` and ``kind.error``."""
+    cls = globals().get(kind.job_failed)
+    if not (isinstance(cls, type) and issubclass(cls, JobFailed) and issubclass(cls, kind.error)):
+        raise RuntimeError(
+            f"worker.errors.ERROR_TABLE names {kind.job_failed!r} for {kind.code!r}, but "
+            f"worker.client.errors has no such JobFailed subclass of {kind.error.__name__}"
+        )
+    return cls
+
+
+#: The ``JobFailed`` subclass of each wire error code, from ``worker.errors.ERROR_TABLE``.
+FAILED_BY_CODE: dict[str, type[JobFailed]] = {
+    kind.code: _failed_class(kind) for kind in errors.ERROR_TABLE
+}
+
+
+def job_failed(result: Result) -> JobFailed:
+    """The typed exception for an error result (unknown codes become ``InternalJobError``)."""
+    err = result.error or {}
+    code = str(err.get("code", "internal"))
+    message = str(err.get("message", ""))
+    cls = FAILED_BY_CODE.get(code)
+    if cls is None:
+        cls, message = InternalJobError, f"[{code}] {message}"
+    return cls(result.id, message, info=result.info, meta=result.meta)
+
+
+class ScoringTimeout(TimeoutError):
+    """No result arrived in time; ``job_id`` and ``waited_s`` say for which job and how long."""
+
+    def __init__(self, job_id: str, waited_s: float, reply_stream: str = "") -> None:
+        where = f" on {reply_stream}" if reply_stream else ""
+        super().__init__(
+            f"no result for job {job_id} after waiting {waited_s:.1f} s{where} "
+            "(is a worker serving this queue? see `scoring-worker info`)"
+        )
+        self.job_id = job_id
+        self.waited_s = waited_s
+
+
+class ClientClosed(RuntimeError):
+    """The client was closed while a caller waited on it."""

@@ -1,0 +1,99 @@
+"""What a producer may pass as a job: sequences in a few shapes (``normalize_seqs``) and, for
+``score_many``, job items with per-job settings (``JobSpec``, ``as_job_spec``).
+
+Everything is validated here, before anything is sent (``worker.errors.BadRequest``).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from worker import errors, protocol
+
+
+def _prompt_len(value: Any, index: int) -> int:
+    """``prompt_len`` as an int (numpy/torch integer scalars accepted; booleans, floats not)."""
+    if protocol.is_bool_like(value):
+        raise errors.BadRequest(f"seqs[{index}]: prompt_len must be an integer, got a boolean")
+    try:
+        return operator.index(value)
+    except TypeError as exc:
+        raise errors.BadRequest(
+            f"seqs[{index}]: prompt_len must be an integer, got {type(value).__name__}"
+        ) from exc
+
+
+def normalize_seq(seq: Any, index: int = 0) -> protocol.SeqSpec:
+    """One sequence from a dict (``tokens`` + ``prompt_len`` or ``mask``), a ``(tokens,
+    prompt_len)`` tuple or a ``SeqSpec``; tokens may be a list, numpy array or torch tensor."""
+    if isinstance(seq, protocol.SeqSpec):
+        return seq
+    if isinstance(seq, Mapping):
+        if "tokens" not in seq:
+            raise errors.BadRequest(f"seqs[{index}]: a sequence map needs 'tokens'")
+        spec = {"tokens": seq["tokens"], "prompt_len": seq.get("prompt_len"), "mask": None}
+        if seq.get("mask") is not None:
+            spec["mask"] = seq["mask"]
+    elif isinstance(seq, tuple) and len(seq) == 2:
+        tokens, second = seq
+        if protocol.is_bool_like(second):  # True would pass operator.index as 1
+            raise errors.BadRequest(f"seqs[{index}]: prompt_len must be an integer, got a boolean")
+        try:
+            spec = {"tokens": tokens, "prompt_len": operator.index(second), "mask": None}
+        except TypeError:
+            spec = {"tokens": tokens, "prompt_len": None, "mask": second}
+    else:
+        raise errors.BadRequest(
+            f"seqs[{index}]: expected a dict with tokens and prompt_len/mask or a "
+            f"(tokens, prompt_len) tuple, got {type(seq).__name__}"
+        )
+    if spec["prompt_len"] is not None:
+        spec["prompt_len"] = _prompt_len(spec["prompt_len"], index)  # numpy/torch scalars too
+    tokens = protocol.as_int32_array(spec["tokens"])
+    mask = protocol.as_mask_bytes(spec["mask"]) if spec["mask"] is not None else None
+    protocol.validate_seq(tokens, spec["prompt_len"], mask, index)
+    return protocol.SeqSpec(tokens=tokens, prompt_len=spec["prompt_len"], mask=mask)
+
+
+def normalize_seqs(seqs: Any) -> list[protocol.SeqSpec]:
+    """A job's sequences; a single dict/tuple sequence is accepted as a one-sequence job."""
+    if isinstance(seqs, (Mapping, protocol.SeqSpec)) or (
+        isinstance(seqs, tuple) and len(seqs) == 2 and not isinstance(seqs[1], (Mapping, tuple))
+    ):
+        seqs = [seqs]
+    out = [normalize_seq(s, i) for i, s in enumerate(seqs)]
+    if not out:
+        raise errors.BadRequest("a job needs at least one sequence")
+    return out
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One job for ``score_many``: its sequences and optional per-job settings."""
+
+    seqs: Any
+    mode: str | None = None
+    temperature: float | None = None
+    meta: Any = None
+    job_id: str | None = None
+    deadline_ms: int | None = None
+
+
+def as_job_spec(item: Any) -> JobSpec:
+    """A ``JobSpec`` from a ``JobSpec``, a map with ``seqs`` (and ``mode``/``meta``/``id``...), a
+    single sequence map with ``tokens``, or a list of sequences."""
+    if isinstance(item, JobSpec):
+        return item
+    if isinstance(item, Mapping) and "seqs" in item:
+        return JobSpec(
+            seqs=item["seqs"],
+            mode=item.get("mode"),
+            temperature=item.get("temperature"),
+            meta=item.get("meta"),
+            job_id=item.get("job_id", item.get("id")),
+            deadline_ms=item.get("deadline_ms"),
+        )
+    return JobSpec(seqs=item)

@@ -1,0 +1,121 @@
+"""What a producer gets back: ``JobHandle`` from ``submit``, ``ScoreResult`` (one ``SeqScore`` per
+sequence) from ``result``; ``unwrap`` turns a wire result into one or raises its ``JobFailed``."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from worker.client.errors import job_failed
+from worker.protocol import Result
+
+try:  # numpy is optional on the producer side
+    import numpy as _np
+except ImportError:  # pragma: no cover - depends on the environment
+    _np = None  # type: ignore[assignment]
+
+
+def _float_array(values: array | None) -> Any:
+    """A numpy float32 array when numpy is installed, else the ``array('f')`` itself."""
+    if values is None:
+        return None
+    if _np is not None:
+        return _np.frombuffer(values.tobytes(), dtype=_np.float32)
+    return values
+
+
+@dataclass(frozen=True)
+class SeqScore:
+    """Scores of one sequence: completion-token log-probs (float32 array) and/or a reward."""
+
+    logps: Any = None  # numpy float32 array when numpy is installed, else array('f')
+    reward: float | None = None
+    token_scores: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        """How many completion tokens were scored (0 without log-probs)."""
+        return 0 if self.logps is None else len(self.logps)
+
+    @property
+    def sum_logp(self) -> float | None:
+        """Sum of the completion log-probs (the sequence log-likelihood)."""
+        return None if self.logps is None else float(sum(float(x) for x in self.logps))
+
+    @property
+    def mean_logp(self) -> float | None:
+        """Mean log-prob per scored token."""
+        n = self.num_tokens
+        return None if not n else (self.sum_logp or 0.0) / n
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-friendly dict (log-probs as a list of floats)."""
+        out: dict[str, Any] = {}
+        if self.logps is not None:
+            out["logps"] = [float(x) for x in self.logps]
+        if self.reward is not None:
+            out["reward"] = float(self.reward)
+        if self.token_scores is not None:
+            out["token_scores"] = [float(x) for x in self.token_scores]
+        return out
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    """The successful result of one job: one ``SeqScore`` per submitted sequence, in order."""
+
+    job_id: str
+    seqs: list[SeqScore]
+    info: dict[str, Any] = field(default_factory=dict)
+    meta: Any = None
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __iter__(self) -> Iterator[SeqScore]:
+        return iter(self.seqs)
+
+    def __getitem__(self, index: int) -> SeqScore:
+        return self.seqs[index]
+
+    @classmethod
+    def from_wire(cls, result: Result) -> ScoreResult:
+        """Build from a decoded ``ok`` wire result."""
+        return cls(
+            job_id=result.id,
+            seqs=[
+                SeqScore(
+                    logps=_float_array(s.logps),
+                    reward=s.reward,
+                    token_scores=_float_array(s.token_scores),
+                )
+                for s in result.seqs
+            ],
+            info=dict(result.info or {}),
+            meta=result.meta,
+        )
+
+
+@dataclass(frozen=True)
+class JobHandle:
+    """What ``submit`` returns: the job id, where it went, and when."""
+
+    job_id: str
+    stream: str
+    entry_id: str
+    submitted_at: float  # time.monotonic()
+    num_seqs: int
+
+
+def unwrap(result: Result) -> ScoreResult:
+    """A ``ScoreResult`` for an ok result; raises the typed ``JobFailed`` otherwise."""
+    if not result.ok:
+        raise job_failed(result)
+    return ScoreResult.from_wire(result)
+
+
+def job_id_of(handle_or_id: JobHandle | str) -> str:
+    """The job id of a handle, or the id itself."""
+    return handle_or_id.job_id if isinstance(handle_or_id, JobHandle) else str(handle_or_id)

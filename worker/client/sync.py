@@ -1,0 +1,233 @@
+"""The synchronous producer client: the core's effects performed with ``redis-py`` calls, a reader
+thread and a ``threading.Condition`` (see ``worker.client.core``)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
+
+import redis
+
+from worker.client.base import ClientBase
+from worker.client.core import (
+    END,
+    WAKE_FIELD,
+    Block,
+    Command,
+    Delivered,
+    Effect,
+    Pause,
+    Steps,
+)
+from worker.client.errors import ClientClosed, JobFailed
+from worker.client.results import JobHandle, ScoreResult, SeqScore, job_id_of, unwrap
+from worker.client.window import ScoreWindow
+from worker.config import DEFAULT_REDIS_URL
+from worker.connections import connect
+from worker.protocol import Result
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class ScoringClient(ClientBase):
+    """Synchronous producer client; thread-safe. Use as a context manager or call ``close()``.
+
+    ``redis_url`` may be ``redis://``, ``rediss://`` (TLS) or ``redis+cluster://``; pass
+    ``partitions`` equal to the workers' ``--partitions``. Results are read by a background
+    thread started on first use.
+    """
+
+    def __init__(self, redis_url: str = DEFAULT_REDIS_URL, *args: Any, **kwargs: Any) -> None:
+        super().__init__(redis_url, *args, **kwargs)
+        self.redis: Any = connect(self.settings)
+        self._cond = threading.Condition()
+        self._reader: threading.Thread | None = None
+        self._closing = threading.Event()
+
+    def __enter__(self) -> ScoringClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- effects
+
+    def _run(self, steps: Steps[T]) -> T:
+        """Perform the effects of one core operation; the core is only stepped under the lock."""
+        reply: Any = None
+        error: BaseException | None = None
+        with self._cond:
+            while True:
+                try:
+                    effect = steps.throw(error) if error is not None else steps.send(reply)
+                except StopIteration as stop:
+                    return stop.value
+                reply, error = None, None
+                try:
+                    reply = self._perform(effect)
+                except BaseException as exc:  # thrown into the operation (score forgets its job)
+                    error = exc
+
+    def _perform(self, effect: Effect) -> Any:
+        """One effect; called and returning with the lock held, released around I/O."""
+        core = self._core
+        if isinstance(effect, Block):
+            seen = effect.seen
+            self._cond.wait_for(lambda: core.arrivals != seen or core.closed, effect.timeout_s)
+            return None
+        if isinstance(effect, Delivered):
+            self._cond.notify_all()
+            return None
+        self._cond.release()
+        try:
+            if isinstance(effect, Command):
+                return getattr(self.redis, effect.name)(*effect.args, **effect.kwargs)
+            if isinstance(effect, Pause):
+                self._closing.wait(effect.seconds)
+                return None
+            return next(effect.source, END)  # NextItem
+        finally:
+            self._cond.acquire()
+
+    # -- lifecycle
+
+    def _ensure_reader(self) -> None:
+        with self._cond:
+            if self._core.closed:
+                raise ClientClosed("the client is closed")
+            if self._reader is None:
+                self._reader = threading.Thread(
+                    target=self._run,
+                    args=(self._core.read_replies(),),
+                    name=f"scoring-reply-{self.client_id}",
+                    daemon=True,
+                )
+                self._reader.start()
+
+    def close(self) -> None:
+        """Stop the reader and delete the reply stream (or let it expire when jobs are
+        outstanding or forgotten unanswered, so late results land in a key that has a TTL)."""
+        with self._cond:
+            if self._core.closed:
+                return
+            self._core.closed = True
+        self._closing.set()
+        try:
+            if self._reader is not None:
+                self.redis.xadd(self.reply_stream, {WAKE_FIELD: b"1"})
+                self._reader.join(timeout=self.block_ms / 1000 + 5)
+            self._run(self._core.close_reply_stream())
+        except redis.RedisError as exc:
+            log.warning("could not clean up reply stream %s: %s", self.reply_stream, exc)
+        finally:
+            with self._cond:
+                self._cond.notify_all()
+            self.redis.close()
+
+    # -- producing
+
+    def submit(
+        self,
+        seqs: Any,
+        mode: str | None = None,
+        temperature: float = 1.0,
+        *,
+        deadline_ms: int | None = None,
+        expires_in_s: float | None = None,
+        meta: Any = None,
+        job_id: str | None = None,
+    ) -> JobHandle:
+        """Enqueue one job and return its handle (``result(handle)`` waits for it).
+
+        ``seqs``: sequences as dicts (``tokens`` + ``prompt_len`` or ``mask``) or
+        ``(tokens, prompt_len)`` tuples. ``deadline_ms`` (unix ms) or ``expires_in_s``: the worker
+        answers ``expired`` instead of scoring a job still queued after that.
+        """
+        self._ensure_reader()
+        job = self._core.prepare(
+            seqs,
+            mode,
+            temperature,
+            deadline_ms=deadline_ms,
+            expires_in_s=expires_in_s,
+            meta=meta,
+            job_id=job_id,
+        )
+        return self._run(self._core.submit(job))
+
+    def raw_result(self, handle_or_id: JobHandle | str, timeout: float | None = None) -> Result:
+        """Wait for a job's wire ``Result`` (ok or error) without raising on error results."""
+        self._ensure_reader()
+        return self._run(self._core.wait_result(job_id_of(handle_or_id), timeout))
+
+    def result(self, handle_or_id: JobHandle | str, timeout: float | None = None) -> ScoreResult:
+        """Wait for a job's result; raises a ``JobFailed`` subclass for an error result and
+        ``ScoringTimeout`` after ``timeout`` seconds (None waits forever). After a timeout the job
+        is still tracked (wait again, or ``forget`` it)."""
+        return unwrap(self.raw_result(handle_or_id, timeout))
+
+    def forget(self, handle_or_id: JobHandle | str) -> bool:
+        """Give up on a job: drop its buffered result and stop tracking it; a result arriving
+        later is dropped (``late_results``). True if the job was outstanding or had a result
+        waiting."""
+        with self._cond:
+            return self._core.forget(job_id_of(handle_or_id))
+
+    def score(
+        self,
+        seqs: Any,
+        mode: str | None = None,
+        temperature: float = 1.0,
+        *,
+        timeout: float | None = 300.0,
+        meta: Any = None,
+        expires_in_s: float | None = None,
+    ) -> list[SeqScore]:
+        """Submit one job and wait for its scores (one ``SeqScore`` per sequence). On a timeout
+        (or an interrupt) the job is forgotten: its late result is dropped."""
+        self._ensure_reader()
+        job = self._core.prepare(seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s)
+        return self._run(self._core.score(job, timeout))
+
+    def score_many(
+        self,
+        jobs: Iterable[Any],
+        *,
+        max_in_flight: int = 64,
+        ordered: bool = True,
+        timeout: float | None = 300.0,
+        mode: str | None = None,
+        temperature: float = 1.0,
+        raise_errors: bool = True,
+    ) -> Iterator[ScoreResult | JobFailed]:
+        """Score many jobs with at most ``max_in_flight`` submitted and not yet answered.
+
+        Each item is a list of sequences, a single sequence, a ``JobSpec`` or a map with
+        ``seqs`` (and optional ``mode``, ``temperature``, ``meta``, ``id``). Yields one
+        ``ScoreResult`` per job, in submission order (``ordered=True``; the window is then the
+        oldest ``max_in_flight`` jobs) or as they complete. ``timeout`` bounds each job's wait
+        from its submission (None: wait as long as it takes). With ``raise_errors=False`` a failed
+        job yields its ``JobFailed`` instead of raising it. Jobs still in flight when the iterator
+        stops (a timeout, a raised error, ``break``) are forgotten (see ``forget``).
+        """
+        window = ScoreWindow(
+            self._core,
+            jobs,
+            max_in_flight=max_in_flight,
+            ordered=ordered,
+            timeout=timeout,
+            mode=mode,
+            temperature=temperature,
+            raise_errors=raise_errors,
+        )
+        self._ensure_reader()
+        try:
+            while (out := self._run(window.next())) is not None:
+                yield out
+        finally:
+            with self._cond:
+                window.close()
