@@ -42,10 +42,10 @@ def test_sigterm_while_main_thread_holds_a_metric_lock_drains() -> None:
         signal.set_wakeup_fd(old_fd)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if worker._drain_timer is not None:  # never run(): its drain deadline must not fire
-            worker._drain_timer.cancel()
-        if worker._wakeup is not None:
-            rsock, wsock = worker._wakeup
+        if worker.drain.timer is not None:  # never run(): its drain deadline must not fire
+            worker.drain.timer.cancel()
+        if worker.signals.wakeup is not None:
+            rsock, wsock = worker.signals.wakeup
             wsock.shutdown(socket.SHUT_WR)  # EOF ends the watcher thread's recv()
             wsock.close()
             rsock.close()
@@ -63,7 +63,7 @@ def test_run_cancels_the_drain_deadline(
                     metrics=WorkerMetrics(CollectorRegistry()))  # fmt: skip
     worker.request_stop("test")
     assert worker.run() == 0
-    assert worker._drain_timer is not None and worker._drain_timer.finished.is_set()
+    assert worker.drain.timer is not None and worker.drain.timer.finished.is_set()
     time.sleep(1.5)  # past the deadline: this process is still alive
 
 
@@ -72,15 +72,15 @@ def test_drain_deadline_outside_run_is_ignored(monkeypatch: pytest.MonkeyPatch) 
     """A stop requested on a worker that is not serving (never ran, as when a signal arrives
     for an in-process worker) arms a deadline that must not end the host process."""
     exits: list[int] = []
-    monkeypatch.setattr("worker.daemon.os._exit", exits.append)
+    monkeypatch.setattr("worker.daemon.drain.os._exit", exits.append)
     config = WorkerConfig(streams=("scoring:{idle}:jobs",), consumer="idle", metrics_port=None,
                           drain_timeout_s=0.2)  # fmt: skip
     worker = Worker(config, RedisSettings(), NoopScorer(),
                     metrics=WorkerMetrics(CollectorRegistry()))  # fmt: skip
     worker.request_stop("test")
-    assert worker._drain_timer is not None
-    worker._drain_timer.join(5)
-    assert worker._drain_timer.finished.is_set() and exits == []
+    assert worker.drain.timer is not None
+    worker.drain.timer.join(5)
+    assert worker.drain.timer.finished.is_set() and exits == []
 
 
 @pytest.mark.timeout(30)
@@ -96,7 +96,7 @@ def test_drain_deadline_ends_a_worker_stuck_in_a_batch(
     from worker import keys
 
     exits: list[int] = []
-    monkeypatch.setattr("worker.daemon.os._exit", exits.append)
+    monkeypatch.setattr("worker.daemon.drain.os._exit", exits.append)
     client = redis.Redis.from_url(redis_url)
     stream = keys.job_streams(key_prefix)[0]
     enqueue(client, stream, "slow", keys.reply_stream(stream, "c"),

@@ -48,6 +48,19 @@ class InFlight:
         with self._lock:
             return ids & self._ids.get(stream, set())
 
+    def release_all_but(self, keep: set[tuple[str, str]]) -> int:
+        """Forget every held entry whose ``(stream, entry_id)`` is not in ``keep``; how many."""
+        released = 0
+        with self._lock:
+            for stream in list(self._ids):
+                ids = self._ids[stream]
+                gone = {i for i in ids if (stream, i) not in keep}
+                ids -= gone
+                released += len(gone)
+                if not ids:
+                    del self._ids[stream]
+        return released
+
     def snapshot(self) -> dict[str, list[str]]:
         """A copy of the held ids per stream."""
         with self._lock:

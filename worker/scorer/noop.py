@@ -18,7 +18,7 @@ import numpy as np
 
 from worker.errors import BadRequest, TooLong, UnsupportedMode
 from worker.scorer.inputs import SequenceInput
-from worker.scorer.outputs import BatchMetrics, ScoreOutput, SequenceScore
+from worker.scorer.outputs import BatchMetrics, FallbackEvent, ScoreOutput, SequenceScore
 
 __all__ = ["NoopScorer", "ScoreOutput", "SequenceInput", "SequenceScore"]
 
@@ -36,6 +36,7 @@ class NoopScorer:
         self.modes: tuple[str, ...] = MODES
         self.delay_ms = delay_ms
         self._listeners: list[Callable[[Any], None]] = []
+        self.load_fallbacks: list[FallbackEvent] = []  # no model, nothing to fall back from
 
     @property
     def info(self) -> dict[str, Any]:

@@ -1,0 +1,94 @@
+"""Reading entries: new ones for the group (``XREADGROUP``), idle ones of dead consumers
+(``XAUTOCLAIM``, or ``XPENDING`` + ``XCLAIM`` before Redis 6.2), and whether all are done.
+
+Every entry read is registered in the in-flight set at once, so the lease keeper renews it from
+then on. Suspects (entries whose batch never finished) are claimed one at a time over all
+partitions, the next as soon as the previous one is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from worker import streams
+from worker.config import WorkerConfig
+from worker.daemon.leases import InFlight
+from worker.observability.metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
+
+
+class EntryReader:
+    """Reads and reclaims the entries of one consumer on its job streams."""
+
+    def __init__(self, config: WorkerConfig, in_flight: InFlight, metrics: WorkerMetrics) -> None:
+        self.config = config
+        self._in_flight = in_flight
+        self._metrics = metrics
+        self.use_autoclaim = True  # set from the server version on (re)connect
+        self._rotation = 0
+        self._last_reclaim = 0.0
+        self._suspects_waiting = False
+
+    def read(self, client: Any, room: int, block_ms: int) -> list[streams.Entry]:
+        """Up to ``room`` new entries, partitions in rotating order (``block_ms`` 0: no BLOCK)."""
+        if room <= 0:
+            return []
+        self._rotation += 1
+        cfg = self.config
+        entries = streams.read_new(
+            client, cfg.streams, cfg.group, cfg.consumer, count=room, block_ms=block_ms,
+            rotation=self._rotation,
+        )  # fmt: skip
+        for e in entries:
+            self._in_flight.add(e.stream, e.id)
+        return entries
+
+    def reclaim_due(self, *, suspect_held: bool, now: float | None = None) -> bool:
+        """True when idle entries should be looked for now (and the interval restarts)."""
+        now = time.monotonic() if now is None else now
+        suspects_next = self._suspects_waiting and not suspect_held
+        if suspects_next or now - self._last_reclaim >= self.config.reclaim_every_s:
+            self._last_reclaim = now
+            return True
+        return False
+
+    def reclaim(self, client: Any, *, suspect_held: bool) -> list[streams.Entry]:
+        """Claim entries idle past ``claim_idle_ms``: one suspect at most, none if one is held."""
+        cfg = self.config
+        held = self._in_flight.snapshot()
+        out: list[streams.Entry] = []
+        waiting: list[str] = []
+        take_suspect = not suspect_held
+        for stream in cfg.streams:
+            claimed, deleted = streams.reclaim_idle(
+                client, stream, cfg.group, cfg.consumer, min_idle_ms=cfg.claim_idle_ms,
+                count=cfg.read_count, use_autoclaim=self.use_autoclaim,
+                isolate_after=cfg.isolate_after_deliveries, take_suspect=take_suspect,
+                waiting=waiting,
+            )  # fmt: skip
+            if any(e.deliveries > cfg.isolate_after_deliveries for e in claimed):
+                take_suspect = False  # one suspect at a time, over all partitions
+            if deleted:
+                log.warning("%d pending entries of %s were deleted before reclaim", len(deleted),
+                            stream)  # fmt: skip
+            mine = set(held.get(stream, ()))
+            for e in claimed:
+                if e.id in mine:
+                    continue  # our own entry whose lease lapsed; it is already held
+                self._in_flight.add(e.stream, e.id)
+                out.append(e)
+        if out:
+            self._metrics.reclaimed.inc(len(out))
+            log.info("reclaimed %d idle entries", len(out))
+        self._suspects_waiting = bool(waiting)
+        return out
+
+    def drained(self, client: Any) -> bool:
+        """True when nothing is pending for this consumer on any of its streams."""
+        cfg = self.config
+        return all(
+            streams.pending_count(client, s, cfg.group, cfg.consumer) == 0 for s in cfg.streams
+        )

@@ -1,0 +1,76 @@
+"""Stream statistics sampled into the worker's gauges (so no extra exporter is needed).
+
+Every ``stats_interval_s`` the worker publishes, per job stream, its length, the group's lag,
+pending count and consumers, and the length of its dead-letter stream, from
+:func:`worker.streams.stream_stats` (the same numbers ``scoring-worker info`` shows).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from worker import streams
+from worker.observability.metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
+
+
+class StatsSampler:
+    """Samples the stream gauges at most every ``interval_s``."""
+
+    def __init__(
+        self,
+        streams_: tuple[str, ...],
+        group: str,
+        *,
+        metrics: WorkerMetrics,
+        dead_stream_of: Callable[[str], str],
+        interval_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.streams = streams_
+        self.group = group
+        self.interval_s = interval_s
+        self._metrics = metrics
+        self._dead_stream_of = dead_stream_of
+        self._clock = clock
+        self._last: float | None = None
+
+    def maybe_sample(self, client: Any) -> bool:
+        """Sample when ``interval_s`` has passed since the last time; True when it did."""
+        now = self._clock()
+        if self._last is not None and now - self._last < self.interval_s:
+            return False
+        self._last = now
+        self.sample(client)
+        return True
+
+    def sample(self, client: Any) -> None:
+        """Publish every stream's gauges now; a stream whose stats fail for good is skipped."""
+        m, group = self._metrics, self.group
+        for stream in self.streams:
+            dead = self._dead_stream_of(stream)
+            try:
+                st = streams.stream_stats(client, stream, group)
+                dead_len = int(client.xlen(dead))
+            except redis.ResponseError as exc:  # e.g. a key of the wrong type: skip, keep serving
+                if streams.is_transient(exc) or streams.is_nogroup(exc):
+                    raise
+                log.warning("stream stats of %s unavailable: %s", stream, exc)
+                m.loop_errors.labels(where="stats").inc()
+                continue
+            m.stream_length.labels(stream=stream).set(st["length"])
+            if st["lag"] is not None:
+                m.stream_lag.labels(stream=stream, group=group).set(st["lag"])
+            else:  # unknown (Redis < 7 after reads, or trimmed): no series beats a stale one
+                with contextlib.suppress(KeyError):
+                    m.stream_lag.remove(stream, group)
+            m.stream_pending.labels(stream=stream, group=group).set(st["pending"])
+            m.stream_consumers.labels(stream=stream, group=group).set(st["consumers"])
+            m.dead_letter_length.labels(stream=dead).set(dead_len)

@@ -1,0 +1,267 @@
+"""The worker: one loop in the main thread that reads, batches, scores and writes.
+
+Each step: sample the stream gauges when due, reclaim idle entries when due, read new entries
+(blocking only when nothing is held), fill the batch up to the token budget within
+``max_wait_ms``, answer what cannot be scored, score one batch, write results and ack. Around it:
+a lease thread (:mod:`worker.daemon.leases`) keeps held entries owned while a batch runs, drain
+control (:mod:`worker.daemon.drain`) handles SIGTERM/SIGINT, and the loop reconnects when Redis
+goes away (:mod:`worker.daemon.link`). The roles live in their own modules; this class wires them
+together and owns the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from worker import streams
+from worker.config import RedisSettings, WorkerConfig
+from worker.connections import connect
+from worker.daemon.backlog import Backlog
+from worker.daemon.context import JobContext, Outbox, Pending
+from worker.daemon.drain import DrainControl, SignalWatcher
+from worker.daemon.intake import prepare_entry
+from worker.daemon.jobs import score_batch
+from worker.daemon.leases import InFlight, LeaseKeeper
+from worker.daemon.link import REDIS_DOWN, RedisLink
+from worker.daemon.reader import EntryReader
+from worker.daemon.stats import StatsSampler
+from worker.daemon.writer import OutboxWriter
+from worker.observability.health import HealthServer, HealthState
+from worker.observability.metrics import WorkerMetrics
+from worker.scorer import FallbackEvent, Scorer
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    """A consumer of one or more job streams in one consumer group, driving a ``Scorer``."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        redis_settings: RedisSettings,
+        scorer: Scorer,
+        *,
+        metrics: WorkerMetrics | None = None,
+        health: HealthState | None = None,
+        client_factory: Callable[[], Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.redis_settings = redis_settings
+        self.scorer = scorer
+        self.metrics = metrics or WorkerMetrics()
+        self.health = health or HealthState()
+        self.metrics.bind_health(self.health)  # ready/model_loaded read health at scrape
+        self.in_flight = InFlight()
+        self.jobs = JobContext(config, scorer, self.metrics, self.in_flight)
+        self.backlog = Backlog(
+            max_batch_tokens=config.max_batch_tokens,
+            isolate_after_deliveries=config.isolate_after_deliveries,
+        )
+        self.drain = DrainControl(config.drain_timeout_s, health=self.health,
+                                  metrics=self.metrics, held=self.in_flight.__len__)  # fmt: skip
+        self.signals = SignalWatcher(self.drain.request_stop)
+        factory = client_factory or (lambda: connect(redis_settings))
+        self.link = RedisLink(factory, config, health=self.health, metrics=self.metrics,
+                              wait=self.drain.wait)  # fmt: skip
+        self.reader = EntryReader(config, self.in_flight, self.metrics)
+        self.writer = OutboxWriter(self.jobs)
+        self.stats = StatsSampler(config.streams, config.group, metrics=self.metrics,
+                                  dead_stream_of=self.jobs.dead_stream_of,
+                                  interval_s=config.stats_interval_s)  # fmt: skip
+        self.jobs_done = 0
+        self.batch_started_s: float | None = None
+        self.http: HealthServer | None = None
+        scorer.add_fallback_listener(self._on_fallback)
+
+    # ----------------------------------------------------------------- lifecycle
+    @property
+    def client(self) -> Any:
+        """The loop's Redis client (None before the first connect)."""
+        return self.link.client
+
+    def request_stop(self, reason: str = "requested") -> None:
+        """Stop reading, finish what is held, exit the loop (readiness goes false at once)."""
+        self.drain.request_stop(reason)
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT drain; a second one exits at once (main thread only)."""
+        self.signals.install()
+
+    def busy(self) -> bool:
+        """True while a batch computes and has run less than ``batch_timeout_s``: the lease thread
+        then beats ``loop`` for the main thread, so a long batch is not mistaken for a wedged loop
+        (a batch stuck past the limit still is)."""
+        started = self.batch_started_s
+        return started is not None and time.monotonic() - started < self.config.batch_timeout_s
+
+    def run(self) -> int:
+        """Serve until stopped (signal, ``--burst`` drained, ``--max-jobs`` reached); returns 0."""
+        with self.drain.serving():
+            return self._serve()
+
+    def _on_fallback(self, event: FallbackEvent) -> None:
+        self.metrics.record_fallback(event.requested, event.used, event.reason)
+        self.metrics.set_backend(event.used)
+
+    def _start_serving(self) -> None:
+        """Open the HTTP endpoint (unless ``serve`` did) and publish the scorer's state."""
+        cfg = self.config
+        if cfg.metrics_port is not None and self.http is None:
+            self.http = HealthServer(
+                self.metrics.registry, self.health, host=cfg.metrics_host, port=cfg.metrics_port
+            ).start()
+            log.info("metrics on http://%s:%d/metrics", self.http.host, self.http.port)
+        self.metrics.up.set(1)
+        self.health.model_ready = True
+        self.metrics.set_backend(str(self.scorer.info.get("attention_backend") or "none"))
+        for event in self.jobs.load_fallbacks():
+            self.metrics.record_fallback(event.requested, event.used, event.reason)
+
+    def _serve(self) -> int:
+        cfg = self.config
+        self._start_serving()
+        while not self._connect():
+            if self.drain.stopping:
+                return 0
+        leases = LeaseKeeper(
+            self.link.factory, self.in_flight, group=cfg.group, consumer=cfg.consumer,
+            interval_s=cfg.lease_interval_s, metrics=self.metrics, health=self.health,
+            busy=self.busy,
+        ).start()  # fmt: skip
+        self.health.started = True
+        log.info(
+            "worker %s serving %s (group %s) on %s",
+            cfg.consumer, ",".join(cfg.streams), cfg.group, self.redis_settings.redacted_url,
+        )  # fmt: skip
+        try:
+            self._loop()
+            self.link.forget_consumer()
+        finally:
+            leases.stop()
+            self.metrics.up.set(0)
+            self.metrics.in_flight.set(0)
+            self.health.started = False
+        log.info("worker %s stopped after %d jobs", cfg.consumer, self.jobs_done)
+        return 0
+
+    def _loop(self) -> None:
+        """Run steps until one says to exit, or a stop was asked and nothing is held."""
+        while not (self.drain.stopping and not self.backlog):
+            try:
+                if self._step():
+                    return
+                self.link.ok()
+            except REDIS_DOWN as exc:
+                self._release_orphans()
+                self.link.down(exc)
+            except Exception as exc:  # the one broad except: log, count, keep serving
+                self._release_orphans()
+                if streams.is_transient(exc):  # OOM, READONLY after a failover, ...
+                    self.link.down(exc)
+                elif streams.is_nogroup(exc):
+                    log.warning("group or stream gone (%s); recreating", exc)
+                    self.link.ensure_groups()
+                else:
+                    log.exception("worker loop error")
+                    self.metrics.loop_errors.labels(where="loop").inc()
+                    time.sleep(0.1)
+
+    def _connect(self) -> bool:
+        version = self.link.connect()
+        if version is None:
+            return False
+        self.reader.use_autoclaim = streams.supports_autoclaim(version)
+        log.info("redis %s, XAUTOCLAIM %s", ".".join(map(str, version)),
+                 "on" if self.reader.use_autoclaim else "off (XPENDING+XCLAIM)")  # fmt: skip
+        return True
+
+    def _release_orphans(self) -> None:
+        """After a step failed part-way, stop renewing entries whose outcome was lost with it
+        (held, but neither in the backlog nor written): their leases lapse and they are
+        reclaimed after ``claim_idle_ms``, by this worker or another. Without this they would
+        be renewed forever and never answered."""
+        released = self.in_flight.release_all_but(self.backlog.held_ids())
+        if released:
+            log.warning("released %d held entries after a failed step; they will be reclaimed",
+                        released)  # fmt: skip
+
+    # ----------------------------------------------------------------- one step
+    def _step(self) -> bool:
+        """Read, prepare and run one batch. True when the worker should exit."""
+        cfg, client = self.config, self.link.client
+        self.health.beat("loop")
+        self.stats.maybe_sample(client)
+        outbox = Outbox()
+        got = 0
+        if not self.drain.stopping:
+            if self.reader.reclaim_due(suspect_held=self.backlog.holds_suspect()):
+                got += self._prepare(
+                    self.reader.reclaim(client, suspect_held=self.backlog.holds_suspect()), outbox
+                )
+            block = 0 if (self.backlog or got) else cfg.block_ms
+            got += self._prepare(self.reader.read(client, self._room(), block), outbox)
+            # Fill the batch: poll without BLOCK (a server-side BLOCK timeout only fires on the
+            # server's cron tick, ~100 ms at hz 10, far coarser than max_wait_ms).
+            deadline = time.monotonic() + cfg.max_wait_ms / 1000.0
+            while self.backlog and not self.backlog.full() and self._room() > 0:
+                more = self.reader.read(client, self._room(), 0)
+                if more:
+                    got += self._prepare(more, outbox)
+                    continue
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:
+                    break
+                time.sleep(min(left_s, 0.001))
+        self._flush(outbox)
+        batch = self.backlog.take_batch()
+        if batch:
+            self._run_batch(batch)
+        self.metrics.in_flight.set(len(self.in_flight))
+        if cfg.max_jobs is not None and self.jobs_done >= cfg.max_jobs and not self.backlog:
+            return True
+        if cfg.burst and not got and not batch and not self.backlog:
+            return self.reader.drained(client)
+        return False
+
+    def _room(self) -> int:
+        """How many more entries to read (bounded by ``--max-jobs``)."""
+        room = self.config.read_count
+        if self.config.max_jobs is not None:
+            room = min(room, self.config.max_jobs - self.jobs_done - len(self.in_flight))
+        return room
+
+    def _prepare(self, entries: list[streams.Entry], outbox: Outbox) -> int:
+        """Decode and validate entries: good jobs join the backlog, bad ones get answers."""
+        for entry in entries:
+            outcome = prepare_entry(self.jobs, entry)
+            if isinstance(outcome, Pending):
+                self.backlog.append(outcome)
+            else:
+                outbox.add(outcome)
+        return len(entries)
+
+    def _run_batch(self, batch: list[Pending]) -> None:
+        self.batch_started_s = time.monotonic()
+        try:
+            replies = score_batch(self.jobs, batch)
+        finally:
+            self.batch_started_s = None
+        self._flush(Outbox(results=replies))
+
+    def _flush(self, outbox: Outbox) -> None:
+        """Write results and dead letters (retrying while Redis is away), count finished jobs."""
+        try:
+            while outbox:
+                try:
+                    self.writer.flush(self.link.client, outbox)
+                except REDIS_DOWN as exc:
+                    self.link.down(exc)
+                    if self.drain.deadline_passed():
+                        log.error("drain deadline passed with results unwritten; they stay pending")
+                        return
+        finally:
+            self.jobs_done += outbox.finished
