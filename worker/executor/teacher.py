@@ -1,0 +1,324 @@
+"""Teacher outputs for distillation: per scored position, more than the actual token's log-prob.
+
+A job names the arrays it wants in a ``TokenOutputs`` spec; ``chunked_token_outputs`` pushes the
+hidden states of the scored positions through the LM head a byte-budgeted ``[c, V]`` block at a
+time and reduces every requested output inside the block, so no ``[n_scored, V]`` tensor is ever
+built. Every output is computed on the logits ``logps`` uses: model transform (softcap/scale),
+then ``/ temperature``, in float32.
+
+======================  =====================  ==============================================
+output                  arrays (per position)  naive equivalent, ``lp = log_softmax(logits)``
+======================  =====================  ==============================================
+``logps``               ``logps`` f32          ``lp.gather(-1, labels)``
+``entropy``             ``entropy`` f32        ``-(lp.exp() * lp).sum(-1)``
+``topk``                ``topk_ids`` i32 [k],  ``lp.topk(k)``;
+                        ``topk_logps`` f32 [k] ``log1p(-topk_logps.exp().sum(-1))``
+                        ``topk_tail_logp`` f32
+``gather``              ``gather_logps`` [K]   ``lp.gather(-1, ids)`` (ids [n, K] or shared [K])
+``processed_logps``     ``processed_logps``    see ``worker.executor.sampling``
+======================  =====================  ==============================================
+
+The tail is summed directly over the tokens outside the top k (no ``1 - sum`` cancellation) and is
+``-inf`` when the top k hold all the mass.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from worker.errors import BadRequest
+from worker.executor.logprobs import LogitTransform
+from worker.executor.sampling import (
+    Sampling,
+    masked_support,
+    processed_logps,
+    sorted_support,
+)
+
+OUTPUT_NAMES: tuple[str, ...] = ("logps", "entropy", "topk", "gather", "processed_logps")
+MAX_TOPK = 256
+MAX_GATHER_IDS = 4096
+DEFAULT_BUDGET_BYTES = 128 * 1024 * 1024
+"""Per-block budget: with V = 128,256 that is 104 rows (40 with a top-p sort) on any device."""
+
+BASE_UNITS = 2.5
+"""``[c, V]`` float32 blocks held at once without a sort: the logits, their exp, and 0.5 of slack
+for a bool mask (0.25) or a half-precision head output before its float32 copy (0.5)."""
+SORT_UNITS = 6.5
+"""With a sort (the exp block is freed first): the logits plus, while sorting, the sorted values
+and their int64 indices (4 blocks; measured 4.03 on CPU, whose sort also keeps a row or two of
+scratch per thread). CUDA's segmented sort also reads an int64 iota (2 more blocks; estimated,
+not measured), and 0.5 of slack."""
+
+
+def _integer(name: str, value: Any, lo: int, hi: int) -> int:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or not lo <= int(value) <= hi
+    ):
+        raise BadRequest(f"{name} must be an integer in {lo}..{hi}, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class TokenOutputs:
+    """Which per-position arrays a job wants, and their parameters. Validated on construction.
+
+    ``outputs``: names from ``OUTPUT_NAMES``. ``topk``: k in 1..256, required with (and only
+    with) ``"topk"``. ``"gather"`` takes either shared ``gather_ids`` (K ids used at every
+    position) or ``gather_width`` K > 0, the width of per-position ids passed to
+    ``chunked_token_outputs``; K <= 4096. ``sampling`` is required with (and only with)
+    ``"processed_logps"``. Raises ``BadRequest`` with the reason.
+    """
+
+    outputs: frozenset[str] = frozenset({"logps"})
+    topk: int = 0
+    gather_ids: tuple[int, ...] = ()
+    gather_width: int = 0
+    sampling: Sampling | None = None
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        names = (self.outputs,) if isinstance(self.outputs, str) else self.outputs
+        if not isinstance(names, Iterable) or not all(isinstance(n, str) for n in names):
+            raise BadRequest(f"outputs must be a list of names, got {self.outputs!r}")
+        outputs = frozenset(names)
+        unknown = sorted(outputs - set(OUTPUT_NAMES))
+        if unknown or not outputs:
+            raise BadRequest(f"unknown or no outputs {unknown}; expected some of {OUTPUT_NAMES}")
+        object.__setattr__(self, "outputs", outputs)
+        if "topk" in outputs:
+            object.__setattr__(self, "topk", _integer("topk k", self.topk, 1, MAX_TOPK))
+        elif self.topk:
+            raise BadRequest(f"topk k={self.topk!r} given but 'topk' is not a requested output")
+        self._check_gather()
+        if isinstance(self.sampling, dict):
+            object.__setattr__(self, "sampling", Sampling(**self.sampling))
+        if ("processed_logps" in outputs) != (self.sampling is not None):
+            raise BadRequest("'processed_logps' and sampling go together: give both or neither")
+        if self.sampling is not None and not isinstance(self.sampling, Sampling):
+            raise BadRequest(f"sampling must be a Sampling, got {type(self.sampling).__name__}")
+        temperature = self.temperature
+        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+            raise BadRequest(f"temperature must be a number, got {temperature!r}")
+        if not (temperature > 0 and math.isfinite(temperature)):
+            raise BadRequest(f"temperature must be a finite number > 0, got {temperature!r}")
+        object.__setattr__(self, "temperature", float(temperature))
+
+    def _check_gather(self) -> None:
+        ids = self.gather_ids
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+            raise BadRequest(f"gather_ids must be a list of token ids, got {ids!r}")
+        ids = tuple(ids)
+        for i in ids:
+            _integer("gather_ids entries", i, 0, 2**31 - 1)
+        object.__setattr__(self, "gather_ids", tuple(int(i) for i in ids))
+        width = self.gather_width
+        if "gather" not in self.outputs:
+            if ids or width:
+                raise BadRequest("gather ids given but 'gather' is not a requested output")
+            return
+        if bool(ids) == bool(width):
+            raise BadRequest("'gather' needs exactly one of gather_ids (shared) or gather_width")
+        if ids:
+            _integer("number of gather_ids", len(ids), 1, MAX_GATHER_IDS)
+        else:
+            _integer("gather_width", width, 1, MAX_GATHER_IDS)
+
+    @property
+    def gather_k(self) -> int:
+        """K, the number of gathered ids per position (0 without ``"gather"``)."""
+        return len(self.gather_ids) or self.gather_width
+
+    def check_vocab(self, vocab: int) -> None:
+        """Raise ``BadRequest`` when k or a shared gather id does not fit ``vocab`` tokens."""
+        if "topk" in self.outputs and self.topk > vocab:
+            raise BadRequest(f"topk k={self.topk} exceeds the model's vocabulary of {vocab}")
+        bad = [i for i in self.gather_ids if i >= vocab]
+        if bad:
+            raise BadRequest(f"gather_ids {bad[:8]} are outside the vocabulary 0..{vocab - 1}")
+
+
+def block_units(spec: TokenOutputs, vocab: int) -> float:
+    """``[c, V]`` float32 blocks one chunk holds at its peak: ``BASE_UNITS`` or ``SORT_UNITS``."""
+    if spec.sampling is not None and spec.sampling.needs_sort(vocab):
+        return SORT_UNITS
+    return BASE_UNITS
+
+
+def chunk_rows_for(vocab: int, budget_bytes: int, units: float = BASE_UNITS) -> int:
+    """Rows per block so that ``rows * vocab * 4 * units <= budget_bytes`` (at least 1 row).
+
+    Naive equivalent: one block of all rows (``[N, V]``), no budget.
+    """
+    if vocab < 1 or budget_bytes < 1 or units <= 0:
+        raise ValueError(
+            f"need vocab, budget_bytes, units > 0; got {vocab}, {budget_bytes}, {units}"
+        )
+    return max(1, int(budget_bytes // (vocab * 4 * units)))
+
+
+def result_bytes(n_scored: int, spec: TokenOutputs, *, half: bool = False) -> int:
+    """Bytes of the arrays ``spec`` asks for over ``n_scored`` positions, known before compute.
+
+    ``half``: ``topk_logps`` and ``gather_logps`` travel as float16. Per position: 4 per scalar
+    (``logps``, ``entropy``, ``processed_logps``, ``topk_tail_logp``), ``k * 8`` (or ``k * 6``)
+    for top-k ids + log-probs, ``K * 4`` (or ``K * 2``) for gathered log-probs.
+    """
+    value = 2 if half else 4
+    per = 4 * len(spec.outputs & {"logps", "entropy", "processed_logps"})
+    if "topk" in spec.outputs:
+        per += spec.topk * (4 + value) + 4
+    per += spec.gather_k * value
+    return n_scored * per
+
+
+def chunked_token_outputs(
+    hidden: torch.Tensor,
+    head: nn.Module,
+    labels: torch.Tensor,
+    spec: TokenOutputs,
+    *,
+    transform: LogitTransform | None = None,
+    gather_ids: torch.Tensor | None = None,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    chunk_rows: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """The arrays ``spec`` asks for at ``N`` scored positions, one byte-budgeted block at a time.
+
+    ``hidden`` ``[N, H]`` predicts ``labels`` ``[N]``; ``gather_ids`` ``[N, K]`` are per-position
+    ids (with ``spec.gather_width`` K). ``chunk_rows`` overrides the budget's rows. Returns float32
+    arrays (int32 ``topk_ids``) on ``hidden``'s device, keyed as in the module table; ``logps``
+    equals ``chunked_token_logps``. Naive equivalent: the table's formulas on
+    ``log_softmax(transform(head(hidden)).float() / T)`` over all N rows at once.
+    """
+    n = hidden.shape[0]
+    if labels.shape != (n,):
+        raise ValueError(f"hidden has {n} rows but labels has shape {tuple(labels.shape)}")
+    vocab = _vocab_of(head, hidden)
+    spec.check_vocab(vocab)
+    per_row_ids = _per_position_ids(gather_ids, spec, n, vocab, hidden.device)  # [N, K] | None
+    shared_ids = torch.tensor(spec.gather_ids, dtype=torch.long, device=hidden.device)  # [K]
+    if chunk_rows is not None and chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    rows = chunk_rows or chunk_rows_for(vocab, budget_bytes, block_units(spec, vocab))
+    out = _allocate(spec, n, hidden.device)
+    transform = transform or LogitTransform()
+    with torch.inference_mode():
+        for lo in range(0, n, rows):
+            hi = min(lo + rows, n)
+            ids = per_row_ids[lo:hi] if per_row_ids is not None else shared_ids  # [c, K] | [K]
+            block = _block_outputs(hidden[lo:hi], head, labels[lo:hi], spec, transform, ids)
+            for name, value in block.items():
+                out[name][lo:hi] = value
+    return out
+
+
+def _vocab_of(head: nn.Module, hidden: torch.Tensor) -> int:
+    """V from the head's ``out_features`` or, failing that, from one row through it."""
+    vocab = getattr(head, "out_features", None)
+    if isinstance(vocab, int):
+        return vocab
+    with torch.inference_mode():
+        return int(head(hidden[:1]).shape[-1])
+
+
+def _per_position_ids(
+    ids: torch.Tensor | None, spec: TokenOutputs, n: int, vocab: int, device: torch.device
+) -> torch.Tensor | None:
+    """Validated per-position gather ids as int64 ``[N, K]`` on ``device`` (None when shared)."""
+    if not spec.gather_width:
+        if ids is not None:
+            raise BadRequest("per-position gather ids given but the request has no gather_width")
+        return None
+    if ids is None:
+        raise BadRequest(f"the request needs per-position gather ids of shape [{n}, K]")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise BadRequest(f"gather ids must be integers, got {ids.dtype}")
+    if tuple(ids.shape) != (n, spec.gather_width):
+        raise BadRequest(
+            f"gather ids have shape {tuple(ids.shape)}, expected [{n}, {spec.gather_width}]"
+        )
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise BadRequest(f"gather ids must be in 0..{vocab - 1}")
+    return ids.to(device=device, dtype=torch.long)
+
+
+def _allocate(spec: TokenOutputs, n: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Empty result arrays for ``n`` positions, in the order of ``OUTPUT_NAMES``."""
+
+    def f32(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+
+    out: dict[str, torch.Tensor] = {}
+    if "logps" in spec.outputs:
+        out["logps"] = f32(n)  # [N]
+    if "entropy" in spec.outputs:
+        out["entropy"] = f32(n)  # [N]
+    if "topk" in spec.outputs:
+        out["topk_ids"] = torch.empty(n, spec.topk, dtype=torch.int32, device=device)  # [N, k]
+        out["topk_logps"] = f32(n, spec.topk)  # [N, k]
+        out["topk_tail_logp"] = f32(n)  # [N]
+    if "gather" in spec.outputs:
+        out["gather_logps"] = f32(n, spec.gather_k)  # [N, K]
+    if "processed_logps" in spec.outputs:
+        out["processed_logps"] = f32(n)  # [N]
+    return out
+
+
+def _block_outputs(
+    hidden: torch.Tensor,
+    head: nn.Module,
+    labels: torch.Tensor,
+    spec: TokenOutputs,
+    transform: LogitTransform,
+    ids: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """One block ``[c, H]`` -> the requested ``[c, ...]`` arrays; see ``block_units`` for memory."""
+    want = spec.outputs
+    z = head(hidden).float()  # [c, V] a fresh tensor, so in place is safe
+    transform.apply_(z)
+    if spec.temperature != 1.0:
+        z.div_(spec.temperature)
+    z.sub_(z.amax(dim=1, keepdim=True))  # [c, V] logits - rowmax, as chunked_token_logps
+    z_label = z.gather(1, labels[:, None]).squeeze(1)  # [c]
+    top = z.topk(spec.topk, dim=1) if "topk" in want else None  # [c, k] values desc, ids
+    picked = None
+    if ids.numel():
+        picked = z.index_select(1, ids) if ids.dim() == 1 else z.gather(1, ids)  # [c, K]
+    # -inf logits (a masking head) would make exp(z) * z NaN; clamp after the exact reads above.
+    z.clamp_(min=torch.finfo(z.dtype).min)
+    e = z.exp()  # [c, V]
+    total = e.sum(dim=1)  # [c]
+    log_total = total.log()  # [c]
+    out: dict[str, torch.Tensor] = {}
+    if "logps" in want:
+        out["logps"] = z_label - log_total  # [c]
+    if "entropy" in want:
+        dot = torch.bmm(e[:, None, :], z[:, :, None]).view(-1)  # [c] sum(exp(z) * z), no [c, V]
+        out["entropy"] = log_total - dot / total  # [c]
+    if top is not None:
+        out["topk_ids"] = top.indices.to(torch.int32)  # [c, k]
+        out["topk_logps"] = top.values - log_total[:, None]  # [c, k]
+        kept = e.gather(1, top.indices)  # [c, k]
+        tail = e.scatter_(1, top.indices, 0.0).sum(dim=1)  # [c] mass outside the top k
+        out["topk_tail_logp"] = tail.log() - log_total  # [c] -inf when the top k hold it all
+        e.scatter_(1, top.indices, kept)  # restore for the sampler
+    if picked is not None:
+        out["gather_logps"] = picked - log_total[:, None]  # [c, K]
+    if spec.sampling is not None:
+        if spec.sampling.needs_sort(z.shape[1]):
+            del e  # the sort path holds its own blocks
+            thr, mass = sorted_support(z, spec.sampling)  # [c], [c]
+        else:
+            thr, mass = masked_support(z, e, spec.sampling)  # [c], [c]
+        out["processed_logps"] = processed_logps(z_label, thr, mass)  # [c]
+    return out
