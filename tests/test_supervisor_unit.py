@@ -18,73 +18,79 @@ from pathlib import Path
 
 import pytest
 
-from worker.daemon.supervisor import (
-    ChildSpec,
-    Supervisor,
-    SupervisorConfig,
-    build_children,
-    parse_gpus,
-    split_argv,
-    strip_flags,
-)
+from worker.commands._fleet import build_children, child_flags, fleet_dests, parse_gpus
+from worker.daemon.supervisor import ChildSpec, Supervisor, SupervisorConfig
 from worker.errors import ConfigError
 
 
-def _args(argv: list[str], **kw: object) -> argparse.Namespace:
-    ns = argparse.Namespace(
-        gpus=None, replicas=None, consumer=None, metrics_port=None, drain_timeout_s=None
-    )
-    for k, v in kw.items():
-        setattr(ns, k, v)
-    ns._argv = argv
-    return ns
+def _args(argv: list[str]) -> argparse.Namespace:
+    """``argv`` parsed by the real CLI parser (global flags, then ``serve`` and its flags)."""
+    from worker.cli import build_parser
+
+    return build_parser("serve").parse_args(argv)
 
 
-def test_child_argv_strips_supervisor_flags_and_numbers_children() -> None:
-    argv = [
-        "--log-level",
-        "DEBUG",
-        "serve",
-        "--replicas",
-        "3",
-        "--redis-url",
-        "redis://h:1/0",
-        "--consumer=pod",
-        "--metrics-port",
-        "9400",
-        "--burst",
-    ]
-    specs = build_children(
-        _args(argv, replicas=3, consumer="pod", metrics_port=9400), env={"PATH": "/bin"}
-    )
+def _children(argv: list[str], env: dict[str, str]) -> list[ChildSpec]:
+    from worker.commands.serve import flag_defaults
+
+    return build_children(_args(argv), flag_defaults(), env=env)
+
+
+def test_child_argv_drops_fleet_flags_and_numbers_children() -> None:
+    argv = ["--log-level", "DEBUG", "serve", "--replicas", "3", "--redis-url", "redis://h:1/0",
+            "--consumer=pod", "--metrics-port", "9400", "--burst", "--restart-limit", "2",
+            "--exit-on-give-up"]  # fmt: skip
+    specs = _children(argv, env={"PATH": "/bin"})
     assert [s.consumer for s in specs] == ["pod-0", "pod-1", "pod-2"]
     assert [s.metrics_port for s in specs] == [9400, 9401, 9402]
     for i, s in enumerate(specs):
-        assert s.argv[:3] == (sys.executable, "-m", "worker")
-        assert list(s.argv[3:]) == [
-            "--log-level",
-            "DEBUG",
-            "serve",
-            "--redis-url",
-            "redis://h:1/0",
-            "--burst",
-            "--consumer",
-            f"pod-{i}",
-            "--metrics-port",
-            str(9400 + i),
-        ]
+        assert s.argv[:4] == (sys.executable, "-m", "worker", "serve")
+        assert sorted(s.argv[4:-4]) == ["--burst", "--redis-url=redis://h:1/0"]
+        assert s.argv[-4:] == ("--consumer", f"pod-{i}", "--metrics-port", str(9400 + i))
         assert "CUDA_VISIBLE_DEVICES" not in s.env
         assert s.env["SCORING_REPLICA_INDEX"] == str(i)
+        assert s.env["SCORING_LOG_LEVEL"] == "DEBUG"  # the global flag reaches the child
+
+
+def test_child_argv_parses_back_to_the_same_serve_flags() -> None:
+    """Every serve value a child gets from its argv equals the supervisor's own, except the
+    fleet flags and the per-child consumer and metrics port."""
+    argv = ["serve", "--gpus", "0,1", "--redis-url", "rediss://u:p@h:6380/2", "--cluster",
+            "--ssl-ca-certs", "/ca.pem", "--ssl-no-check-hostname", "--queue", "q",
+            "--partitions", "3", "--group", "g", "--stream", "a,b", "--dead-letter-stream", "d",
+            "--scorer", "noop", "--noop-delay-ms", "2.5", "--max-batch-tokens", "123",
+            "--max-wait-ms", "7", "--claim-idle-ms", "999", "--keep-consumer",
+            "--reply-ttl-s", "0", "--drain-timeout-s", "7.5", "--max-meta-bytes", "77",
+            "--max-jobs", "5", "--metrics-host", "0.0.0.0", "--metrics-port", "0",
+            "--reward-token-scores", "--packing", "padded"]  # fmt: skip
+    parent = _args(argv)
+    specs = _children(argv, env={})
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0", "1"]
+    for spec in specs:
+        child = _args(list(spec.argv[3:]))
+        skip = fleet_dests() | {"consumer"}
+        mine = {k: v for k, v in vars(parent).items() if k not in skip and not k.startswith("_")}
+        theirs = {k: v for k, v in vars(child).items() if k not in skip and not k.startswith("_")}
+        assert theirs == mine
+        assert child.consumer == f"{parent.consumer or spec.consumer[:-2]}-{spec.index}"
+        assert child.replicas is None and child.gpus is None
+
+
+def test_child_flags_emit_switches_and_values_that_differ() -> None:
+    args = argparse.Namespace(a=1, b=True, c="x", d=None, e=False)
+    defaults = {"a": 2, "b": False, "c": "x", "d": None, "e": False}
+    assert child_flags(args, defaults, frozenset()) == ["--a=1", "--b"]
+    assert child_flags(args, defaults, frozenset({"a"})) == ["--b"]
 
 
 def test_metrics_port_zero_stays_zero_and_consumer_defaults_to_pod_name() -> None:
     argv = ["serve", "--gpus=1,3", "--metrics-port", "0"]
-    specs = build_children(_args(argv, gpus="1,3", metrics_port=0), env={"POD_NAME": "w-abc"})
+    specs = _children(argv, env={"POD_NAME": "w-abc"})
     assert [s.consumer for s in specs] == ["w-abc-0", "w-abc-1"]
     assert [s.metrics_port for s in specs] == [0, 0]
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["1", "3"]
     assert [s.device for s in specs] == ["1", "3"]
-    assert "--gpus=1,3" not in specs[0].argv
+    assert not any(a.startswith("--gpus") for a in specs[0].argv)
 
 
 def test_gpus_all_uses_visible_devices_and_rejects_bad_lists() -> None:
@@ -95,20 +101,9 @@ def test_gpus_all_uses_visible_devices_and_rejects_bad_lists() -> None:
     with pytest.raises(ConfigError):
         parse_gpus(",", {})
     with pytest.raises(ConfigError):
-        build_children(_args(["serve"]))  # neither --gpus nor --replicas
-
-
-def test_split_and_strip() -> None:
-    assert split_argv(["--log-level", "serve", "serve", "-x"]) == (
-        ["--log-level", "serve"],
-        ["-x"],
-    )
-    assert strip_flags(["--replicas", "2", "--exit-on-give-up", "--queue", "q", "--gpus=all"]) == [
-        "--queue",
-        "q",
-    ]
+        _children(["serve"], env={})  # neither --gpus nor --replicas
     with pytest.raises(ConfigError):
-        split_argv(["info"])
+        _children(["serve", "--replicas", "0"], env={})
 
 
 def test_backoff_doubles_and_caps() -> None:
@@ -247,40 +242,29 @@ def test_straggler_is_killed_after_drain_deadline(tmp_path: Path) -> None:
 
 def test_children_never_supervise_again() -> None:
     env = {"SCORING_GPUS": "all", "SCORING_REPLICAS": "4", "SCORING_QUEUE": "q", "PATH": "/bin"}
-    (spec,) = build_children(_args(["serve", "--replicas", "1"], replicas=1), env=env)
+    (spec,) = _children(["serve", "--replicas", "1"], env=env)
     assert "SCORING_GPUS" not in spec.env and "SCORING_REPLICAS" not in spec.env
     assert spec.env["SCORING_QUEUE"] == "q"
     assert spec.env["SCORING_SUPERVISED_CHILD"] == "1"
+    assert not any(a.startswith(("--replicas", "--gpus")) for a in spec.argv)
 
 
-def test_supervise_refuses_inside_a_child(monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.daemon.supervisor import supervise
+def test_serve_refuses_fleet_flags_inside_a_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.commands._fleet import run_fleet
+    from worker.commands.serve import flag_defaults
 
     monkeypatch.setenv("SCORING_SUPERVISED_CHILD", "1")
-    assert supervise(_args(["serve", "--replicas", "2"], replicas=2)) == 2
+    assert run_fleet(_args(["serve", "--replicas", "2"]), flag_defaults()) == 2
 
 
 def test_serve_flags_reach_the_supervisor_config() -> None:
     """`serve` registers the restart-policy flags, and they end up in SupervisorConfig."""
-    from worker.cli import build_parser
-    from worker.daemon.supervisor import SupervisorConfig
+    from worker.commands._fleet import supervisor_config
 
-    args = build_parser("serve").parse_args(
-        [
-            "serve",
-            "--scorer",
-            "noop",
-            "--replicas",
-            "2",
-            "--restart-limit",
-            "3",
-            "--restart-backoff-s",
-            "0.5",
-            "--exit-on-give-up",
-            "--drain-timeout-s",
-            "7",
-        ]
-    )
-    cfg = SupervisorConfig.from_args(args)
+    args = _args(["serve", "--scorer", "noop", "--replicas", "2", "--restart-limit", "3",
+                  "--restart-backoff-s", "0.5", "--exit-on-give-up",
+                  "--drain-timeout-s", "7"])  # fmt: skip
+    cfg = supervisor_config(args)
     assert cfg.restart_limit == 3 and cfg.restart_backoff_s == 0.5
     assert cfg.exit_on_give_up is True and cfg.drain_timeout_s == 7
+    assert supervisor_config(_args(["serve", "--replicas", "2"])).restart_limit == 10

@@ -106,7 +106,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = next((a for a in raw_argv if a in COMMANDS), "")
     parser = build_parser(command)
     args = parser.parse_args(raw_argv)
-    args._argv = raw_argv  # the supervisor re-launches `serve` children from the raw flags
     setup_logging(args.log_level, args.log_json)
     try:
         return int(args._run(args) or 0)

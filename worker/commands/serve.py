@@ -16,10 +16,12 @@ import socket
 from typing import Any
 
 from worker import keys
+from worker.commands._fleet import add_fleet_args, run_fleet, wants_fleet
 from worker.commands._options import add_queue_args, add_redis_args, redis_settings
 from worker.config import WorkerConfig, env_bool, env_get
 from worker.errors import ConfigError
 from worker.protocol import DEFAULT_LIMITS, Limits
+from worker.scorer import Scorer
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +184,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="exit once the streams are drained and nothing is pending for us",
     )
     b.add_argument("--max-jobs", type=int, default=_env_int("MAX_JOBS", None))
-    o = parser.add_argument_group("metrics and fleet")
+    o = parser.add_argument_group("metrics")
     o.add_argument("--metrics-host", default=env_get("METRICS_HOST", "127.0.0.1"))
     o.add_argument(
         "--metrics-port",
@@ -190,16 +192,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=_env_int("METRICS_PORT", 9400),
         help="0 = a free port (logged); -1 = no HTTP endpoint",
     )
-    o.add_argument(
-        "--replicas",
-        type=int,
-        default=_env_int("REPLICAS", None),
-        help="run N supervised worker processes",
-    )
-    o.add_argument("--gpus", default=env_get("GPUS"), help="'all' or '0,1': one worker per GPU")
-    from worker.daemon.supervisor import add_arguments as add_supervisor_arguments
+    add_fleet_args(parser)  # --replicas/--gpus and the restart policy of their supervisor
 
-    add_supervisor_arguments(parser)  # restart policy flags of --replicas/--gpus
+
+def flag_defaults() -> dict[str, Any]:
+    """Every serve flag's default (dest -> value), from the same ``SCORING_*`` environment."""
+    parser = argparse.ArgumentParser(add_help=False)
+    configure(parser)
+    return vars(parser.parse_args([]))
 
 
 def streams_from_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -263,8 +263,8 @@ def limits_from_args(args: argparse.Namespace) -> Limits:
     return Limits(**values)
 
 
-def build_scorer(args: argparse.Namespace) -> Any:
-    """The noop scorer or a loaded ``StatelessExecutor``."""
+def build_scorer(args: argparse.Namespace) -> Scorer:
+    """The noop scorer or a loaded ``StatelessExecutor`` (the one place serve imports it)."""
     if args.scorer == "noop":
         from worker.scorer.noop import NoopScorer
 
@@ -317,11 +317,11 @@ def reward_adapter_from_args(args: argparse.Namespace) -> Any:
     return adapter
 
 
-def build_info(scorer: Any) -> dict[str, Any]:
+def build_info(scorer: Scorer) -> dict[str, Any]:
     """Version, model, dtype, device and library versions for ``scoring_build_info``."""
     from worker import __version__
 
-    info = dict(getattr(scorer, "info", {}) or {})
+    info = scorer.info
     out: dict[str, Any] = {"version": __version__}
     for k in ("model", "reward_model", "dtype", "device", "attention_backend"):
         out[k] = info.get(k)
@@ -335,13 +335,8 @@ def build_info(scorer: Any) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Load the model once, then serve until drained/stopped."""
-    if args.replicas is not None or args.gpus is not None:
-        try:
-            from worker.daemon.supervisor import supervise
-        except ImportError as exc:
-            msg = f"--replicas/--gpus need worker.daemon.supervisor, not available: {exc}"
-            raise SystemExit(msg) from exc
-        return int(supervise(args))
+    if wants_fleet(args):
+        return run_fleet(args, flag_defaults())
     from worker.daemon import Worker
     from worker.observability.health import HealthServer, HealthState
     from worker.observability.metrics import WorkerMetrics

@@ -1,12 +1,10 @@
-"""One worker process per GPU (``serve --gpus all|0,1,..``) or N CPU replicas (``--replicas N``).
+"""Run, restart and drain child worker processes (``serve --gpus all|0,1,..`` / ``--replicas N``).
 
-The supervisor is process plumbing only: it never imports torch except to count GPUs for
-``--gpus all``, never touches Redis, and never initialises CUDA in a child's address space (the
-children are fresh ``python -m worker serve`` processes, not forks). Each child gets:
-
-* ``CUDA_VISIBLE_DEVICES=<id>`` (GPU mode), so its ``--device cuda`` / ``cuda:0`` is that GPU;
-* ``--consumer <base>-<i>`` (base: ``--consumer``, else ``POD_NAME``, else the hostname);
-* ``--metrics-port <base+i>`` when ``--metrics-port`` was given (``0``/``-1`` stay as they are).
+The supervisor is process plumbing only: it never imports torch, never touches Redis and knows
+no ``serve`` flag. ``worker.commands.serve`` builds one :class:`ChildSpec` per child (its argv,
+its environment such as ``CUDA_VISIBLE_DEVICES``, its consumer name and metrics port) and a
+:class:`SupervisorConfig` from its parsed flags; the children are fresh processes, not forks, so
+no CUDA state is ever shared.
 
 A child that exits non-zero (or is killed) is restarted with exponential backoff
 (``restart_backoff_s`` doubling up to ``restart_backoff_max_s``); its backoff resets once it has
@@ -18,19 +16,16 @@ exits non-zero once no child is left running, so Kubernetes restarts the pod; wi
 exits 0 on its own (``--burst``/``--max-jobs``) is done and is not restarted.
 
 SIGTERM/SIGINT are forwarded to every child so each drains; stragglers get SIGKILL after the drain
-timeout plus a margin. The supervisor exits 0 when every child exited 0.
+timeout plus a margin. Children get SIGTERM if the supervisor dies (``PR_SET_PDEATHSIG``). The
+supervisor exits 0 when every child exited 0.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
-import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -44,26 +39,7 @@ from worker.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-#: Global (pre-subcommand) flags of ``worker.cli`` that take a value.
-GLOBAL_VALUE_FLAGS = frozenset({"--log-level"})
-#: ``serve`` flags the supervisor consumes (flag -> takes a value); stripped from a child's argv.
-SUPERVISOR_FLAGS: dict[str, bool] = {
-    "--replicas": True,
-    "--gpus": True,
-    "--consumer": True,
-    "--metrics-port": True,
-    "--restart-backoff-s": True,
-    "--restart-backoff-max-s": True,
-    "--restart-limit": True,
-    "--restart-window-s": True,
-    "--exit-on-give-up": False,
-}
 DRAIN_MARGIN_S = 10.0
-#: Env that would make a child supervise again (``serve`` reads them as flag defaults).
-SUPERVISOR_ENV = frozenset({"SCORING_REPLICAS", "SCORING_GPUS"})
-#: Set in every child; a child that still asks for a supervisor (say an abbreviated
-#: ``--replica 2`` that was not stripped) refuses instead of forking a tree of supervisors.
-CHILD_MARKER_ENV = "SCORING_SUPERVISED_CHILD"
 
 
 @dataclass(frozen=True)
@@ -86,23 +62,6 @@ class SupervisorConfig:
         if self.restart_limit < 0 or self.restart_window_s <= 0:
             raise ConfigError("restart limit must be >= 0 and window > 0")
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> SupervisorConfig:
-        """Build from parsed ``serve`` flags; a flag ``serve`` lacks keeps its default."""
-        kwargs: dict[str, Any] = {}
-        for name in (
-            "restart_backoff_s",
-            "restart_backoff_max_s",
-            "restart_limit",
-            "restart_window_s",
-            "exit_on_give_up",
-            "drain_timeout_s",
-        ):
-            value = getattr(args, name, None)
-            if value is not None:
-                kwargs[name] = value
-        return cls(**kwargs)
-
     def backoff_s(self, failures: int) -> float:
         """Delay before restart number ``failures`` (1-based) of a crash-looping child."""
         return float(min(self.restart_backoff_max_s, self.restart_backoff_s * 2 ** (failures - 1)))
@@ -110,7 +69,11 @@ class SupervisorConfig:
 
 @dataclass(frozen=True)
 class ChildSpec:
-    """What one child runs: its index, consumer name, device pin and metrics port."""
+    """What one child runs (``argv`` with ``env``) and how logs name it.
+
+    ``consumer`` tags the child's output; ``device`` (its ``CUDA_VISIBLE_DEVICES``) and
+    ``metrics_port`` are only reported: they are already in ``argv``/``env``.
+    """
 
     index: int
     consumer: str
@@ -138,137 +101,6 @@ class _Child:
     exit_code: int | None = None
     gave_up: bool = False
     pump: threading.Thread | None = None
-
-
-# ----------------------------------------------------------------------------- devices and argv
-
-
-def parse_gpus(spec: str, env: Mapping[str, str] | None = None) -> list[str]:
-    """Device ids for ``--gpus``: ``all`` enumerates, ``0,1`` (or GPU UUIDs) is taken as given.
-
-    ``all`` honours a ``CUDA_VISIBLE_DEVICES`` already set on the supervisor (its entries are
-    the ids), else counts with ``torch.cuda.device_count()``, else ``nvidia-smi -L``.
-    """
-    source = os.environ if env is None else env
-    spec = spec.strip()
-    if spec.lower() == "all":
-        visible = source.get("CUDA_VISIBLE_DEVICES")
-        if visible is not None and visible.strip():
-            ids = [d.strip() for d in visible.split(",") if d.strip()]
-        else:
-            ids = [str(i) for i in range(count_gpus())]
-        if not ids:
-            raise ConfigError("--gpus all: no CUDA device found (use --replicas N on CPU)")
-        return ids
-    ids = [d.strip() for d in spec.split(",") if d.strip()]
-    if not ids:
-        raise ConfigError(f"--gpus needs 'all' or a comma-separated list of ids, got {spec!r}")
-    if len(set(ids)) != len(ids):
-        raise ConfigError(f"--gpus lists a device twice: {spec!r}")
-    return ids
-
-
-def count_gpus() -> int:
-    """How many CUDA devices this machine has (torch, else ``nvidia-smi -L``; 0 if neither)."""
-    try:
-        import torch
-
-        n = int(torch.cuda.device_count())
-        if n:
-            return n
-    except Exception:  # torch missing or broken driver: fall back to nvidia-smi
-        log.debug("torch.cuda.device_count() failed", exc_info=True)
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return 0
-    try:
-        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30, check=True)
-    except (OSError, subprocess.SubprocessError):
-        log.warning("nvidia-smi -L failed", exc_info=True)
-        return 0
-    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
-
-
-def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Split the raw CLI argv into (global flags, flags after ``serve``)."""
-    i = 0
-    while i < len(argv):
-        tok = argv[i]
-        if tok == "serve":
-            return list(argv[:i]), list(argv[i + 1 :])
-        i += 2 if tok in GLOBAL_VALUE_FLAGS else 1
-    raise ConfigError(f"raw argv has no 'serve' subcommand: {list(argv)!r}")
-
-
-def strip_flags(argv: Sequence[str], flags: Mapping[str, bool] = SUPERVISOR_FLAGS) -> list[str]:
-    """``argv`` without the supervisor's flags (``--flag value`` and ``--flag=value`` forms)."""
-    out: list[str] = []
-    i = 0
-    while i < len(argv):
-        tok = argv[i]
-        name = tok.split("=", 1)[0]
-        if tok == "--":
-            out.extend(argv[i:])
-            break
-        if name in flags:
-            i += 2 if (flags[name] and "=" not in tok) else 1
-            continue
-        out.append(tok)
-        i += 1
-    return out
-
-
-def consumer_base(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> str:
-    """``--consumer``, else ``POD_NAME``, else the hostname."""
-    source = os.environ if env is None else env
-    base = getattr(args, "consumer", None) or source.get("POD_NAME") or socket.gethostname()
-    return str(base)
-
-
-def build_children(
-    args: argparse.Namespace, env: Mapping[str, str] | None = None
-) -> list[ChildSpec]:
-    """The child specs for parsed ``serve`` args (``--gpus`` wins over ``--replicas``)."""
-    base_env = dict(os.environ if env is None else env)
-    gpus = getattr(args, "gpus", None)
-    replicas = getattr(args, "replicas", None)
-    devices: list[str | None]
-    if gpus:
-        devices = list(parse_gpus(str(gpus), base_env))
-    elif replicas:
-        if int(replicas) < 1:
-            raise ConfigError(f"--replicas must be >= 1, got {replicas}")
-        devices = [None] * int(replicas)
-    else:
-        raise ConfigError("the supervisor needs --replicas N or --gpus all|0,1,..")
-    raw = getattr(args, "_argv", None)
-    if not raw:
-        raise ConfigError("args._argv (the raw argv) is missing")
-    global_flags, serve_flags = split_argv(raw)
-    serve_flags = strip_flags(serve_flags)
-    base = consumer_base(args, base_env)
-    port_base = getattr(args, "metrics_port", None)
-    cpu_threads = max(1, (os.cpu_count() or 1) // len(devices))
-    specs = []
-    for i, device in enumerate(devices):
-        consumer = f"{base}-{i}"
-        port = None if port_base is None else int(port_base)
-        if port is not None and port > 0:
-            port += i  # 0 (a free port) and -1 (no endpoint) stay as they are
-        child_argv = [sys.executable, "-m", "worker", *global_flags, "serve", *serve_flags]
-        child_argv += ["--consumer", consumer]
-        if port is not None:
-            child_argv += ["--metrics-port", str(port)]
-        child_env = {k: v for k, v in base_env.items() if k not in SUPERVISOR_ENV}
-        child_env["SCORING_REPLICA_INDEX"] = str(i)
-        child_env[CHILD_MARKER_ENV] = "1"
-        if device is not None:
-            child_env["CUDA_VISIBLE_DEVICES"] = device
-        else:
-            # N CPU replicas share the cores: do not let each one spawn a thread per core.
-            child_env.setdefault("OMP_NUM_THREADS", str(cpu_threads))
-        specs.append(ChildSpec(i, consumer, device, port, tuple(child_argv), child_env))
-    return specs
 
 
 # ----------------------------------------------------------------------------- running
@@ -491,17 +323,8 @@ class Supervisor:
         return 0 if ok else 1
 
 
-def supervise(args: argparse.Namespace) -> int:
-    """Entry point called by ``serve`` when ``--replicas`` or ``--gpus`` is given."""
-    if os.environ.get(CHILD_MARKER_ENV):
-        log.error("--replicas/--gpus reached a supervised child (abbreviated flag?); refusing")
-        return 2
-    try:
-        specs = build_children(args)
-        config = SupervisorConfig.from_args(args)
-    except ConfigError as exc:
-        log.error("%s", exc)
-        return 2
+def supervise(specs: Sequence[ChildSpec], config: SupervisorConfig) -> int:
+    """Log the children, then run them until stopped or done; returns the exit code."""
     for spec in specs:
         log.info(
             "child %d: consumer %s, CUDA_VISIBLE_DEVICES=%s, metrics port %s",
@@ -511,29 +334,3 @@ def supervise(args: argparse.Namespace) -> int:
             spec.metrics_port,
         )
     return Supervisor(specs, config).run()
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the supervisor's flags to ``serve`` (skips any that ``serve`` already defines)."""
-    have = set(parser._option_string_actions)
-    group = parser.add_argument_group("supervisor (one child per GPU / replica)")
-    if "--replicas" not in have:
-        group.add_argument("--replicas", type=int, default=None, help="run N CPU workers")
-    if "--gpus" not in have:
-        group.add_argument("--gpus", default=None, help="one child per GPU: all | 0,1,..")
-    specs: list[tuple[str, type, str]] = [
-        ("--restart-backoff-s", float, "first restart delay of a crashed child (doubles)"),
-        ("--restart-backoff-max-s", float, "restart delay cap"),
-        ("--restart-limit", int, "crashes allowed per child within --restart-window-s"),
-        ("--restart-window-s", float, "window for --restart-limit"),
-    ]
-    for flag, typ, text in specs:
-        if flag not in have:
-            group.add_argument(flag, type=typ, default=None, help=text)
-    if "--exit-on-give-up" not in have:
-        group.add_argument(
-            "--exit-on-give-up",
-            action="store_true",
-            default=None,
-            help="drain all children and exit 1 when one child crash-loops past the limit",
-        )
