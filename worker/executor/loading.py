@@ -1,5 +1,8 @@
 """Model loading: local directory or hub id, dtype policy, GGUF, offline mode.
 
+A GGUF checkpoint is named either as a directory (or hub id) plus ``gguf_file``, or as the path of
+the ``.gguf`` file itself (``split_gguf_path`` turns the latter into the former).
+
 Offline mode is huggingface_hub's (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``; the hub library
 reads them at import, ``offline()`` also re-reads them at load time); when it is on, loading never
 touches the network (``local_files_only=True``).
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -65,6 +69,25 @@ def offline() -> bool:
     )
 
 
+def split_gguf_path(name_or_path: str, gguf_file: str | None = None) -> tuple[str, str | None]:
+    """``(directory or hub id, gguf file name or None)``: the path of a ``.gguf`` file becomes
+    its directory and file name (``ConfigError`` when no such file exists); anything else is
+    returned as given.
+
+    ``gguf_file`` given with a ``.gguf`` path must name that same file (``ConfigError`` if not).
+    """
+    path = Path(name_or_path)
+    if path.suffix.lower() != ".gguf":
+        return name_or_path, gguf_file
+    if not path.exists():
+        raise ConfigError(f"no such GGUF file: {name_or_path}")
+    if not path.is_file():  # a directory that happens to end in .gguf
+        return name_or_path, gguf_file
+    if gguf_file is not None and gguf_file not in (path.name, str(path)):
+        raise ConfigError(f"model path {name_or_path!r} is a GGUF file but gguf_file={gguf_file!r}")
+    return str(path.parent), path.name
+
+
 def load_model(
     name_or_path: str,
     *,
@@ -77,9 +100,12 @@ def load_model(
 ) -> nn.Module:
     """Load a ``*ForCausalLM`` (``kind="causal"``) or ``*ForSequenceClassification`` (``"reward"``).
 
-    Loaded in eval mode on ``device`` with ``dtype``; any loading failure becomes ``ConfigError``.
+    ``name_or_path`` may be a ``.gguf`` file (see ``split_gguf_path``). Loaded in eval mode on
+    ``device`` with ``dtype``; any loading failure becomes ``ConfigError``.
     """
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    name_or_path, gguf_file = split_gguf_path(name_or_path, gguf_file)
 
     cls: Any = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
     kwargs: dict[str, Any] = {
@@ -104,6 +130,8 @@ def load_model(
 def load_tokenizer(name_or_path: str, *, gguf_file: str | None = None) -> Any:
     """The tokenizer stored with a model (GGUF files carry theirs); for demos and tests."""
     from transformers import AutoTokenizer
+
+    name_or_path, gguf_file = split_gguf_path(name_or_path, gguf_file)
 
     kwargs: dict[str, Any] = {"local_files_only": offline() or os.path.isdir(name_or_path)}
     if gguf_file is not None:
