@@ -14,7 +14,7 @@ from worker import keys
 from worker.config import RedisSettings, WorkerConfig
 from worker.daemon import Worker
 from worker.errors import KVCacheRejected, TooLong
-from worker.executor import SequenceScore
+from worker.scorer import SequenceScore
 from worker.observability.metrics import WorkerMetrics
 from worker.scorer.noop import NoopScorer
 
@@ -157,7 +157,7 @@ def test_burst_exits_when_drained(redis_url: str, key_prefix: str, cleanup_keys:
 def test_load_time_fallback_is_counted_and_reported(
     redis_url: str, key_prefix: str, cleanup_keys: None
 ) -> None:
-    from worker.executor.backends import FallbackEvent
+    from worker.scorer import FallbackEvent
 
     client = redis.Redis.from_url(redis_url)
     stream = keys.job_streams(key_prefix)[0]
