@@ -12,7 +12,8 @@ from prometheus_client import CollectorRegistry
 
 from tests.support.cluster import ClusterInfo, redis_cluster
 from worker import keys
-from worker.config import RedisSettings, WorkerConfig
+from worker.config import RedisSettings
+from worker.daemon.config import WorkerConfig
 from worker.protocol import decode_result, encode_job
 
 pytestmark = [pytest.mark.redis, pytest.mark.cluster]

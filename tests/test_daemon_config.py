@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from worker.commands import serve
-from worker.config import WorkerConfig
+from worker.daemon.config import WorkerConfig
 from worker.errors import ConfigError
 from worker.protocol import DEFAULT_LIMITS, Limits
 

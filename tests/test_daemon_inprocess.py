@@ -11,11 +11,12 @@ from prometheus_client import CollectorRegistry
 
 from tests.support.daemon import collect, enqueue
 from worker import keys
-from worker.config import RedisSettings, WorkerConfig
+from worker.config import RedisSettings
 from worker.daemon import Worker
+from worker.daemon.config import WorkerConfig
 from worker.errors import KVCacheRejected, TooLong
-from worker.scorer import SequenceScore
 from worker.observability.metrics import WorkerMetrics
+from worker.scorer import SequenceScore
 from worker.scorer.noop import NoopScorer
 
 pytestmark = pytest.mark.redis

@@ -9,9 +9,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from worker.config import WorkerConfig
 from worker.daemon import DeadLetter, JobContext, Pending, Reply
 from worker.daemon.backlog import Backlog
+from worker.daemon.config import WorkerConfig
 from worker.daemon.drain import DrainControl
 from worker.daemon.intake import prepare_entry
 from worker.daemon.jobs import score_batch

@@ -11,8 +11,9 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from worker.config import RedisSettings, WorkerConfig
+from worker.config import RedisSettings
 from worker.daemon import Worker
+from worker.daemon.config import WorkerConfig
 from worker.observability.metrics import WorkerMetrics
 from worker.scorer.noop import NoopScorer
 

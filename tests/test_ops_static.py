@@ -502,7 +502,7 @@ def _lag_and_pending_by_stream(
 
 
 def _check_lag_and_pending_pair(lag: dict[str, Any], pending: dict[str, Any]) -> None:
-    from worker.config import WorkerConfig
+    from worker.daemon.config import WorkerConfig
 
     lm, pm = lag["metadata"], pending["metadata"]
     assert lag["type"] == pending["type"]

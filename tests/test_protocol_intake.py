@@ -19,8 +19,9 @@ from prometheus_client import CollectorRegistry
 
 from tests.support.daemon import WorkerProc, collect, pending_of, wait_until
 from worker import keys
-from worker.config import RedisSettings, WorkerConfig
+from worker.config import RedisSettings
 from worker.daemon import Worker
+from worker.daemon.config import WorkerConfig
 from worker.observability.metrics import WorkerMetrics
 from worker.protocol import Limits, encode_job
 from worker.scorer.noop import NoopScorer

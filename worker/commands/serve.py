@@ -18,7 +18,8 @@ from typing import Any
 from worker import keys
 from worker.commands._fleet import add_fleet_args, run_fleet, wants_fleet
 from worker.commands._options import add_queue_args, add_redis_args, redis_settings
-from worker.config import WorkerConfig, env_bool, env_get
+from worker.config import env_bool, env_get
+from worker.daemon.config import WorkerConfig
 from worker.errors import ConfigError
 from worker.protocol import DEFAULT_LIMITS, Limits
 from worker.scorer import Scorer

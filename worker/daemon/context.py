@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
 from worker import streams
-from worker.config import WorkerConfig
+from worker.daemon.config import WorkerConfig
 from worker.daemon.leases import InFlight
 from worker.keys import dead_letter_stream
 from worker.modes import Mode

@@ -13,7 +13,7 @@ from typing import Any
 import redis
 
 from worker import streams
-from worker.config import WorkerConfig
+from worker.daemon.config import WorkerConfig
 from worker.observability.health import HealthState
 from worker.observability.metrics import WorkerMetrics
 

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from worker import streams
-from worker.config import WorkerConfig
+from worker.daemon.config import WorkerConfig
 from worker.daemon.leases import InFlight
 from worker.observability.metrics import WorkerMetrics
 

@@ -17,9 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 from worker import streams
-from worker.config import RedisSettings, WorkerConfig
+from worker.config import RedisSettings
 from worker.connections import connect
 from worker.daemon.backlog import Backlog
+from worker.daemon.config import WorkerConfig
 from worker.daemon.context import JobContext, Outbox, Pending
 from worker.daemon.drain import DrainControl, SignalWatcher
 from worker.daemon.intake import prepare_entry
