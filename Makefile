@@ -49,3 +49,20 @@ bench: venv
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache
+
+# The GPU check (README "GPU check"). `make gpu-wheels` on a machine with PyPI downloads the few
+# pure-Python wheels the GPU machine lacks; `make gpu-check OUT=dir` runs there under the system
+# python3 (no venv, no network, no Redis). DRY=1: print every step, run nothing.
+GPU_PYTHON ?= python3
+GPU_WHEELS ?= .gpu-wheels
+OUT ?= gpu-check-out
+GPU_CHECK_ARGS ?=
+
+.PHONY: gpu-wheels gpu-check
+
+gpu-wheels:
+	$(PYTHON) -m worker.devtools.gpu_wheels --dest $(GPU_WHEELS)
+
+gpu-check:
+	$(GPU_PYTHON) -m worker.devtools.gpu_check --wheels $(GPU_WHEELS) --out $(OUT) \
+		$(if $(filter 1 yes true,$(DRY)),--dry-run) $(GPU_CHECK_ARGS)

@@ -1,0 +1,139 @@
+"""The torch side of the GPU check: random-weight Llama models, ragged RL inputs, the naive
+in-trainer loop, parameter counts and timing / peak-memory helpers. Shapes, the bf16 peak table and
+the FLOP count are data in ``gpu_shapes``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from worker.devtools.gpu_shapes import SEED, Shape
+from worker.executor import SequenceInput
+
+
+def build_model(shape: Shape, device: str, dtype: str) -> Any:
+    """``LlamaForCausalLM`` with random weights (seed ``SEED``), initialised on ``device``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    config = LlamaConfig(
+        hidden_size=shape.hidden_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        intermediate_size=shape.intermediate_size,
+        vocab_size=shape.vocab_size,
+        max_position_embeddings=shape.max_position_embeddings,
+        tie_word_embeddings=False,
+    )
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    return model.to(getattr(torch, dtype)).eval()
+
+
+def ragged_inputs(shape: Shape, n: int | None = None) -> list[SequenceInput]:
+    """``n`` (default ``shape.sequences``) prompt + completion sequences, fixed seed."""
+    rng = np.random.default_rng(SEED)
+    out = []
+    for _ in range(shape.sequences if n is None else n):
+        prompt = int(rng.integers(shape.prompt_tokens[0], shape.prompt_tokens[1] + 1))
+        completion = int(rng.integers(shape.completion_tokens[0], shape.completion_tokens[1] + 1))
+        tokens = rng.integers(0, shape.vocab_size, prompt + completion)
+        out.append(SequenceInput(tokens, prompt_len=prompt))
+    return out
+
+
+def token_counts(seqs: Sequence[SequenceInput]) -> dict[str, int]:
+    """Real (unpadded) tokens, scored tokens and ``sum(T**2)`` of a batch."""
+    lengths = [len(s.tokens) for s in seqs]
+    return {
+        "sequences": len(seqs),
+        "real_tokens": sum(lengths),
+        "scored_tokens": sum(
+            n - int(s.prompt_len or 0) for n, s in zip(lengths, seqs, strict=True)
+        ),
+        "sum_sq_tokens": sum(n * n for n in lengths),
+    }
+
+
+@torch.inference_mode()
+def naive_logps(model: torch.nn.Module, seqs: Sequence[SequenceInput], batch: int) -> list[Any]:
+    """The in-trainer baseline on the model's device, ``batch`` sequences at a time in arrival
+    order: right-pad, full logits in float32, ``log_softmax``, ``gather``, keep the completion.
+    The same computation as ``worker.devtools.bench.naive_logps`` (which runs on CPU only)."""
+    device = next(model.parameters()).device
+    out: list[Any] = []
+    for start in range(0, len(seqs), batch):
+        group = seqs[start : start + batch]
+        width = max(len(s.tokens) for s in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long)  # [B, T]
+        attn = torch.zeros_like(ids)  # [B, T]
+        for i, s in enumerate(group):
+            ids[i, : len(s.tokens)] = torch.as_tensor(np.asarray(s.tokens))
+            attn[i, : len(s.tokens)] = 1
+        ids, attn = ids.to(device), attn.to(device)
+        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits.float()
+        logps = torch.log_softmax(logits[:, :-1], dim=-1)  # [B, T-1, V]
+        picked = logps.gather(-1, ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
+        del logits, logps
+        for i, s in enumerate(group):
+            out.append(picked[i, int(s.prompt_len or 1) - 1 : len(s.tokens) - 1].cpu().numpy())
+    return out
+
+
+def max_abs_diff(a: Sequence[Any], b: Sequence[Any]) -> float:
+    """Largest ``|a - b|`` over paired log-prob arrays (``inf`` when a pair's lengths differ)."""
+    worst = 0.0
+    for x, y in zip(a, b, strict=True):
+        x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+        if x.shape != y.shape:
+            return float("inf")
+        if x.size:
+            worst = max(worst, float(np.max(np.abs(x - y))))
+    return worst
+
+
+def param_counts(model: Any) -> dict[str, int]:
+    """Parameters: total, input embedding, LM head, and the body (everything else)."""
+    total = sum(p.numel() for p in model.parameters())
+    embed = model.get_input_embeddings().weight.numel()
+    head_module = model.get_output_embeddings()
+    head = head_module.weight.numel() if head_module is not None else 0
+    return {"total": total, "embedding": embed, "lm_head": head, "body": total - embed - head}
+
+
+def synchronize(device: str) -> None:
+    """Wait for queued CUDA work (no-op on CPU)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def measure_peak(device: str, fn: Callable[[], Any]) -> tuple[int | None, Any]:
+    """``(peak bytes allocated by torch during fn, its output)``; ``None`` on CPU."""
+    if not device.startswith("cuda"):
+        return None, fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    return int(torch.cuda.max_memory_allocated()), out
+
+
+def best_times(
+    sides: dict[str, Callable[[], Any]], device: str, repeats: int
+) -> dict[str, list[float]]:
+    """Wall seconds of ``repeats`` interleaved runs of each side (so all see the same load)."""
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(repeats):
+        for name, fn in sides.items():
+            synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            synchronize(device)
+            times[name].append(time.perf_counter() - t0)
+    return times
