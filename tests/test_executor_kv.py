@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from transformers.cache_utils import DynamicCache
 
 from tests.support.models import random_tokens, tiny_causal
@@ -76,3 +78,28 @@ def test_close_detaches_hooks() -> None:
     assert len(model._forward_hooks) == before[0] + 1
     ex.close()
     assert (len(model._forward_hooks), len(model.model._forward_hooks)) == before
+
+
+def test_each_thread_counts_its_own_forwards_caches() -> None:
+    """The guard's scope is per forward and per thread: two calls at once each report the
+    caches of their own forward (4 tensors), not each other's, and a forward outside any
+    scope (the model used directly) is neither counted nor altered."""
+    model = tiny_causal("llama")
+    ex = StatelessExecutor(ExecutorConfig(reject_kv_cache_outputs=False), model)
+    _leak_cache(model)
+    barrier = threading.Barrier(2)
+    outs: list[Any] = []
+
+    def call() -> None:
+        barrier.wait()
+        outs.extend(ex.score(SEQS) for _ in range(3))
+
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(outs) == 6
+    assert all(o.metrics.kv_output_tensors == 4 * o.metrics.forwards for o in outs)
+    direct = model(input_ids=torch.tensor([SEQS[0].tokens]), use_cache=False)
+    assert direct.past_key_values is not None  # untouched outside a scope

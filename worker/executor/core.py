@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,6 +33,9 @@ from worker.executor.selfcheck import self_check
 from worker.modes import Mode
 from worker.scorer.inputs import SequenceInput, is_int
 from worker.scorer.outputs import FallbackEvent, ScoreOutput
+
+if TYPE_CHECKING:
+    from worker.scorer import Scorer
 
 log = logging.getLogger(__name__)
 
@@ -314,3 +317,10 @@ def _name_of(model: nn.Module | None) -> str | None:
     config = getattr(model, "config", None)
     name = getattr(config, "_name_or_path", None)
     return str(name) if name else (type(model).__name__ if model is not None else None)
+
+
+if TYPE_CHECKING:
+
+    def _implements_scorer(executor: StatelessExecutor) -> Scorer:
+        """Checked by mypy: ``StatelessExecutor`` implements the protocol the daemon drives."""
+        return executor

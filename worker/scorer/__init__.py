@@ -15,6 +15,7 @@ from worker.scorer.inputs import SequenceInput
 from worker.scorer.outputs import BatchMetrics, FallbackEvent, ScoreOutput, SequenceScore
 
 __all__ = [
+    "INFO_KEYS",
     "BatchMetrics",
     "FallbackEvent",
     "ScoreOutput",
@@ -22,6 +23,17 @@ __all__ = [
     "SequenceInput",
     "SequenceScore",
 ]
+
+#: Keys every scorer's ``info`` carries (a value may be ``None``): what results, logs and the
+#: build-info metric read from it. A scorer may add more.
+INFO_KEYS: tuple[str, ...] = (
+    "model",
+    "reward_model",
+    "dtype",
+    "device",
+    "attention_backend",
+    "requested_backend",
+)
 
 
 @runtime_checkable
@@ -35,8 +47,8 @@ class Scorer(Protocol):
 
     @property
     def info(self) -> dict[str, Any]:
-        """Identity of what produces the scores (model, dtype, device, backend, ...): goes into
-        every result's ``info`` and the build-info metric."""
+        """Identity of what produces the scores: at least ``INFO_KEYS`` (model, dtype, device,
+        backend, ...); goes into every result's ``info`` and the build-info metric."""
         ...
 
     @property

@@ -4,7 +4,8 @@ Selected only explicitly (``serve --scorer noop``); never a default. Its values 
 functions of the tokens (so duplicates and ordering can be checked end to end) and are not model
 scores: ``logps[i] = -log(vocab_size) - (token_i % 7) / 100 / temperature`` for each scored token,
 ``reward = (sum(tokens) % 1000) / 1000``. ``delay_ms`` sleeps per ``score`` call (tests use it to
-make a batch deterministically slow).
+make a batch deterministically slow). Implements ``worker.scorer.Scorer``; a call without a mode
+scores ``reference``, without a temperature 1.0.
 """
 
 from __future__ import annotations
@@ -12,17 +13,19 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from worker.errors import BadRequest, TooLong, UnsupportedMode
+from worker.modes import LOGPROB_MODES, MODES, REWARD_MODES, Mode
 from worker.scorer.inputs import SequenceInput
 from worker.scorer.outputs import BatchMetrics, FallbackEvent, ScoreOutput, SequenceScore
 
-__all__ = ["NoopScorer", "ScoreOutput", "SequenceInput", "SequenceScore"]
+if TYPE_CHECKING:
+    from worker.scorer import Scorer
 
-MODES: tuple[str, ...] = ("reference", "reward", "both")
+__all__ = ["NoopScorer", "ScoreOutput", "SequenceInput", "SequenceScore"]
 
 
 class NoopScorer:
@@ -33,10 +36,12 @@ class NoopScorer:
     ) -> None:
         self.vocab_size = vocab_size
         self.max_positions = max_positions
-        self.modes: tuple[str, ...] = MODES
         self.delay_ms = delay_ms
-        self._listeners: list[Callable[[Any], None]] = []
-        self.load_fallbacks: list[FallbackEvent] = []  # no model, nothing to fall back from
+        self._listeners: list[Callable[[FallbackEvent], None]] = []
+        #: Every mode (tests may narrow it).
+        self.modes: tuple[Mode, ...] = MODES
+        #: Empty: no model, nothing to fall back from (tests may stage some).
+        self.load_fallbacks: list[FallbackEvent] = []
 
     @property
     def info(self) -> dict[str, Any]:
@@ -48,14 +53,23 @@ class NoopScorer:
             "device": "cpu",
             "attention_backend": "none",
             "requested_backend": "none",
+            "fallback": None,
+            "packing": "none",
+            "modes": list(self.modes),
         }
 
-    def add_fallback_listener(self, callback: Callable[[Any], None]) -> None:
+    def add_fallback_listener(self, callback: Callable[[FallbackEvent], None]) -> None:
         """Accepted for interface parity; the noop scorer never falls back."""
         self._listeners.append(callback)
 
-    def validate(self, seqs: Sequence[Any], mode: str, temperature: float = 1.0) -> None:
+    def validate(
+        self,
+        seqs: Sequence[SequenceInput],
+        mode: Mode | None = None,
+        temperature: float | None = None,
+    ) -> None:
         """Raise ``UnsupportedMode``/``BadRequest``/``TooLong`` like the executor does."""
+        mode, temperature = _call_args(mode, temperature)
         if mode not in self.modes:
             raise UnsupportedMode(f"mode {mode!r} not served (serving {self.modes})")
         if not (math.isfinite(temperature) and temperature > 0):
@@ -67,9 +81,16 @@ class NoopScorer:
             if len(tokens) and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
                 raise BadRequest(f"seqs[{i}] has token ids outside [0, {self.vocab_size})")
 
-    def score(self, seqs: Sequence[Any], *, mode: str, temperature: float = 1.0) -> ScoreOutput:
+    def score(
+        self,
+        seqs: Sequence[SequenceInput],
+        *,
+        mode: Mode | None = None,
+        temperature: float | None = None,
+    ) -> ScoreOutput:
         """Deterministic pseudo-scores (see the module docstring)."""
         start = time.perf_counter()
+        mode, temperature = _call_args(mode, temperature)
         if self.delay_ms > 0:
             time.sleep(self.delay_ms / 1000.0)
         base = -math.log(self.vocab_size)
@@ -81,13 +102,13 @@ class NoopScorer:
             if s.mask is not None:
                 sel = np.frombuffer(bytes(s.mask), dtype=np.uint8).astype(bool)
             else:
-                sel = np.arange(len(tokens)) >= int(s.prompt_len)
+                sel = np.arange(len(tokens)) >= int(s.prompt_len or 0)
             logps = reward = None
-            if mode in ("reference", "both"):
+            if mode in LOGPROB_MODES:
                 picked = tokens[sel]
                 logps = (base - (picked % 7) / 100.0 / temperature).astype(np.float32)
                 scored += len(picked)
-            if mode in ("reward", "both"):
+            if mode in REWARD_MODES:
                 reward = float(int(tokens.sum()) % 1000) / 1000.0
             out.append(SequenceScore(logps=logps, reward=reward, token_scores=None, error=None))
         elapsed = time.perf_counter() - start
@@ -111,3 +132,15 @@ class NoopScorer:
             packed=True,
         )
         return ScoreOutput(scores=out, metrics=metrics)
+
+
+def _call_args(mode: str | None, temperature: float | None) -> tuple[Any, float]:
+    """The defaults of a call: mode ``reference``, temperature 1.0."""
+    return ("reference" if mode is None else mode), (1.0 if temperature is None else temperature)
+
+
+if TYPE_CHECKING:
+
+    def _implements_scorer(scorer: NoopScorer) -> Scorer:
+        """Checked by mypy: ``NoopScorer`` implements the protocol the daemon drives."""
+        return scorer
