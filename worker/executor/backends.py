@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from worker.errors import ConfigError
 from worker.scorer.outputs import FallbackEvent
 
 CHAIN: tuple[str, ...] = ("flash_attention_2", "sdpa", "eager")
@@ -154,6 +155,23 @@ def resolve(
     raise RuntimeError(
         "no attention backend could be set: " + "; ".join(f"{b}: {m}" for b, _, m in failures)
     )
+
+
+def resolve_all(
+    models: Sequence[nn.Module], requested: str, device: torch.device
+) -> tuple[str, list[FallbackEvent]]:
+    """``resolve`` on every served model (each in its own dtype): the backend active at the end
+    and the load-time fallbacks taken. ``ConfigError`` when a model can be set to none."""
+    active, events = "", []
+    for model in models:
+        dtype = next(model.parameters()).dtype
+        try:
+            active, event = resolve(model, requested, device, dtype)
+        except RuntimeError as exc:
+            raise ConfigError(str(exc)) from exc
+        if event is not None:
+            events.append(event)
+    return active, events
 
 
 def _kernel_codes() -> set[Any]:

@@ -26,12 +26,12 @@ from worker.executor.config import ExecutorConfig
 from worker.executor.fallback import BatchRunner
 from worker.executor.forward import BatchForward
 from worker.executor.kvcache import KVGuard
-from worker.executor.loading import load_model, resolve_device, resolve_dtype
+from worker.executor.loading import load_models, resolve_device, resolve_dtype
 from worker.executor.memory import device_total_bytes, read_peak, reset_peak
 from worker.executor.pooling import RewardAdapter, SequenceClassificationAdapter, backbone_of
 from worker.executor.selfcheck import self_check
 from worker.modes import Mode
-from worker.scorer.inputs import SequenceInput, is_int
+from worker.scorer.inputs import SequenceInput
 from worker.scorer.outputs import FallbackEvent, ScoreOutput
 
 if TYPE_CHECKING:
@@ -91,23 +91,23 @@ class StatelessExecutor:
         forward = BatchForward(
             config, self.device, self.reference_model, self.reward_model, reward_adapter
         )
-        backend = self._resolve_backends(forward.models)
+        backend, events = backends.resolve_all(
+            forward.models, config.attention_backend, self.device
+        )
+        for fallback in events:
+            log.warning("attention backend fallback at load: %s", fallback.message)
+            self._on_load_fallback(fallback)
         self._guard = KVGuard(
             {id(m): m for model in forward.models for m in (model, backbone_of(model))}.values()
         )
         packed = config.packing != "padded"
         if config.self_check:
-            event = self_check(
-                forward,
-                vocab=self.vocab_size,
-                modes=self.modes,
-                backend=backend,
-                packed=packed,
-                packing=config.packing,
+            no_packing = self_check(
+                forward, modes=self.modes, backend=backend, packed=packed, packing=config.packing
             )
-            if event is not None:
-                log.warning("packing disabled: %s", event.message)
-                self._on_load_fallback(event)
+            if no_packing is not None:
+                log.warning("packing disabled: %s", no_packing.message)
+                self._on_load_fallback(no_packing)
                 packed = False
         self._runner = BatchRunner(
             config, forward, self._guard, backend=backend, packed=packed, notify=self._on_fallback
@@ -130,20 +130,17 @@ class StatelessExecutor:
         """Load models from local directories, hub ids or ``.gguf`` files (a directory plus
         ``gguf_file`` also works) and build; ``reward_adapter`` replaces the default
         sequence-classification head reader."""
-        if reference_model is None and reward_model is None:
-            raise ConfigError("from_pretrained needs reference_model and/or reward_model")
         device = resolve_device(config.device)
-        common: dict[str, Any] = {
-            "device": device,
-            "dtype": resolve_dtype(config.dtype, device),
-            "trust_remote_code": trust_remote_code,
-            "revision": revision,
-        }
-        ref = rew = None
-        if reference_model:
-            ref = load_model(reference_model, kind="causal", gguf_file=gguf_file, **common)
-        if reward_model:
-            rew = load_model(reward_model, kind="reward", gguf_file=reward_gguf_file, **common)
+        ref, rew = load_models(
+            reference_model,
+            reward_model,
+            device=device,
+            dtype=resolve_dtype(config.dtype, device),
+            gguf_file=gguf_file,
+            reward_gguf_file=reward_gguf_file,
+            trust_remote_code=trust_remote_code,
+            revision=revision,
+        )
         return cls(
             config,
             ref,
@@ -161,21 +158,6 @@ class StatelessExecutor:
         model.to(self.device)
         model.eval()
         return model
-
-    def _resolve_backends(self, models: Sequence[nn.Module]) -> str:
-        active = ""
-        for model in models:
-            dtype = next(model.parameters()).dtype
-            try:
-                active, event = backends.resolve(
-                    model, self.config.attention_backend, self.device, dtype
-                )
-            except RuntimeError as exc:
-                raise ConfigError(str(exc)) from exc
-            if event is not None:
-                log.warning("attention backend fallback at load: %s", event.message)
-                self._on_load_fallback(event)
-        return active
 
     def _on_load_fallback(self, event: FallbackEvent) -> None:
         self._load_fallbacks.append(event)
@@ -197,21 +179,12 @@ class StatelessExecutor:
     @property
     def vocab_size(self) -> int:
         """Smallest input-embedding size among the served models: valid ids are ``[0, vocab)``."""
-        models = [m for m in (self.reference_model, self.reward_model) if m is not None]
-        return min(int(m.get_input_embeddings().weight.shape[0]) for m in models)
+        return self._runner.forward.vocab_size
 
     @property
     def max_positions(self) -> int | None:
         """Longest sequence the models accept (``max_position_embeddings``/``n_positions``)."""
-        limits = []
-        for model in (self.reference_model, self.reward_model):
-            config = getattr(model, "config", None)
-            for name in ("max_position_embeddings", "n_positions"):
-                value: Any = getattr(config, name, None)
-                if is_int(value) and value > 0:
-                    limits.append(int(value))
-                    break
-        return min(limits) if limits else None
+        return self._runner.forward.max_positions
 
     @property
     def modes(self) -> tuple[Mode, ...]:

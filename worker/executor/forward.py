@@ -25,7 +25,7 @@ from worker.executor.pooling import (
     backbone_hidden,
 )
 from worker.modes import LOGPROB_MODES, REWARD_MODES, Mode
-from worker.scorer.inputs import PreparedSequence
+from worker.scorer.inputs import PreparedSequence, is_int
 from worker.scorer.outputs import SequenceScore
 
 
@@ -74,6 +74,24 @@ class BatchForward:
         found = [m for m in (reference_model, reward_model) if m is not None]
         #: Distinct models served (the same object twice counts once).
         self.models: tuple[Any, ...] = tuple({id(m): m for m in found}.values())
+
+    @property
+    def vocab_size(self) -> int:
+        """Smallest input-embedding size among the models: valid ids are ``[0, vocab)``."""
+        return min(int(m.get_input_embeddings().weight.shape[0]) for m in self.models)
+
+    @property
+    def max_positions(self) -> int | None:
+        """Longest sequence the models accept (``max_position_embeddings``/``n_positions``)."""
+        limits = []
+        for model in self.models:
+            config = getattr(model, "config", None)
+            for name in ("max_position_embeddings", "n_positions"):
+                value: Any = getattr(config, name, None)
+                if is_int(value) and value > 0:
+                    limits.append(int(value))
+                    break
+        return min(limits) if limits else None
 
     def compute(
         self,

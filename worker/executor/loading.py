@@ -127,6 +127,35 @@ def load_model(
     return model
 
 
+def load_models(
+    reference_model: str | None,
+    reward_model: str | None,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    gguf_file: str | None = None,
+    reward_gguf_file: str | None = None,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+) -> tuple[nn.Module | None, nn.Module | None]:
+    """``(reference, reward)``: each named model loaded with ``load_model`` (``None`` when not
+    named); at least one must be named (``ConfigError``)."""
+    if not reference_model and not reward_model:
+        raise ConfigError("from_pretrained needs reference_model and/or reward_model")
+    common: dict[str, Any] = {
+        "device": device,
+        "dtype": dtype,
+        "trust_remote_code": trust_remote_code,
+        "revision": revision,
+    }
+    ref = rew = None
+    if reference_model:
+        ref = load_model(reference_model, kind="causal", gguf_file=gguf_file, **common)
+    if reward_model:
+        rew = load_model(reward_model, kind="reward", gguf_file=reward_gguf_file, **common)
+    return ref, rew
+
+
 def load_tokenizer(name_or_path: str, *, gguf_file: str | None = None) -> Any:
     """The tokenizer stored with a model (GGUF files carry theirs); for demos and tests."""
     from transformers import AutoTokenizer

@@ -37,7 +37,6 @@ def probe_sequences(vocab: int) -> list[PreparedSequence]:
 def self_check(
     forward: BatchForward,
     *,
-    vocab: int,
     modes: tuple[Mode, ...],
     backend: str,
     packed: bool,
@@ -46,7 +45,7 @@ def self_check(
     """Run the probe (module docstring). Returns the packing fallback to take (``None``: keep
     ``packed`` as it is); raises ``ConfigError`` when the model cannot be served as asked."""
     model = forward.models[0]
-    seqs = probe_sequences(vocab)
+    seqs = probe_sequences(forward.vocab_size)
     mode: Mode = "both" if "both" in modes else modes[0]
     row = forward.config.row_tokens(backend)
     alone = [
