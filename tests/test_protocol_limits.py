@@ -259,3 +259,31 @@ def test_peek_memory_is_bounded_by_one_buffer() -> None:
         assert elapsed < 5.0
     # With the payload limit above the leaf, the walk gets past it.
     assert protocol.peek_envelope(huge_leaf, Limits(max_payload_bytes=16 << 20))["meta"] == "m"
+
+
+def test_peek_stops_at_deep_nesting_or_a_missing_value_keeping_what_came_before() -> None:
+    """The walk skips values with msgpack's Unpacker: nesting deeper than its stack, or a
+    declared length the payload does not hold, ends it without allocating what was declared."""
+    head = b"\x83" + _pack("id") + _pack("job-1") + _pack("reply_to") + _pack(REPLY)
+    deep = head + _pack("meta") + b"\x91" * 100_000 + b"\xc0"
+    declared = [
+        head + _pack("seqs") + b"\xc6\xff\xff\xff\xff",  # bin 32 of 4 GiB
+        head + _pack("seqs") + b"\xdd\xff\xff\xff\xff",  # array 32 of 4 G entries
+        head + _pack("meta") + b"\xdf\xff\xff\xff\xff",  # map 32 of 4 G pairs
+    ]
+    for payload in (deep, *declared):
+        tracemalloc.start()
+        try:
+            env = protocol.peek_envelope(payload)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert env == {"id": "job-1", "reply_to": REPLY}
+        assert peak < 512 * 1024, f"peak {peak} bytes"
+    # A key in a longer str encoding (str 8) is still that key.
+    str8 = b"\x81\xd9\x02id" + _pack("job-2")
+    assert protocol.peek_envelope(str8) == {"id": "job-2"}
+    # Keys that are not str (bin, int) are not the envelope's, as in decode_job.
+    assert protocol.peek_envelope(_pack({b"id": "x", 1: "y", "reply_to": REPLY})) == {
+        "reply_to": REPLY
+    }
