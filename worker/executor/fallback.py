@@ -137,11 +137,7 @@ class BatchRunner:
             except (torch.OutOfMemoryError, ScoringError):
                 raise
             except Exception as exc:
-                if not backends.is_attention_kernel_error(exc):
-                    raise InternalError(
-                        f"forward failed: {type(exc).__name__}: {exc}"[:500]
-                    ) from exc
-                errors = [f"{failed}: {type(exc).__name__}: {exc}"[:300]]
+                errors = [_kernel_failure(exc, failed, first=True)]
         with self._gate.exclusive():
             return self._fall_back(group, call, failed, errors)
 
@@ -164,11 +160,7 @@ class BatchRunner:
                 except (torch.OutOfMemoryError, ScoringError):
                     raise
                 except Exception as exc:
-                    if not backends.is_attention_kernel_error(exc):
-                        raise InternalError(
-                            f"forward failed on {candidate}: {type(exc).__name__}: {exc}"[:500]
-                        ) from exc
-                    errors.append(f"{candidate}: {type(exc).__name__}: {exc}"[:300])
+                    errors.append(_kernel_failure(exc, candidate, first=False))
                     candidate = backends.next_backend(candidate)
                     continue
             event = FallbackEvent(failed, candidate, "kernel_error", "; ".join(errors), "run")
@@ -222,3 +214,12 @@ class BatchRunner:
             kv_tensors=kv.tensors,
             kv_bytes=kv.nbytes,
         )
+
+
+def _kernel_failure(exc: Exception, backend: str, *, first: bool) -> str:
+    """What an attention-kernel error on ``backend`` says, for the fallback's message; any other
+    error ends the batch as ``InternalError`` (``first``: on the active backend)."""
+    if not backends.is_attention_kernel_error(exc):
+        where = "" if first else f" on {backend}"
+        raise InternalError(f"forward failed{where}: {type(exc).__name__}: {exc}"[:500]) from exc
+    return f"{backend}: {type(exc).__name__}: {exc}"[:300]
