@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
-from test_client_support import OutstandingSampler, Responder, expected_logps
 
+from tests.support.client import OutstandingSampler, Responder, expected_logps
 from worker import keys
 from worker.client import DeadLetterError, JobFailed, ScoringTimeout
 from worker.client import window as window_mod

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-from test_client_support import OutstandingSampler
 
+from tests.support.client import OutstandingSampler
 from tests.support.daemon import WorkerProc
 from worker import keys
 from worker.client import (

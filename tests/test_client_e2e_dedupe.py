@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 import redis
-from test_client_support import outstanding
 
+from tests.support.client import outstanding
 from tests.support.daemon import WorkerProc, enqueue, wait_until
 from worker import keys, protocol
 from worker.client import JobSpec, ScoreResult, ScoringClient, ScoringTimeout

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
-from test_client_support import OutstandingSampler, Responder, expected_logps
 
+from tests.support.client import OutstandingSampler, Responder, expected_logps
 from worker import errors, keys, protocol
 from worker.client import (
     BadRequestError,

@@ -3,6 +3,7 @@
 - ``models``: tiny transformers models built from configs with a fixed seed, the SmolLM2 GGUF.
 - ``daemon``: subprocess workers, enqueue/collect helpers, waiting.
 - ``cluster``: a local Redis Cluster fixture.
+- ``client``: ``Responder``, a worker double for the client tests, and in-flight counters.
 - ``crash_worker``: a worker that dies on a marker token (run as a script).
 - ``ops``: the PromQL reference extractor, the exported-series catalog, dashboard/alert readers.
 - ``architecture``: the layer rules of ``worker/`` and the import/size checker.
