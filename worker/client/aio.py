@@ -149,15 +149,7 @@ class AsyncScoringClient(ClientBase):
     ) -> JobHandle:
         """Enqueue one job (see ``ScoringClient.submit``)."""
         self._ensure_reader()
-        job = self._core.prepare(
-            seqs,
-            mode,
-            temperature,
-            deadline_ms=deadline_ms,
-            expires_in_s=expires_in_s,
-            meta=meta,
-            job_id=job_id,
-        )
+        job = self._core.prepare(seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id)
         return await self._run(self._core.submit(job))
 
     async def raw_result(
@@ -209,14 +201,7 @@ class AsyncScoringClient(ClientBase):
         ``timeout=None`` waits as long as it takes; jobs still in flight when it stops are
         forgotten."""
         window = ScoreWindow(
-            self._core,
-            jobs,
-            max_in_flight=max_in_flight,
-            ordered=ordered,
-            timeout=timeout,
-            mode=mode,
-            temperature=temperature,
-            raise_errors=raise_errors,
+            self._core, jobs, max_in_flight, ordered, timeout, mode, temperature, raise_errors
         )
         self._ensure_reader()
         try:

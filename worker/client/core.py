@@ -163,7 +163,6 @@ class ClientCore:
         seqs: Any,
         mode: str | None = None,
         temperature: float = 1.0,
-        *,
         deadline_ms: int | None = None,
         expires_in_s: float | None = None,
         meta: Any = None,

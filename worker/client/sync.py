@@ -148,15 +148,7 @@ class ScoringClient(ClientBase):
         answers ``expired`` instead of scoring a job still queued after that.
         """
         self._ensure_reader()
-        job = self._core.prepare(
-            seqs,
-            mode,
-            temperature,
-            deadline_ms=deadline_ms,
-            expires_in_s=expires_in_s,
-            meta=meta,
-            job_id=job_id,
-        )
+        job = self._core.prepare(seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id)
         return self._run(self._core.submit(job))
 
     def raw_result(self, handle_or_id: JobHandle | str, timeout: float | None = None) -> Result:
@@ -215,14 +207,7 @@ class ScoringClient(ClientBase):
         stops (a timeout, a raised error, ``break``) are forgotten (see ``forget``).
         """
         window = ScoreWindow(
-            self._core,
-            jobs,
-            max_in_flight=max_in_flight,
-            ordered=ordered,
-            timeout=timeout,
-            mode=mode,
-            temperature=temperature,
-            raise_errors=raise_errors,
+            self._core, jobs, max_in_flight, ordered, timeout, mode, temperature, raise_errors
         )
         self._ensure_reader()
         try:

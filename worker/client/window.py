@@ -32,7 +32,6 @@ class ScoreWindow:
         self,
         core: ClientCore,
         jobs: Iterable[Any] | AsyncIterable[Any],
-        *,
         max_in_flight: int,
         ordered: bool,
         timeout: float | None,
