@@ -31,7 +31,7 @@ class ScriptedScorer(NoopScorer):
         super().__init__(vocab_size=100)
         self.calls: list[int] = []
 
-    def score(self, seqs: Any, *, mode: str, temperature: float = 1.0) -> Any:
+    def score(self, seqs: Any, *, mode: str, temperature: float = 1.0, **options: Any) -> Any:
         self.calls.append(len(seqs))
         flat = {int(t) for s in seqs for t in s.tokens}
         if POISON in flat:

@@ -20,7 +20,7 @@ from worker.daemon.stats import StatsSampler
 from worker.observability.health import HealthState
 from worker.observability.metrics import WorkerMetrics
 from worker.protocol import encode_job
-from worker.scorer import FallbackEvent
+from worker.scorer import FallbackEvent, ScoreOptions
 from worker.scorer.noop import NoopScorer
 from worker.streams import Entry
 
@@ -69,10 +69,10 @@ def test_intake_outcomes() -> None:
 class _Breaks(NoopScorer):
     """Raises on any batch holding token 13."""
 
-    def score(self, seqs: Any, *, mode: Any = None, temperature: Any = 1.0) -> Any:
+    def score(self, seqs: Any, *, mode: Any = None, temperature: Any = 1.0, **options: Any) -> Any:
         if any(13 in list(s.tokens) for s in seqs):
             raise RuntimeError("poisoned")
-        return super().score(seqs, mode=mode, temperature=temperature)
+        return super().score(seqs, mode=mode, temperature=temperature, **options)
 
 
 def test_score_batch_returns_one_reply_per_job_and_isolates_the_poison() -> None:
@@ -170,5 +170,5 @@ def test_stats_sampler_publishes_gauges_at_most_every_interval() -> None:
     assert reg.get_sample_value("scoring_dead_letter_length", {"stream": "s:dead"}) == 2
 
 
-def test_pending_key_is_mode_and_temperature() -> None:
-    assert _pending(_ctx(), "k", temperature=0.5, mode="both").key == ("both", 0.5)
+def test_pending_key_is_mode_temperature_and_options() -> None:
+    assert _pending(_ctx(), "k", temperature=0.5, mode="both").key == ("both", 0.5, ScoreOptions())

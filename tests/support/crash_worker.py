@@ -26,11 +26,11 @@ CRASH_TOKEN = 13
 class CrashingScorer(NoopScorer):
     """The noop scorer, except that a batch holding ``CRASH_TOKEN`` kills the process."""
 
-    def score(self, seqs: Any, *, mode: str, temperature: float = 1.0) -> Any:
+    def score(self, seqs: Any, *, mode: str, temperature: float = 1.0, **options: Any) -> Any:
         if any(CRASH_TOKEN in list(s.tokens) for s in seqs):
             print(f"crashing on a batch of {len(seqs)} sequences", flush=True)
             os._exit(3)
-        return super().score(seqs, mode=mode, temperature=temperature)
+        return super().score(seqs, mode=mode, temperature=temperature, **options)
 
 
 def main() -> int:

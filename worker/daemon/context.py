@@ -19,7 +19,7 @@ from worker.keys import dead_letter_stream
 from worker.modes import Mode
 from worker.observability.metrics import WorkerMetrics
 from worker.protocol import Job, Result
-from worker.scorer import FallbackEvent, Scorer, SequenceInput
+from worker.scorer import DEFAULT_OPTIONS, FallbackEvent, ScoreOptions, Scorer, SequenceInput
 
 #: Keys of ``Scorer.info`` copied into every result's ``info``.
 INFO_KEYS = ("model", "reward_model", "dtype", "device")
@@ -34,10 +34,12 @@ class Pending:
     inputs: list[SequenceInput]
     read_at_s: float
 
+    options: ScoreOptions = DEFAULT_OPTIONS
+
     @property
-    def key(self) -> tuple[Mode, float]:
-        """Jobs sharing ``(mode, temperature)`` can share one scorer call."""
-        return cast(Mode, self.job.mode), self.job.temperature
+    def key(self) -> tuple[Mode, float, ScoreOptions]:
+        """Jobs sharing ``(mode, temperature, options)`` can share one scorer call."""
+        return cast(Mode, self.job.mode), self.job.temperature, self.options
 
 
 class Reply(NamedTuple):

@@ -16,7 +16,12 @@ from worker import streams
 from worker.daemon.context import DeadLetter, JobContext, Pending, Reply
 from worker.errors import ProtocolError, ScoringError
 from worker.protocol import Job, decode_job, error_result, peek_envelope
-from worker.scorer import SequenceInput
+from worker.scorer import ScoreOptions, SequenceInput
+
+
+def job_options(job: Job) -> ScoreOptions:
+    """The scorer options a decoded job asks for (defaults: today's plain job)."""
+    return ScoreOptions()
 
 
 def seq_inputs(job: Job) -> list[SequenceInput]:
@@ -63,10 +68,12 @@ def prepare_entry(
         late = now_s * 1000 - job.deadline_ms
         return answer("expired", f"still queued {late:.0f} ms after deadline_ms", temperature=None)
     inputs = seq_inputs(job)
-    pending = Pending(entry=entry, job=job, inputs=inputs, read_at_s=now_s)
-    mode, temperature = pending.key
+    pending = Pending(
+        entry=entry, job=job, inputs=inputs, read_at_s=now_s, options=job_options(job)
+    )
+    mode, temperature, options = pending.key
     try:
-        ctx.scorer.validate(inputs, mode, temperature)
+        ctx.scorer.validate(inputs, mode, temperature, options)
     except ScoringError as exc:
         return answer(exc.code, exc.message)
     return pending

@@ -23,11 +23,11 @@ log = logging.getLogger(__name__)
 def score_batch(ctx: JobContext, batch: list[Pending]) -> list[Reply]:
     """Score ``batch`` in one scorer call; on failure split it in halves to isolate the job
     that breaks it. Per-sequence errors become that job's error result."""
-    mode, temperature = batch[0].key
+    mode, temperature, options = batch[0].key
     seqs = [x for p in batch for x in p.inputs]
     started = time.perf_counter()
     try:
-        out = ctx.scorer.score(seqs, mode=mode, temperature=temperature)
+        out = ctx.scorer.score(seqs, mode=mode, temperature=temperature, options=options)
     except KVCacheRejected as exc:
         ctx.metrics.kv_rejected.inc()
         ctx.metrics.kv_bytes.inc(exc.kv_output_bytes)

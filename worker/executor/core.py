@@ -32,6 +32,7 @@ from worker.executor.pooling import RewardAdapter, SequenceClassificationAdapter
 from worker.executor.selfcheck import self_check
 from worker.modes import Mode
 from worker.scorer.inputs import SequenceInput
+from worker.scorer.options import DEFAULT_OPTIONS, ScoreOptions
 from worker.scorer.outputs import FallbackEvent, ScoreOutput
 
 if TYPE_CHECKING:
@@ -250,6 +251,7 @@ class StatelessExecutor:
         seqs: Sequence[SequenceInput],
         mode: Mode | None = None,
         temperature: float | None = None,
+        options: ScoreOptions = DEFAULT_OPTIONS,
     ) -> None:
         """Raise ``BadRequest`` / ``TooLong`` / ``UnsupportedMode`` if ``seqs`` cannot be scored."""
         mode, _ = call_args(self.config, self.modes, mode, temperature)
@@ -261,6 +263,7 @@ class StatelessExecutor:
         *,
         mode: Mode | None = None,
         temperature: float | None = None,
+        options: ScoreOptions = DEFAULT_OPTIONS,
     ) -> ScoreOutput:
         """Validate, batch under ``max_batch_tokens``, run, and return scores in input order.
 

@@ -12,12 +12,15 @@ from typing import Any, Protocol, runtime_checkable
 
 from worker.modes import Mode
 from worker.scorer.inputs import SequenceInput
+from worker.scorer.options import DEFAULT_OPTIONS, ScoreOptions
 from worker.scorer.outputs import BatchMetrics, FallbackEvent, ScoreOutput, SequenceScore
 
 __all__ = [
+    "DEFAULT_OPTIONS",
     "INFO_KEYS",
     "BatchMetrics",
     "FallbackEvent",
+    "ScoreOptions",
     "ScoreOutput",
     "Scorer",
     "SequenceInput",
@@ -65,6 +68,7 @@ class Scorer(Protocol):
         seqs: Sequence[SequenceInput],
         mode: Mode | None = None,
         temperature: float | None = None,
+        options: ScoreOptions = DEFAULT_OPTIONS,
     ) -> None:
         """Raise ``BadRequest`` / ``TooLong`` / ``UnsupportedMode`` if ``seqs`` cannot be scored."""
         ...
@@ -75,6 +79,7 @@ class Scorer(Protocol):
         *,
         mode: Mode | None = None,
         temperature: float | None = None,
+        options: ScoreOptions = DEFAULT_OPTIONS,
     ) -> ScoreOutput:
         """Score ``seqs`` (in input order) and report what the call cost."""
         ...

@@ -20,6 +20,7 @@ import numpy as np
 from worker.errors import BadRequest, TooLong, UnsupportedMode
 from worker.modes import LOGPROB_MODES, MODES, REWARD_MODES, Mode
 from worker.scorer.inputs import SequenceInput
+from worker.scorer.options import DEFAULT_OPTIONS, ScoreOptions
 from worker.scorer.outputs import BatchMetrics, FallbackEvent, ScoreOutput, SequenceScore
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ class NoopScorer:
         seqs: Sequence[SequenceInput],
         mode: Mode | None = None,
         temperature: float | None = None,
+        options: ScoreOptions = DEFAULT_OPTIONS,
     ) -> None:
         """Raise ``UnsupportedMode``/``BadRequest``/``TooLong`` like the executor does."""
         mode, temperature = _call_args(mode, temperature)
@@ -87,6 +89,7 @@ class NoopScorer:
         *,
         mode: Mode | None = None,
         temperature: float | None = None,
+        options: ScoreOptions = DEFAULT_OPTIONS,
     ) -> ScoreOutput:
         """Deterministic pseudo-scores (see the module docstring)."""
         start = time.perf_counter()
