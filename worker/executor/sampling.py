@@ -24,57 +24,12 @@ threshold on ``z`` and its unnormalised mass ``sum(exp(z) over z >= thr)``. Naiv
 from __future__ import annotations
 
 import math
-import numbers
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from worker.errors import BadRequest
+from worker.scorer.teacher import SORT_FREE_TOP_K, Sampling
 
-SORT_FREE_TOP_K = 256
-"""Without top-p, a top-k up to this k is found with ``torch.topk``; a larger one with a sort."""
-
-
-def _real(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise BadRequest(f"sampling.{name} must be a finite number, got {value!r}")
-    return float(value)
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Sampler parameters; ``top_k`` 0/None, ``top_p`` 1.0 and ``min_p`` 0.0 switch a filter off.
-
-    Raises ``BadRequest`` unless ``top_k`` is an int >= 0, ``0 < top_p <= 1``, ``0 <= min_p <= 1``.
-    """
-
-    top_k: int | None = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-
-    def __post_init__(self) -> None:
-        top_k = 0 if self.top_k is None else self.top_k
-        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
-            raise BadRequest(f"sampling.top_k must be an integer >= 0 (0 = off), got {top_k!r}")
-        top_p = _real("top_p", self.top_p)
-        if not 0.0 < top_p <= 1.0:
-            raise BadRequest(f"sampling.top_p must be in (0, 1] (1 = off), got {top_p!r}")
-        min_p = _real("min_p", self.min_p)
-        if not 0.0 <= min_p <= 1.0:
-            raise BadRequest(f"sampling.min_p must be in [0, 1] (0 = off), got {min_p!r}")
-        object.__setattr__(self, "top_k", int(top_k))
-        object.__setattr__(self, "top_p", top_p)
-        object.__setattr__(self, "min_p", min_p)
-
-    def top_k_for(self, vocab: int) -> int:
-        """The effective k: 0 when top-k is off or keeps the whole vocabulary."""
-        k = int(self.top_k or 0)
-        return k if 0 < k < vocab else 0
-
-    def needs_sort(self, vocab: int) -> bool:
-        """Whether the support needs a full ``[c, V]`` sort (top-p, or a top-k above 256)."""
-        return self.top_p < 1.0 or self.top_k_for(vocab) > SORT_FREE_TOP_K
+__all__ = ["SORT_FREE_TOP_K", "Sampling", "masked_support", "processed_logps", "sorted_support"]
 
 
 def masked_support(

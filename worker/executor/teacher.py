@@ -1,6 +1,7 @@
 """Teacher outputs for distillation: per scored position, more than the actual token's log-prob.
 
-A job names the arrays it wants in a ``TokenOutputs`` spec; ``chunked_token_outputs`` pushes the
+A job names the arrays it wants in a ``TokenOutputs`` spec (torch-free, in
+``worker.scorer.teacher``, re-exported here); ``chunked_token_outputs`` pushes the
 hidden states of the scored positions through the LM head a byte-budgeted ``[c, V]`` block at a
 time and reduces every requested output inside the block, so no ``[n_scored, V]`` tensor is ever
 built. Every output is computed on the logits ``logps`` uses: model transform (softcap/scale),
@@ -24,27 +25,36 @@ The tail is summed directly over the tokens outside the top k (no ``1 - sum`` ca
 
 from __future__ import annotations
 
-import math
-import numbers
-from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 from torch import nn
 
 from worker.errors import BadRequest
 from worker.executor.logprobs import LogitTransform
-from worker.executor.sampling import (
+from worker.executor.sampling import masked_support, processed_logps, sorted_support
+from worker.scorer.teacher import (
+    MAX_GATHER_IDS,
+    MAX_TOPK,
+    OUTPUT_NAMES,
     Sampling,
-    masked_support,
-    processed_logps,
-    sorted_support,
+    TokenOutputs,
+    result_bytes,
 )
 
-OUTPUT_NAMES: tuple[str, ...] = ("logps", "entropy", "topk", "gather", "processed_logps")
-MAX_TOPK = 256
-MAX_GATHER_IDS = 4096
+__all__ = [
+    "BASE_UNITS",
+    "DEFAULT_BUDGET_BYTES",
+    "MAX_GATHER_IDS",
+    "MAX_TOPK",
+    "OUTPUT_NAMES",
+    "SORT_UNITS",
+    "Sampling",
+    "TokenOutputs",
+    "block_units",
+    "chunk_rows_for",
+    "chunked_token_outputs",
+    "result_bytes",
+]
+
 DEFAULT_BUDGET_BYTES = 128 * 1024 * 1024
 """Per-block budget: with V = 128,256 that is 104 rows (40 with a top-p sort) on any device."""
 
@@ -56,95 +66,6 @@ SORT_UNITS = 6.5
 and their int64 indices (4 blocks; measured 4.03 on CPU, whose sort also keeps a row or two of
 scratch per thread). CUDA's segmented sort also reads an int64 iota (2 more blocks; estimated,
 not measured), and 0.5 of slack."""
-
-
-def _integer(name: str, value: Any, lo: int, hi: int) -> int:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Integral)
-        or not lo <= int(value) <= hi
-    ):
-        raise BadRequest(f"{name} must be an integer in {lo}..{hi}, got {value!r}")
-    return int(value)
-
-
-@dataclass(frozen=True)
-class TokenOutputs:
-    """Which per-position arrays a job wants, and their parameters. Validated on construction.
-
-    ``outputs``: names from ``OUTPUT_NAMES``. ``topk``: k in 1..256, required with (and only
-    with) ``"topk"``. ``"gather"`` takes either shared ``gather_ids`` (K ids used at every
-    position) or ``gather_width`` K > 0, the width of per-position ids passed to
-    ``chunked_token_outputs``; K <= 4096. ``sampling`` is required with (and only with)
-    ``"processed_logps"``. Raises ``BadRequest`` with the reason.
-    """
-
-    outputs: frozenset[str] = frozenset({"logps"})
-    topk: int = 0
-    gather_ids: tuple[int, ...] = ()
-    gather_width: int = 0
-    sampling: Sampling | None = None
-    temperature: float = 1.0
-
-    def __post_init__(self) -> None:
-        names = (self.outputs,) if isinstance(self.outputs, str) else self.outputs
-        if not isinstance(names, Iterable) or not all(isinstance(n, str) for n in names):
-            raise BadRequest(f"outputs must be a list of names, got {self.outputs!r}")
-        outputs = frozenset(names)
-        unknown = sorted(outputs - set(OUTPUT_NAMES))
-        if unknown or not outputs:
-            raise BadRequest(f"unknown or no outputs {unknown}; expected some of {OUTPUT_NAMES}")
-        object.__setattr__(self, "outputs", outputs)
-        if "topk" in outputs:
-            object.__setattr__(self, "topk", _integer("topk k", self.topk, 1, MAX_TOPK))
-        elif self.topk:
-            raise BadRequest(f"topk k={self.topk!r} given but 'topk' is not a requested output")
-        self._check_gather()
-        if isinstance(self.sampling, dict):
-            object.__setattr__(self, "sampling", Sampling(**self.sampling))
-        if ("processed_logps" in outputs) != (self.sampling is not None):
-            raise BadRequest("'processed_logps' and sampling go together: give both or neither")
-        if self.sampling is not None and not isinstance(self.sampling, Sampling):
-            raise BadRequest(f"sampling must be a Sampling, got {type(self.sampling).__name__}")
-        temperature = self.temperature
-        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-            raise BadRequest(f"temperature must be a number, got {temperature!r}")
-        if not (temperature > 0 and math.isfinite(temperature)):
-            raise BadRequest(f"temperature must be a finite number > 0, got {temperature!r}")
-        object.__setattr__(self, "temperature", float(temperature))
-
-    def _check_gather(self) -> None:
-        ids = self.gather_ids
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
-            raise BadRequest(f"gather_ids must be a list of token ids, got {ids!r}")
-        ids = tuple(ids)
-        for i in ids:
-            _integer("gather_ids entries", i, 0, 2**31 - 1)
-        object.__setattr__(self, "gather_ids", tuple(int(i) for i in ids))
-        width = self.gather_width
-        if "gather" not in self.outputs:
-            if ids or width:
-                raise BadRequest("gather ids given but 'gather' is not a requested output")
-            return
-        if bool(ids) == bool(width):
-            raise BadRequest("'gather' needs exactly one of gather_ids (shared) or gather_width")
-        if ids:
-            _integer("number of gather_ids", len(ids), 1, MAX_GATHER_IDS)
-        else:
-            _integer("gather_width", width, 1, MAX_GATHER_IDS)
-
-    @property
-    def gather_k(self) -> int:
-        """K, the number of gathered ids per position (0 without ``"gather"``)."""
-        return len(self.gather_ids) or self.gather_width
-
-    def check_vocab(self, vocab: int) -> None:
-        """Raise ``BadRequest`` when k or a shared gather id does not fit ``vocab`` tokens."""
-        if "topk" in self.outputs and self.topk > vocab:
-            raise BadRequest(f"topk k={self.topk} exceeds the model's vocabulary of {vocab}")
-        bad = [i for i in self.gather_ids if i >= vocab]
-        if bad:
-            raise BadRequest(f"gather_ids {bad[:8]} are outside the vocabulary 0..{vocab - 1}")
 
 
 def block_units(spec: TokenOutputs, vocab: int) -> float:
@@ -164,21 +85,6 @@ def chunk_rows_for(vocab: int, budget_bytes: int, units: float = BASE_UNITS) -> 
             f"need vocab, budget_bytes, units > 0; got {vocab}, {budget_bytes}, {units}"
         )
     return max(1, int(budget_bytes // (vocab * 4 * units)))
-
-
-def result_bytes(n_scored: int, spec: TokenOutputs, *, half: bool = False) -> int:
-    """Bytes of the arrays ``spec`` asks for over ``n_scored`` positions, known before compute.
-
-    ``half``: ``topk_logps`` and ``gather_logps`` travel as float16. Per position: 4 per scalar
-    (``logps``, ``entropy``, ``processed_logps``, ``topk_tail_logp``), ``k * 8`` (or ``k * 6``)
-    for top-k ids + log-probs, ``K * 4`` (or ``K * 2``) for gathered log-probs.
-    """
-    value = 2 if half else 4
-    per = 4 * len(spec.outputs & {"logps", "entropy", "processed_logps"})
-    if "topk" in spec.outputs:
-        per += spec.topk * (4 + value) + 4
-    per += spec.gather_k * value
-    return n_scored * per
 
 
 def chunked_token_outputs(

@@ -11,12 +11,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from worker.scorer.teacher import LOGPS_ONLY, TokenOutputs
+
 __all__ = ["DEFAULT_OPTIONS", "ScoreOptions"]
 
 
 @dataclass(frozen=True)
 class ScoreOptions:
     """Options of one scorer call; the defaults reproduce a plain log-prob / reward job."""
+
+    # Per-job weights (docs/models.md): a LoRA adapter directory under the worker's
+    # --adapter-root and/or a full checkpoint under --model-root; None = the served base.
+    adapter: str | None = None
+    version: str | None = None
+
+    # teacher outputs (distillation): the per-position arrays a job wants beyond logps
+    outputs: TokenOutputs = LOGPS_ONLY
 
     def describe(self) -> dict[str, object]:
         """The options that differ from the defaults (for logs and result ``info``)."""
