@@ -185,6 +185,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="exit once the streams are drained and nothing is pending for us",
     )
     b.add_argument("--max-jobs", type=int, default=_env_int("MAX_JOBS", None))
+    b.add_argument(
+        "--no-pipeline",
+        dest="pipeline",
+        action="store_false",
+        default=env_bool(env_get("PIPELINE"), default=True),
+        help="score each batch in the main loop instead of on a compute thread that overlaps "
+        "Redis reads and writes (env SCORING_PIPELINE=0; for comparison)",
+    )
     o = parser.add_argument_group("metrics")
     o.add_argument("--metrics-host", default=env_get("METRICS_HOST", "127.0.0.1"))
     o.add_argument(
@@ -233,6 +241,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         reply_ttl_s=args.reply_ttl_s,
         burst=args.burst,
         max_jobs=args.max_jobs,
+        pipeline=args.pipeline,
         metrics_host=args.metrics_host,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         limits=limits_from_args(args),

@@ -41,6 +41,9 @@ class WorkerConfig:
     stats_interval_s: float = 5.0
     burst: bool = False
     max_jobs: int | None = None
+    # pipelined daemon: the forward runs on a compute thread while the main thread reads the next
+    # batch and writes the previous one (False: read, score, write in turn; --no-pipeline)
+    pipeline: bool = True
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 9400  # None: no HTTP endpoint; 0: a free port
     limits: Limits = field(default_factory=Limits)

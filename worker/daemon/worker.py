@@ -1,8 +1,13 @@
-"""The worker: one loop in the main thread that reads, batches, scores and writes.
+"""The worker: one loop in the main thread that reads, batches and writes; a compute stage scores.
 
 Each step: sample the stream gauges when due, reclaim idle entries when due, read new entries
 (blocking only when nothing is held), fill the batch up to the token budget within
-``max_wait_ms``, answer what cannot be scored, score one batch, write results and ack. Around it:
+``max_wait_ms``, answer what cannot be scored, hand one batch to the compute stage
+(:mod:`worker.daemon.pipeline`), write results and ack. Pipelined (the default), the forward runs
+on the compute thread while the main thread reads, decodes and validates the next batch (at most
+one batch's token budget ahead; nothing while a suspect runs alone) and writes and acks the
+previous one; with ``pipeline=False`` the batch runs inline, between the reads and the writes.
+Around it:
 a lease thread (:mod:`worker.daemon.leases`) keeps held entries owned while a batch runs, drain
 control (:mod:`worker.daemon.drain`) handles SIGTERM/SIGINT, and the loop reconnects when Redis
 goes away (:mod:`worker.daemon.link`). The roles live in their own modules; this class wires them
@@ -14,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from worker import streams
@@ -27,6 +33,7 @@ from worker.daemon.intake import prepare_entry
 from worker.daemon.jobs import score_batch
 from worker.daemon.leases import InFlight, LeaseKeeper
 from worker.daemon.link import REDIS_DOWN, RedisLink
+from worker.daemon.pipeline import BatchPipeline
 from worker.daemon.reader import EntryReader
 from worker.daemon.stats import StatsSampler
 from worker.daemon.writer import OutboxWriter
@@ -35,6 +42,11 @@ from worker.observability.metrics import WorkerMetrics
 from worker.scorer import FallbackEvent, Scorer
 
 log = logging.getLogger(__name__)
+#: How long the main thread waits for a computing batch before it looks at Redis again: from
+#: ``POLL_MIN_S``, doubling while nothing new comes in, up to ``POLL_MAX_S`` (a finished batch
+#: ends the wait at once).
+POLL_MIN_S = 0.002
+POLL_MAX_S = 0.032
 
 
 class Worker:
@@ -74,7 +86,8 @@ class Worker:
                                   dead_stream_of=self.jobs.dead_stream_of,
                                   interval_s=config.stats_interval_s)  # fmt: skip
         self.jobs_done = 0
-        self.batch_started_s: float | None = None
+        self.pipeline = BatchPipeline(partial(score_batch, self.jobs), threaded=config.pipeline)
+        self._poll_s = POLL_MIN_S
         self.http: HealthServer | None = None
         scorer.add_fallback_listener(self._on_fallback)
 
@@ -92,12 +105,22 @@ class Worker:
         """SIGTERM/SIGINT drain; a second one exits at once (main thread only)."""
         self.signals.install()
 
+    @property
+    def batch_started_s(self) -> float | None:
+        """Monotonic start of the batch computing now (None when none is)."""
+        return self.pipeline.started_s
+
     def busy(self) -> bool:
         """True while a batch computes and has run less than ``batch_timeout_s``: the lease thread
         then beats ``loop`` for the main thread, so a long batch is not mistaken for a wedged loop
         (a batch stuck past the limit still is)."""
         started = self.batch_started_s
         return started is not None and time.monotonic() - started < self.config.batch_timeout_s
+
+    def _overdue(self) -> bool:
+        """True when the batch computing now has run past ``batch_timeout_s`` (wedged)."""
+        started = self.batch_started_s
+        return started is not None and time.monotonic() - started >= self.config.batch_timeout_s
 
     def run(self) -> int:
         """Serve until stopped (signal, ``--burst`` drained, ``--max-jobs`` reached); returns 0."""
@@ -143,6 +166,7 @@ class Worker:
             self.link.forget_consumer()
         finally:
             leases.stop()
+            self.pipeline.close()
             self.metrics.up.set(0)
             self.metrics.in_flight.set(0)
             self.health.started = False
@@ -151,7 +175,7 @@ class Worker:
 
     def _loop(self) -> None:
         """Run steps until one says to exit, or a stop was asked and nothing is held."""
-        while not (self.drain.stopping and not self.backlog):
+        while not (self.drain.stopping and not self.backlog and not self.pipeline.busy):
             try:
                 if self._step():
                     return
@@ -185,48 +209,75 @@ class Worker:
         (held, but neither in the backlog nor written): their leases lapse and they are
         reclaimed after ``claim_idle_ms``, by this worker or another. Without this they would
         be renewed forever and never answered."""
-        released = self.in_flight.release_all_but(self.backlog.held_ids())
+        keep = self.backlog.held_ids() | self.pipeline.held_ids()
+        released = self.in_flight.release_all_but(keep)
         if released:
             log.warning("released %d held entries after a failed step; they will be reclaimed",
                         released)  # fmt: skip
 
     # ----------------------------------------------------------------- one step
     def _step(self) -> bool:
-        """Read, prepare and run one batch. True when the worker should exit."""
-        cfg, client = self.config, self.link.client
-        self.health.beat("loop")
+        """Read and prepare jobs, hand a batch to the compute stage, write what is done.
+        True when the worker should exit."""
+        cfg, client, stage = self.config, self.link.client, self.pipeline
+        if not self._overdue():  # a batch wedged past the limit leaves the loop beat stale
+            self.health.beat("loop")
         self.stats.maybe_sample(client)
         outbox = Outbox()
         got = 0
-        if not self.drain.stopping:
-            if self.reader.reclaim_due(suspect_held=self.backlog.holds_suspect()):
+        # Read ahead while a batch computes, but never next to a suspect running alone.
+        if not self.drain.stopping and not stage.suspect_running:
+            suspect_held = self.backlog.holds_suspect() or stage.suspect_running
+            if self.reader.reclaim_due(suspect_held=suspect_held):
+                got += self._prepare(self.reader.reclaim(client, suspect_held=suspect_held), outbox)
+            idle = not (self.backlog or got or stage.busy)
+            if not stage.busy or not self.backlog.full():
                 got += self._prepare(
-                    self.reader.reclaim(client, suspect_held=self.backlog.holds_suspect()), outbox
+                    self.reader.read(client, self._room(), cfg.block_ms if idle else 0), outbox
                 )
-            block = 0 if (self.backlog or got) else cfg.block_ms
-            got += self._prepare(self.reader.read(client, self._room(), block), outbox)
-            # Fill the batch: poll without BLOCK (a server-side BLOCK timeout only fires on the
-            # server's cron tick, ~100 ms at hz 10, far coarser than max_wait_ms).
-            deadline = time.monotonic() + cfg.max_wait_ms / 1000.0
-            while self.backlog and not self.backlog.full() and self._room() > 0:
-                more = self.reader.read(client, self._room(), 0)
-                if more:
-                    got += self._prepare(more, outbox)
-                    continue
-                left_s = deadline - time.monotonic()
-                if left_s <= 0:
-                    break
-                time.sleep(min(left_s, 0.001))
+            if not stage.busy:
+                got += self._fill(client, outbox)
         self._flush(outbox)
-        batch = self.backlog.take_batch()
-        if batch:
-            self._run_batch(batch)
+        done = stage.take_done()
+        batch: list[Pending] = []
+        if not stage.busy:
+            batch = self.backlog.take_batch()
+            if batch:
+                stage.submit(batch, suspect=self.backlog.is_suspect(batch[0]))
+        if done is not None:  # the previous batch, written while the next one computes
+            self._flush(Outbox(results=done))
+        if not stage.threaded:
+            self._flush(Outbox(results=stage.take_done() or []))
+        elif got:
+            self._poll_s = POLL_MIN_S
+        elif stage.computing:  # nothing new came in: leave the CPU to the forward a while
+            stage.wait(self._poll_s)
+            self._poll_s = min(self._poll_s * 2, POLL_MAX_S)
         self.metrics.in_flight.set(len(self.in_flight))
+        if stage.busy:
+            return False
         if cfg.max_jobs is not None and self.jobs_done >= cfg.max_jobs and not self.backlog:
             return True
         if cfg.burst and not got and not batch and not self.backlog:
             return self.reader.drained(client)
         return False
+
+    def _fill(self, client: Any, outbox: Outbox) -> int:
+        """Fill the batch: poll without BLOCK until the backlog holds a batch's token budget or
+        ``max_wait_ms`` passed (a server-side BLOCK timeout only fires on the server's cron tick,
+        ~100 ms at hz 10, far coarser than max_wait_ms)."""
+        got = 0
+        deadline = time.monotonic() + self.config.max_wait_ms / 1000.0
+        while self.backlog and not self.backlog.full() and self._room() > 0:
+            more = self.reader.read(client, self._room(), 0)
+            if more:
+                got += self._prepare(more, outbox)
+                continue
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                break
+            time.sleep(min(left_s, 0.001))
+        return got
 
     def _room(self) -> int:
         """How many more entries to read (bounded by ``--max-jobs``)."""
@@ -244,14 +295,6 @@ class Worker:
             else:
                 outbox.add(outcome)
         return len(entries)
-
-    def _run_batch(self, batch: list[Pending]) -> None:
-        self.batch_started_s = time.monotonic()
-        try:
-            replies = score_batch(self.jobs, batch)
-        finally:
-            self.batch_started_s = None
-        self._flush(Outbox(results=replies))
 
     def _flush(self, outbox: Outbox) -> None:
         """Write results and dead letters (retrying while Redis is away), count finished jobs."""
