@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from worker.errors import BadRequest, TooLong, UnsupportedMode
 from worker.executor.config import ExecutorConfig, positive_float
 from worker.executor.packing import plan_packed_forwards, plan_padded
 from worker.modes import LOGPROB_MODES, MODES, Mode
 from worker.scorer.inputs import PreparedSequence, SequenceInput, prepare_sequence
+from worker.scorer.options import DEFAULT_OPTIONS, ScoreOptions
 from worker.scorer.outputs import BatchMetrics, FallbackEvent, ScoreOutput, SequenceScore
+from worker.scorer.teacher import check_call, gather_rows
 
 
 def call_args(
@@ -36,18 +38,30 @@ def call_args(
 
 
 def prepare(
-    seqs: Sequence[SequenceInput], vocab: int, limit: int | None, mode: Mode
+    seqs: Sequence[SequenceInput],
+    vocab: int,
+    limit: int | None,
+    mode: Mode,
+    options: ScoreOptions = DEFAULT_OPTIONS,
 ) -> list[PreparedSequence]:
-    """Validate and normalise every sequence; errors name the sequence's index."""
+    """Validate and normalise every sequence (and the teacher outputs ``options`` ask for, with
+    each sequence's per-position gather ids); errors name the sequence's index."""
     if isinstance(seqs, (str, bytes)) or not isinstance(seqs, Sequence):
         raise BadRequest(f"expected a list of SequenceInput, got {type(seqs).__name__}")
     if len(seqs) == 0:
         raise BadRequest("no sequences to score")
     needs_scored = mode in LOGPROB_MODES
+    spec = options.outputs
+    check_call(spec, mode, vocab)
     out = []
     for i, seq in enumerate(seqs):
         try:
-            out.append(prepare_sequence(seq, vocab, limit, needs_scored))
+            prepared = prepare_sequence(seq, vocab, limit, needs_scored)
+            ids = getattr(seq, "gather_ids", None)
+            if needs_scored and (ids is not None or spec.gather_width):
+                n = len(prepared.scored) if prepared.scored is not None else 0
+                prepared = replace(prepared, gather_ids=gather_rows(ids, n, spec, vocab))
+            out.append(prepared)
         except (BadRequest, TooLong) as exc:
             raise type(exc)(f"sequence {i}: {exc.message}") from None
     return out
@@ -74,6 +88,7 @@ class ScoreCall:
     temperature: float
     prepared: list[PreparedSequence]
     started: float = field(default_factory=time.perf_counter)
+    options: ScoreOptions = DEFAULT_OPTIONS
     results: list[SequenceScore | None] = field(init=False)
     fallbacks: list[FallbackEvent] = field(default_factory=list)
     backends_used: list[str] = field(default_factory=list)

@@ -26,9 +26,13 @@ class ExecutorConfig:
     """Executor settings; every invalid value raises ``ConfigError`` at construction.
 
     ``max_batch_tokens`` bounds one forward (a packed row, or ``rows * longest`` of a padded
-    bucket); a single sequence longer than it runs alone. ``logprob_chunk_tokens`` is the number
-    of scored positions pushed through the LM head at once (peak extra memory is
-    ``logprob_chunk_tokens * vocab * 4`` bytes). ``self_check`` runs a tiny probe at construction
+    bucket); a single sequence longer than it runs alone. The LM head runs on the scored
+    positions in blocks of ``[rows, vocab]`` float32 sized by bytes: ``logprob_chunk_bytes``
+    bounds what one block holds at its peak (the float32 logits, plus a half-precision head
+    output; teacher outputs count their extra blocks), so memory does not grow with the
+    vocabulary (with V = 128,256 the 128 MiB default is 261 rows for log-probs from a float32
+    head, 174 from a bf16 one, 104 with teacher outputs); ``logprob_chunk_tokens`` also caps
+    the rows of a block (an upper bound). ``self_check`` runs a tiny probe at construction
     that compares the fast path against the model's own logits and packed rows against
     one-by-one forwards (packing falls back to padded buckets when they disagree).
     ``packed_row_tokens`` caps one packed row for backends that build a dense block-diagonal mask
@@ -43,6 +47,7 @@ class ExecutorConfig:
     output_dtype: Literal["float32", "float64"] = "float32"
     max_batch_tokens: int = 16384
     logprob_chunk_tokens: int = 1024
+    logprob_chunk_bytes: int = 128 * 1024 * 1024
     device: str = "cpu"
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     packing: Literal["auto", "packed", "padded"] = "auto"
@@ -63,7 +68,12 @@ class ExecutorConfig:
             raise bad("temperature", "expected a finite number > 0")
         if self.output_dtype not in OUTPUT_DTYPES:
             raise bad("output_dtype", "expected 'float32' or 'float64'")
-        for name in ("max_batch_tokens", "logprob_chunk_tokens", "packed_row_tokens"):
+        for name in (
+            "max_batch_tokens",
+            "logprob_chunk_tokens",
+            "logprob_chunk_bytes",
+            "packed_row_tokens",
+        ):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise bad(name, "expected an integer >= 1")

@@ -191,6 +191,7 @@ class BatchRunner:
                 call.temperature,
                 packed=packed,
                 row_tokens=self.config.row_tokens(backend),
+                options=call.options,
             )
         if self.forward.device.type == "cuda":
             torch.cuda.synchronize(self.forward.device)

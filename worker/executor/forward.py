@@ -9,7 +9,7 @@ scores and the number of token slots the forward held. No fallback, OOM or KV ha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -24,9 +24,12 @@ from worker.executor.pooling import (
     RewardOutput,
     backbone_hidden,
 )
+from worker.executor.teacher import block_units, chunk_rows_for, chunked_token_outputs
 from worker.modes import LOGPROB_MODES, REWARD_MODES, Mode
 from worker.scorer.inputs import PreparedSequence, is_int
+from worker.scorer.options import DEFAULT_OPTIONS, ScoreOptions
 from worker.scorer.outputs import SequenceScore
+from worker.scorer.teacher import LOGPS_ONLY, TokenOutputs
 
 
 @dataclass(frozen=True)
@@ -102,9 +105,11 @@ class BatchForward:
         *,
         packed: bool,
         row_tokens: int,
+        options: ScoreOptions = DEFAULT_OPTIONS,
     ) -> Computed:
         """One backbone forward per distinct model for ``seqs`` (``group``: their indices in the
-        call, carried as the batch's sequence ids); packed rows hold at most ``row_tokens``."""
+        call, carried as the batch's sequence ids); packed rows hold at most ``row_tokens``;
+        ``options.outputs``: the per-position arrays to read besides (or instead of) logps."""
         ids = [s.ids for s in seqs]
         if packed:
             rows = plan_packed([len(x) for x in ids], row_tokens)
@@ -119,8 +124,9 @@ class BatchForward:
         with torch.inference_mode():
             rewarded: RewardOutput | None = None
             if mode in LOGPROB_MODES:
+                spec = options.outputs
                 rewarded = self._logprobs(
-                    batch, [seqs[j] for j in order], order, mode, temp, scores
+                    batch, [seqs[j] for j in order], order, mode, temp, scores, spec
                 )
             if mode in REWARD_MODES:
                 assert self.reward_adapter is not None and self.reward_model is not None
@@ -140,9 +146,10 @@ class BatchForward:
         mode: Mode,
         temp: float,
         scores: list[SequenceScore],
+        spec: TokenOutputs = LOGPS_ONLY,
     ) -> RewardOutput | None:
-        """Fill ``scores[j].logps``; returns the rewards when the shared adapter pooled them
-        from the same hidden states."""
+        """Fill ``scores[j].logps`` (and ``.arrays``, the teacher outputs ``spec`` asks for);
+        returns the rewards when the shared adapter pooled them from the same hidden states."""
         model = self.reference_model
         assert model is not None
         rewarded = None
@@ -152,17 +159,49 @@ class BatchForward:
             rewarded = self.shared_adapter.from_hidden(model, batch, hidden)
         picked, labels, sizes = self._scored_rows(hidden, batch, ordered)
         del hidden  # the LM-head chunks below need only the scored rows
-        logps = chunked_token_logps(
+        head = model.get_output_embeddings()
+        if spec == LOGPS_ONLY:
+            logps = chunked_token_logps(
+                picked,
+                head,
+                labels,
+                temperature=temp,
+                chunk_tokens=self._chunk_rows(head, 1.0 if _f32(head) else 1.5),
+                transform=self.transform,
+            )  # [N]
+            for j, row in zip(order, torch.split(logps, sizes), strict=True):
+                scores[j].logps = self._host(row)
+            return rewarded
+        spec = replace(spec, temperature=temp)
+        gather = None
+        if spec.gather_width:
+            rows = [s.gather_ids for s in ordered]
+            assert all(r is not None for r in rows)
+            gather = torch.from_numpy(np.concatenate(rows)).to(self.device)  # type: ignore[arg-type]
+        vocab = int(getattr(head, "out_features", 0)) or self.vocab_size
+        arrays = chunked_token_outputs(
             picked,
-            model.get_output_embeddings(),
+            head,
             labels,
-            temperature=temp,
-            chunk_tokens=self.config.logprob_chunk_tokens,
+            spec,
             transform=self.transform,
-        )  # [N]
-        for j, row in zip(order, torch.split(logps, sizes), strict=True):
-            scores[j].logps = self._host(row)
+            gather_ids=gather,  # [N, K] | None
+            chunk_rows=self._chunk_rows(head, block_units(spec, vocab), vocab),
+        )
+        split = {name: torch.split(value, sizes) for name, value in arrays.items()}
+        for k, j in enumerate(order):
+            got = {name: parts[k] for name, parts in split.items()}
+            if "logps" in got:
+                scores[j].logps = self._host(got.pop("logps"))
+            scores[j].arrays = {name: value.cpu().numpy() for name, value in got.items()}
         return rewarded
+
+    def _chunk_rows(self, head: Any, units: float, vocab: int | None = None) -> int:
+        """Rows per LM-head block: ``units`` float32 ``[rows, V]`` blocks within
+        ``logprob_chunk_bytes``, at most ``logprob_chunk_tokens``."""
+        vocab = vocab or int(getattr(head, "out_features", 0)) or self.vocab_size
+        by_bytes = chunk_rows_for(vocab, self.config.logprob_chunk_bytes, units)
+        return min(self.config.logprob_chunk_tokens, by_bytes)
 
     def _scored_rows(
         self, hidden: torch.Tensor, batch: ForwardBatch, seqs: list[PreparedSequence]
@@ -181,3 +220,9 @@ class BatchForward:
     def _host(self, values: torch.Tensor) -> np.ndarray:
         """A result tensor as a host array of the configured output dtype."""
         return values.cpu().numpy().astype(self.out_dtype, copy=False)
+
+
+def _f32(head: Any) -> bool:
+    """Whether the LM head computes in float32 (else ``float()`` adds a half-size copy)."""
+    weight = getattr(head, "weight", None)
+    return weight is None or weight.dtype == torch.float32

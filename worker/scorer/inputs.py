@@ -22,12 +22,23 @@ class SequenceInput:
     ``tokens``: 1-D ids (list, numpy array, torch tensor, ``array.array``). Exactly one of
     ``prompt_len`` (tokens ``[prompt_len:]`` are scored; valid range ``[1, len)``) or ``mask``
     (one 0/1 per token, 1 = scored, ``mask[0] == 0``, at least one 1) is required when log-probs
-    are requested; reward-only scoring accepts neither.
+    are requested; reward-only scoring accepts neither. ``gather_ids``: per-position ids
+    ``[n_scored, K]`` for a job asking for ``gather`` with per-position ids (teacher outputs).
     """
 
-    tokens: Any
+    tokens: Any = ()
     prompt_len: int | None = None
     mask: Sequence[int] | bytes | None = None
+    # reward inputs (chat templates, process rewards): ``messages`` (a list of {role, content}
+    # maps) is rendered with the reward model's own chat template and scored instead of
+    # ``tokens`` (``both`` mode still takes its log-probs from ``tokens``); ``step_positions``:
+    # where a process-reward job reads step scores (in the ids the reward model sees);
+    # ``rm_ids``: the rendered ids, filled by ``Scorer.prepare`` so scoring does not re-tokenise
+    messages: Sequence[Any] | None = None
+    step_positions: Any = None
+    rm_ids: np.ndarray | None = None
+    # teacher outputs: per-position gather ids [n_scored, K] (see worker.scorer.teacher)
+    gather_ids: Any = None
 
 
 @dataclass(frozen=True)
@@ -36,6 +47,11 @@ class PreparedSequence:
 
     ids: np.ndarray  # [L] int64
     scored: np.ndarray | None  # [n] int64 positions t >= 1
+    # reward inputs: step positions read by a process-reward head; the reward model's token
+    # count when ``ids`` were rendered from messages
+    steps: np.ndarray | None = None  # [k] int64 positions in [0, L)
+    rm_tokens: int | None = None
+    gather_ids: np.ndarray | None = None  # [n, K] int64 (teacher outputs), checked
 
 
 def _is_tensor(value: Any) -> bool:

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from worker.errors import BadRequest
+from worker.modes import LOGPROB_MODES
 
 __all__ = [
     "DEFAULT_MAX_RESULT_BYTES",
@@ -44,6 +45,7 @@ __all__ = [
     "Sampling",
     "TokenOutputs",
     "array_layout",
+    "check_call",
     "check_limits",
     "gather_rows",
     "result_bytes",
@@ -283,3 +285,13 @@ def gather_rows(ids: Any, n_scored: int, spec: TokenOutputs, vocab: int) -> np.n
         bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
         raise BadRequest(f"gather id {bad} is outside the vocabulary 0..{vocab - 1}")
     return arr.astype(np.int64, copy=False)
+
+
+def check_call(spec: TokenOutputs, mode: str, vocab: int) -> None:
+    """Checks of a scorer call's request: extra outputs need a log-prob mode (``reference`` or
+    ``both``), k and shared gather ids must fit ``vocab``. Raises ``BadRequest``."""
+    if spec != LOGPS_ONLY and mode not in LOGPROB_MODES:
+        raise BadRequest(
+            f"outputs {sorted(spec.outputs)} need mode reference or both, not {mode!r}"
+        )
+    spec.check_vocab(vocab)
