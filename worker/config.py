@@ -35,6 +35,9 @@ class RedisSettings:
     connect_timeout_s: float = 5.0
     health_check_interval_s: float = 15.0
     client_name: str | None = None
+    #: More Cluster seed nodes (``host:port``) besides the URL's (which may list several,
+    #: comma-separated: ``redis+cluster://h1:7000,h2:7000``); tried after the last known topology.
+    seed_nodes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         scheme = urlsplit(self.url).scheme
@@ -45,6 +48,26 @@ class RedisSettings:
             )
         if self.socket_timeout_s <= 0 or self.connect_timeout_s <= 0:
             raise ConfigError("redis timeouts must be > 0")
+        nodes = self.cluster_nodes
+        if len(nodes) > 1 and not self.is_cluster:
+            raise ConfigError("several seed nodes need Redis Cluster (redis+cluster://)")
+
+    @property
+    def cluster_nodes(self) -> list[tuple[str, int]]:
+        """Every seed node (``(host, port)``): the URL's hosts, then ``seed_nodes``."""
+        parts = urlsplit(self.url)
+        if parts.scheme == "unix":
+            return []
+        hosts = [h for h in parts.netloc.rpartition("@")[2].split(",") if h]
+        out = []
+        for spec in [*hosts, *self.seed_nodes]:
+            host, sep, port = spec.strip().rpartition(":")
+            if not sep:
+                host, port = port, "6379"
+            if not port.isdigit():
+                raise ConfigError(f"a seed node must be host:port, got {spec!r}")
+            out.append((host.strip("[]"), int(port)))
+        return out
 
     @property
     def is_cluster(self) -> bool:
@@ -53,9 +76,13 @@ class RedisSettings:
 
     @property
     def plain_url(self) -> str:
-        """The URL redis-py understands (``+cluster`` removed)."""
+        """The URL redis-py understands (``+cluster`` removed, only the first seed host)."""
         parts = urlsplit(self.url)
-        return urlunsplit(parts._replace(scheme=parts.scheme.replace("+cluster", "")))
+        userinfo, at, hosts = parts.netloc.rpartition("@")
+        netloc = f"{userinfo}{at}{hosts.split(',')[0]}"
+        return urlunsplit(
+            parts._replace(scheme=parts.scheme.replace("+cluster", ""), netloc=netloc)
+        )
 
     @property
     def redacted_url(self) -> str:
@@ -66,13 +93,11 @@ class RedisSettings:
 def redact_url(url: str) -> str:
     """Replace the password of a URL with ``***`` so it can be logged."""
     parts = urlsplit(url)
-    if parts.password is None:
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
         return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    user = userinfo.partition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{hosts}"))
 
 
 def env_get(

@@ -1,16 +1,68 @@
-"""Redis connection factory: standalone or Cluster, TLS and ACL, with retries on errors."""
+"""Redis connection factory: standalone or Cluster, TLS and ACL, with retries on errors.
+
+Redis Cluster: every seed node is tried (the URL may list several, comma-separated, and
+``RedisSettings.seed_nodes`` adds more), and the *last known topology* before them: each
+successful connect (and :func:`remember`, called by whoever holds a live client) records the
+nodes a client knew, so a fresh connect after a failover tries the promoted replicas first, not
+only a seed that may be the dead primary. :data:`CONNECT_ERRORS` are the errors a caller
+retries with backoff while connecting (a cluster with no reachable node raises
+``RedisClusterException``, which is not a ``ConnectionError``).
+"""
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any
 
 import redis
 from redis.backoff import ExponentialBackoff
+from redis.cluster import ClusterNode
 from redis.retry import Retry
 
 from worker.config import RedisSettings
 
 RETRY_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+#: Errors that mean "Redis (or the cluster's topology) is not reachable right now": retried.
+CONNECT_ERRORS: tuple[type[BaseException], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.RedisClusterException,  # no reachable seed, slots not covered yet
+    redis.exceptions.ClusterError,  # CLUSTERDOWN, MASTERDOWN while a replica is promoted
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ReadOnlyError,  # a demoted primary
+)
+
+_known_lock = threading.Lock()
+#: seed list -> the nodes (host, port) the last live client of that cluster knew.
+_known: dict[tuple[tuple[str, int], ...], list[tuple[str, int]]] = {}
+#: each cluster client made here -> its settings (so :func:`remember` needs only the client).
+_settings_of: weakref.WeakKeyDictionary[Any, RedisSettings] = weakref.WeakKeyDictionary()
+
+
+def remember(client: Any) -> list[tuple[str, int]]:
+    """Record the nodes ``client`` (a ``RedisCluster`` made by :func:`connect`) knows now as
+    the last known topology of its cluster; returns them (empty for a standalone client)."""
+    settings = _settings_of.get(client)
+    get_nodes = getattr(client, "get_nodes", None)
+    if settings is None or get_nodes is None:
+        return []
+    try:
+        nodes = [(str(n.host), int(n.port)) for n in get_nodes()]
+    except Exception:  # a client in the middle of a refresh: keep what we had
+        return []
+    if nodes:
+        with _known_lock:
+            _known[tuple(settings.cluster_nodes)] = nodes
+    return nodes
+
+
+def startup_nodes(settings: RedisSettings) -> list[tuple[str, int]]:
+    """The nodes a new cluster client tries, in order: the last known topology, then the seeds."""
+    seeds = settings.cluster_nodes
+    with _known_lock:
+        known = list(_known.get(tuple(seeds), []))
+    return list(dict.fromkeys([*known, *seeds]))
 
 
 def _common_kwargs(settings: RedisSettings) -> dict[str, Any]:
@@ -39,7 +91,11 @@ def connect(settings: RedisSettings) -> redis.Redis | redis.RedisCluster:
     kwargs = _common_kwargs(settings)
     if settings.is_cluster:
         kwargs.pop("health_check_interval", None)
-        return redis.RedisCluster.from_url(settings.plain_url, **kwargs)
+        nodes = [ClusterNode(host, port) for host, port in startup_nodes(settings)]
+        client = redis.RedisCluster.from_url(settings.plain_url, startup_nodes=nodes, **kwargs)
+        _settings_of[client] = settings
+        remember(client)
+        return client
     return redis.Redis.from_url(settings.plain_url, **kwargs)
 
 
@@ -50,8 +106,11 @@ def connect_async(settings: RedisSettings) -> Any:
     kwargs = _common_kwargs(settings)
     kwargs["retry"] = aioredis.retry.Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=3)
     if settings.is_cluster:
+        from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
+
         kwargs.pop("health_check_interval", None)
-        return aioredis.RedisCluster.from_url(settings.plain_url, **kwargs)
+        nodes = [AsyncClusterNode(host, port) for host, port in startup_nodes(settings)]
+        return aioredis.RedisCluster.from_url(settings.plain_url, startup_nodes=nodes, **kwargs)
     return aioredis.Redis.from_url(settings.plain_url, **kwargs)
 
 

@@ -154,6 +154,9 @@ def child_flags(
             if value:
                 out.append(flag)
             continue
+        if isinstance(value, list):  # a repeatable flag (--cluster-node)
+            out.extend(f"{flag}={item}" for item in value)
+            continue
         out.append(f"{flag}={value}")
     return out
 

@@ -31,6 +31,15 @@ def add_redis_args(
         help="talk Redis Cluster (also implied by redis+cluster://; env SCORING_CLUSTER)",
     )
     g.add_argument(
+        "--cluster-node",
+        action="append",
+        default=[n for n in (env_get("CLUSTER_NODES") or "").split(",") if n] or None,
+        metavar="HOST:PORT",
+        help="another Redis Cluster seed node, repeatable (the URL may also list several, "
+        "comma-separated: redis+cluster://h1:7000,h2:7000; env SCORING_CLUSTER_NODES, "
+        "comma-separated); the last known topology is tried before the seeds",
+    )
+    g.add_argument(
         "--ssl-ca-certs",
         default=env_get("SSL_CA_CERTS"),
         help="CA bundle for rediss:// (env SCORING_SSL_CA_CERTS)",
@@ -93,6 +102,7 @@ def redis_settings(
     return RedisSettings(
         url=url or args.redis_url or DEFAULT_REDIS_URL,
         cluster=args.cluster,
+        seed_nodes=tuple(getattr(args, "cluster_node", None) or ()),
         ssl_ca_certs=args.ssl_ca_certs,
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,

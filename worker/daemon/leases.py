@@ -8,14 +8,14 @@ never waits on the executor, so a batch that runs for minutes keeps its entries 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
-import redis
-
-from worker import streams
+from worker import connections, streams
+from worker.connections import CONNECT_ERRORS
 from worker.observability.health import HealthState
 from worker.observability.metrics import WorkerMetrics
 
@@ -108,6 +108,14 @@ class LeaseKeeper:
         self._stop.set()
         self._thread.join(timeout_s)
 
+    def _drop_client(self) -> None:
+        """Close the client (its sockets) and forget it; the next renewal connects afresh."""
+        client, self._client = self._client, None
+        if client is not None:
+            connections.remember(client)  # a fresh cluster client tries the nodes it knew
+            with contextlib.suppress(Exception):
+                client.close()
+
     def renew_once(self) -> int:
         """Renew every held entry now; returns how many were renewed."""
         if self._client is None:
@@ -131,9 +139,9 @@ class LeaseKeeper:
                 self._health.beat("lease")
                 if self._busy is not None and self._busy():
                     self._health.busy_beat("loop")  # the main thread is inside a batch
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except CONNECT_ERRORS as exc:  # an outage, a failover: never fatal
                 log.warning("lease renewal failed (Redis unreachable): %s", exc)
-                self._client = None  # a fresh connection next time
+                self._drop_client()  # a fresh connection next time
             except Exception:  # never let the lease thread die
                 log.exception("lease renewal failed")
                 self._metrics.loop_errors.labels(where="lease").inc()

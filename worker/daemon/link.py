@@ -2,6 +2,11 @@
 
 While Redis is unreachable (or refuses writes for now) readiness is false and the worker retries
 with a backoff from 0.1 s doubling to 3 s; the first success logs how many attempts failed.
+Every connection or cluster error while connecting or reconnecting (no reachable seed node,
+``CLUSTERDOWN`` while a replica is promoted, ``READONLY`` from a demoted primary) is such a
+retry, counted in ``scoring_redis_reconnects_total``, never fatal. On a Cluster, each failure
+records the topology the live client knows (``connections.remember``) so a fresh client (the
+lease keeper's, or this one's) tries the promoted nodes before the seeds.
 """
 
 from __future__ import annotations
@@ -12,14 +17,15 @@ from typing import Any
 
 import redis
 
-from worker import streams
+from worker import connections, streams
 from worker.daemon.config import WorkerConfig
 from worker.observability.health import HealthState
 from worker.observability.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
-#: Errors that mean Redis is away (the connection, not the command, failed).
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+#: Errors that mean Redis is away (the connection or the cluster's topology, not the command,
+#: failed): ``ConnectionError``, ``TimeoutError``, and the cluster errors of a failover.
+REDIS_DOWN = connections.CONNECT_ERRORS
 
 
 class RedisLink:
@@ -45,12 +51,15 @@ class RedisLink:
     def connect(self) -> tuple[int, int, int] | None:
         """Connect and create missing groups; the server version, or None after a backoff."""
         try:
-            self.client = self.factory()
+            if self.client is None:
+                self.client = self.factory()
             version = streams.server_version(self.client)
             self.ensure_groups()
             self.ok()
             return version
-        except REDIS_DOWN as exc:
+        except Exception as exc:  # only what a failover or an outage raises; the rest is a bug
+            if not (isinstance(exc, REDIS_DOWN) or streams.is_transient(exc)):
+                raise
             self.down(exc)
             return None
 
@@ -71,6 +80,8 @@ class RedisLink:
         """Redis failed us: not ready, count it, back off before the next try."""
         self.failures += 1
         self._health.redis_ok = False
+        if self.client is not None:
+            connections.remember(self.client)
         self._metrics.redis_reconnects.inc()
         delay = min(0.1 * 2 ** min(self.failures - 1, 5), 3.0)
         log.warning("redis unreachable (%s); retry %d in %.1fs", exc, self.failures, delay)
