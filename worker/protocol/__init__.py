@@ -7,7 +7,8 @@ anything proportional to it is allocated, and pickle is never involved.
 
 Modules: ``limits`` (constants, ``Limits``, the bounded decoder), ``seqs`` (token ids, masks and
 float arrays on the wire), ``jobs`` (``Job``, ``encode_job``, ``decode_job``), ``results``
-(``Result``, ``encode_result``, ``decode_result``), ``envelope`` (``peek_envelope`` for payloads
+(``Result``, ``encode_result``, ``decode_result``), ``outputs`` (teacher-output job keys and
+result arrays), ``envelope`` (``peek_envelope`` for payloads
 that break the rules). Import the names from here.
 """
 
@@ -25,6 +26,7 @@ from worker.protocol.limits import (
     PROTOCOL_VERSION,
     Limits,
 )
+from worker.protocol.outputs import OutputRequest
 from worker.protocol.results import Result, SeqResult, decode_result, encode_result, error_result
 from worker.protocol.seqs import (
     SeqSpec,
@@ -46,6 +48,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Job",
     "Limits",
+    "OutputRequest",
     "ProtocolError",
     "Result",
     "SeqResult",

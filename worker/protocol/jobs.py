@@ -20,6 +20,12 @@ from worker.protocol.limits import (
     Limits,
     unpack,
 )
+from worker.protocol.outputs import (
+    OutputRequest,
+    decode_output_request,
+    encode_output_request,
+    gather_width,
+)
 from worker.protocol.seqs import (
     SeqSpec,
     as_int32_array,
@@ -27,6 +33,7 @@ from worker.protocol.seqs import (
     le_bytes,
     seq_spec,
     validate_seq,
+    with_gather_ids,
 )
 
 
@@ -41,6 +48,10 @@ class Job:
     temperature: float = 1.0
     deadline_ms: int | None = None
     meta: Any = None
+    # teacher outputs (docs/protocol.md): what the job asks for beyond logps, and K of the
+    # per-sequence gather ids (0: none)
+    outputs: OutputRequest | None = None
+    gather_width: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -57,9 +68,11 @@ def encode_job(
     temperature: float = 1.0,
     deadline_ms: int | None = None,
     meta: Any = None,
+    outputs: OutputRequest | None = None,
 ) -> bytes:
     """Encode a job payload; each seq is a ``SeqSpec`` or a map with ``tokens`` and
-    ``prompt_len`` or ``mask``. Validates structure so producers fail fast."""
+    ``prompt_len`` or ``mask`` (and per-position ``gather_ids``). ``outputs``: the teacher
+    outputs to ask for. Validates structure so producers fail fast."""
     if not isinstance(job_id, str) or not 0 < len(job_id) <= MAX_ID_CHARS:
         raise ProtocolError(f"job id must be a non-empty string of at most {MAX_ID_CHARS} chars")
     if mode not in MODES:
@@ -81,6 +94,8 @@ def encode_job(
             entry["prompt_len"] = int(s.prompt_len)
         else:
             entry["mask"] = s.mask
+        if s.gather_ids is not None:
+            entry["gather_ids"] = le_bytes(s.gather_ids)
         wire_seqs.append(entry)
     if not wire_seqs:
         raise ProtocolError("a job needs at least one sequence")
@@ -96,6 +111,10 @@ def encode_job(
         body["deadline_ms"] = int(deadline_ms)
     if meta is not None:
         body["meta"] = meta
+    if outputs is not None:
+        if mode == "reward":
+            raise ProtocolError("teacher outputs need mode reference or both, not 'reward'")
+        body.update(encode_output_request(outputs))
     return msgpack.packb(body, use_bin_type=True)
 
 
@@ -132,14 +151,24 @@ def decode_job(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> Job:
     meta = body.get("meta")
     if meta is not None and len(msgpack.packb(meta, use_bin_type=True)) > limits.max_meta_bytes:
         raise ProtocolError(f"meta is larger than {limits.max_meta_bytes} bytes", raw=raw)
+    seqs = _decode_seqs(body.get("seqs"), limits, raw)
+    try:
+        outputs = decode_output_request(body, mode)
+        width = gather_width(
+            [(s.num_scored, None if s.gather_ids is None else len(s.gather_ids)) for s in seqs]
+        )
+    except ProtocolError as exc:
+        raise ProtocolError(exc.message, raw=raw) from exc
     return Job(
         id=job_id,
         mode=mode,
         reply_to=reply_to,
-        seqs=_decode_seqs(body.get("seqs"), limits, raw),
+        seqs=seqs,
         temperature=float(temperature),
         deadline_ms=deadline_ms,
         meta=meta,
+        outputs=outputs,
+        gather_width=width,
     )
 
 
@@ -182,5 +211,11 @@ def _decode_seqs(raw_seqs: Any, limits: Limits, raw: bytes) -> tuple[SeqSpec, ..
             else:
                 raise ProtocolError(f"seqs[{i}].mask must be bin (one uint8 per token)", raw=raw)
         validate_seq(tokens, prompt_len, mask, i)
-        seqs.append(SeqSpec(tokens=tokens, prompt_len=prompt_len, mask=mask))
+        spec = SeqSpec(tokens=tokens, prompt_len=prompt_len, mask=mask)
+        ids = s.get("gather_ids")  # teacher outputs: int32 LE bin [n_scored, K]
+        if ids is not None:
+            if not isinstance(ids, bytes) or len(ids) % 4:
+                raise ProtocolError(f"seqs[{i}].gather_ids must be int32 LE bin", raw=raw)
+            spec = with_gather_ids(spec, ids, i)
+        seqs.append(spec)
     return tuple(seqs)

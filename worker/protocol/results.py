@@ -11,6 +11,7 @@ import msgpack
 
 from worker.errors import ERROR_CODES, ProtocolError
 from worker.protocol.limits import DEFAULT_LIMITS, PROTOCOL_VERSION, Limits, unpack
+from worker.protocol.outputs import ARRAY_DTYPES, array_bin, decode_layout
 from worker.protocol.seqs import float_bin, from_le
 
 
@@ -21,6 +22,8 @@ class SeqResult:
     logps: array | None = None  # typecode "f"
     reward: float | None = None
     token_scores: array | None = None  # typecode "f", optional per-token reward-head scores
+    # teacher outputs: name -> values (numpy or LE bytes, as the result's ``layout`` says)
+    arrays: dict[str, Any] | None = None
 
 
 @dataclass
@@ -33,6 +36,8 @@ class Result:
     error: dict[str, str] | None = None
     meta: Any = None
     info: dict[str, Any] = field(default_factory=dict)
+    # teacher outputs: name -> (dtype, width) of every array in ``SeqResult.arrays``
+    layout: dict[str, tuple[str, int]] | None = None
 
     @property
     def code(self) -> str | None:
@@ -53,8 +58,12 @@ def encode_result(result: Result) -> bytes:
                 entry["reward"] = float(s.reward)
             if s.token_scores is not None:
                 entry["token_scores"] = float_bin(s.token_scores)
+            for name, (dtype, _) in (result.layout or {}).items():
+                entry[name] = array_bin((s.arrays or {})[name], dtype)
             seqs.append(entry)
         body["seqs"] = seqs
+        if result.layout:
+            body["layout"] = {name: [d, w] for name, (d, w) in result.layout.items()}
     else:
         if not result.error or result.error.get("code") not in ERROR_CODES:
             raise ValueError(f"an error result needs error.code in {ERROR_CODES}")
@@ -99,14 +108,33 @@ def decode_result(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> Result:
     if isinstance(raw_error, dict) and isinstance(raw_error.get("code"), str):
         error = {"code": raw_error["code"], "message": str(raw_error.get("message", ""))}
     info = body.get("info")
+    layout = decode_layout(body["layout"]) if "layout" in body else None
+    seqs = [_decode_seq_result(s) for s in raw_seqs]
+    for k, (s, raw_seq) in enumerate(zip(seqs, raw_seqs, strict=True)):
+        if layout:
+            s.arrays = _decode_arrays(raw_seq, layout, k)
     return Result(
         id=job_id,
         ok=ok,
-        seqs=[_decode_seq_result(s) for s in raw_seqs],
+        seqs=seqs,
         error=error if not ok else None,
         meta=body.get("meta"),
         info=info if isinstance(info, dict) else {},
+        layout=layout,
     )
+
+
+def _decode_arrays(s: dict[str, Any], layout: dict[str, tuple[str, int]], k: int) -> dict[str, Any]:
+    """The teacher arrays of one ``seqs`` entry as LE bytes, sizes checked against ``layout``."""
+    out: dict[str, Any] = {}
+    for name, (dtype, width) in layout.items():
+        data = s.get(name)
+        if not isinstance(data, bytes) or len(data) % (ARRAY_DTYPES[dtype] * width):
+            raise ProtocolError(
+                f"result seqs[{k}].{name} must be bin of n x {width} {dtype} values"
+            )
+        out[name] = data
+    return out
 
 
 def _decode_seq_result(s: dict[str, Any]) -> SeqResult:

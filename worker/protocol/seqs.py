@@ -11,7 +11,7 @@ import operator
 import sys
 from array import array
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from worker.errors import ProtocolError
@@ -31,6 +31,8 @@ class SeqSpec:
     tokens: array  # typecode "i" (int32), native byte order
     prompt_len: int | None = None
     mask: bytes | None = None
+    # teacher outputs: per-position gather ids, int32 row-major [num_scored, K] (flat)
+    gather_ids: array | None = None
 
     @property
     def num_scored(self) -> int:
@@ -186,12 +188,38 @@ def validate_seq(tokens: array, prompt_len: Any, mask: bytes | None, index: int)
 
 
 def seq_spec(seq: Mapping[str, Any], index: int = 0) -> SeqSpec:
-    """A validated ``SeqSpec`` from a map with ``tokens`` and ``prompt_len`` or ``mask``."""
+    """A validated ``SeqSpec`` from a map with ``tokens`` and ``prompt_len`` or ``mask`` (and
+    optional per-position ``gather_ids``, ``[n_scored, K]``)."""
     tokens = as_int32_array(seq["tokens"])
     mask = as_mask_bytes(seq["mask"]) if seq.get("mask") is not None else None
     prompt_len = seq.get("prompt_len")
     validate_seq(tokens, prompt_len, mask, index)
-    return SeqSpec(tokens=tokens, prompt_len=prompt_len, mask=mask)
+    spec = SeqSpec(tokens=tokens, prompt_len=prompt_len, mask=mask)
+    if seq.get("gather_ids") is not None:
+        spec = with_gather_ids(spec, seq["gather_ids"], index)
+    return spec
+
+
+def with_gather_ids(spec: SeqSpec, ids: Any, index: int = 0) -> SeqSpec:
+    """``spec`` carrying per-position gather ids (a ``[n_scored, K]`` array, nested lists, or
+    int32 LE bin of ``n_scored * K`` ids); checks that the count is a multiple of n_scored."""
+    if hasattr(ids, "detach") and hasattr(ids, "cpu"):  # torch, duck-typed
+        ids = ids.detach().cpu().numpy()
+    if hasattr(ids, "reshape") and hasattr(ids, "dtype"):  # numpy, flattened row-major
+        ids = ids.reshape(-1)
+    elif isinstance(ids, (list, tuple)) and ids and isinstance(ids[0], (list, tuple)):
+        ids = [i for row in ids for i in row]
+    try:
+        flat = as_int32_array(ids)
+    except ProtocolError as exc:
+        raise ProtocolError(f"seqs[{index}].gather_ids: {exc.message}") from None
+    n = spec.num_scored
+    if not flat or len(flat) % n:
+        raise ProtocolError(
+            f"seqs[{index}].gather_ids has {len(flat)} ids for {n} scored tokens: "
+            "expected n_scored x K"
+        )
+    return replace(spec, gather_ids=flat)
 
 
 def seq_specs(seqs: Sequence[Mapping[str, Any]]) -> list[SeqSpec]:

@@ -1,0 +1,195 @@
+"""Teacher outputs on the wire: the job keys that ask for them and the result arrays that carry
+them (``docs/protocol.md``, "Teacher outputs").
+
+Job keys (all optional; modes ``reference`` and ``both`` only): ``outputs`` (array of names),
+``topk`` (int k), ``gather_ids`` (array of K ids shared by every position), ``sampling`` (map of
+``top_k``/``top_p``/``min_p``), ``float16`` (bool). A sequence may carry its own ``gather_ids``:
+int32 LE bin, row-major ``[n_scored, K]``, the same K for every sequence of the job.
+
+A result that carries teacher arrays has a top-level ``layout`` map, name -> ``[dtype, width]``
+(dtype ``"<f4"``, ``"<f2"`` or ``"<i4"``); each ``seqs`` entry then holds every named array as
+LE bin of ``n_scored * width`` values, row-major ``[n_scored, width]``.
+
+Checks here are structural (types, shapes, sizes); what the values may be (known names, k and
+sampling ranges, ids within the vocabulary, the result size) is checked by the worker, which
+answers ``bad_request``.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from worker.errors import ProtocolError
+
+__all__ = [
+    "ARRAY_DTYPES",
+    "JOB_KEYS",
+    "OutputRequest",
+    "array_bin",
+    "decode_layout",
+    "decode_output_request",
+    "encode_output_request",
+    "gather_width",
+]
+
+JOB_KEYS: tuple[str, ...] = ("outputs", "topk", "gather_ids", "sampling", "float16")
+ARRAY_DTYPES: dict[str, int] = {"<f4": 4, "<f2": 2, "<i4": 4}
+"""Result array dtypes (numpy strings, little-endian) and their item sizes."""
+_MAX_NAMES = 16
+_MAX_SHARED_IDS = 65536
+_SAMPLING_KEYS = ("top_k", "top_p", "min_p")
+
+
+@dataclass(frozen=True)
+class OutputRequest:
+    """The teacher outputs a job asks for, as they travel (structurally checked).
+
+    ``outputs``: names (``logps``, ``entropy``, ``topk``, ``gather``, ``processed_logps``);
+    ``topk``: k; ``gather_ids``: K ids shared by every position (per-position ids travel on each
+    sequence); ``sampling``: ``{top_k, top_p, min_p}``; ``float16``: ``topk_logps`` and
+    ``gather_logps`` as float16.
+    """
+
+    outputs: tuple[str, ...] = ("logps",)
+    topk: int | None = None
+    gather_ids: tuple[int, ...] | None = None
+    sampling: Mapping[str, Any] | None = None
+    float16: bool = False
+
+    def __post_init__(self) -> None:
+        names = (self.outputs,) if isinstance(self.outputs, str) else self.outputs
+        if (
+            not isinstance(names, Sequence | frozenset | set)
+            or not 0 < len(names) <= _MAX_NAMES
+            or not all(isinstance(n, str) for n in names)
+        ):
+            raise ProtocolError(f"outputs must be a list of 1..{_MAX_NAMES} names")
+        object.__setattr__(self, "outputs", tuple(names))
+        if self.topk is not None and (isinstance(self.topk, bool) or not _is_int(self.topk)):
+            raise ProtocolError(f"topk must be an integer, got {self.topk!r}")
+        if self.gather_ids is not None:
+            ids = self.gather_ids
+            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+                raise ProtocolError("gather_ids (shared) must be an array of ints")
+            ids = tuple(int(i) if _is_int(i) else i for i in ids)
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise ProtocolError("gather_ids (shared) must be an array of ints")
+            if len(ids) > _MAX_SHARED_IDS:
+                raise ProtocolError(f"gather_ids (shared) has more than {_MAX_SHARED_IDS} ids")
+            object.__setattr__(self, "gather_ids", ids)
+        if self.sampling is not None:
+            sampling = self.sampling
+            if not isinstance(sampling, Mapping) or not set(sampling) <= set(_SAMPLING_KEYS):
+                raise ProtocolError(f"sampling must be a map with keys among {_SAMPLING_KEYS}")
+            for key, value in sampling.items():
+                if value is not None and (
+                    isinstance(value, bool) or not isinstance(value, (int, float))
+                ):
+                    raise ProtocolError(f"sampling.{key} must be a number, got {value!r}")
+            object.__setattr__(self, "sampling", dict(sampling))
+        if not isinstance(self.float16, bool):
+            raise ProtocolError("float16 must be true or false")
+
+    def __hash__(self) -> int:
+        sampling = tuple(sorted((self.sampling or {}).items()))
+        return hash((self.outputs, self.topk, self.gather_ids, sampling, self.float16))
+
+
+def _is_int(value: Any) -> bool:
+    """An int or an integer scalar (numpy/torch, duck-typed), not a bool."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return True
+    return hasattr(value, "__index__") and getattr(value, "ndim", 0) == 0
+
+
+def encode_output_request(request: OutputRequest) -> dict[str, Any]:
+    """The job keys of ``request`` (only those that differ from the defaults)."""
+    body: dict[str, Any] = {"outputs": list(request.outputs)}
+    if request.topk is not None:
+        body["topk"] = int(request.topk)
+    if request.gather_ids is not None:
+        body["gather_ids"] = list(request.gather_ids)
+    if request.sampling is not None:
+        body["sampling"] = {k: v for k, v in request.sampling.items() if v is not None}
+    if request.float16:
+        body["float16"] = True
+    return body
+
+
+def decode_output_request(body: Mapping[str, Any], mode: str) -> OutputRequest | None:
+    """The ``OutputRequest`` of a decoded job body (``None`` when it names none of
+    ``JOB_KEYS``); a reward-only job that asks for outputs is refused."""
+    if not any(key in body for key in JOB_KEYS):
+        return None
+    if mode == "reward":
+        raise ProtocolError("teacher outputs need mode reference or both, not 'reward'")
+    return OutputRequest(
+        outputs=body.get("outputs", ("logps",)),
+        topk=body.get("topk"),
+        gather_ids=body.get("gather_ids"),
+        sampling=body.get("sampling"),
+        float16=body.get("float16", False),
+    )
+
+
+def gather_width(counts: Sequence[tuple[int, int | None]]) -> int:
+    """K of per-sequence gather ids: ``counts`` holds ``(n_scored, n_ids)`` per sequence
+    (``n_ids`` None: no ids). Every sequence carries ids or none does, each ``n_scored * K``
+    with the same K >= 1; returns 0 when none does."""
+    given = [(i, n, ids) for i, (n, ids) in enumerate(counts) if ids is not None]
+    if not given:
+        return 0
+    if len(given) != len(counts):
+        missing = next(i for i, (_, ids) in enumerate(counts) if ids is None)
+        raise ProtocolError(f"seqs[{missing}].gather_ids missing: give them for every sequence")
+    i, n, ids = given[0]
+    width = ids // n if n else 0
+    for i, n, ids in given:
+        if width < 1 or ids != n * width:
+            raise ProtocolError(
+                f"seqs[{i}].gather_ids has {ids} ids for {n} scored tokens: expected "
+                f"n_scored x K with one K >= 1 for every sequence (K = {width} from seqs[0])"
+            )
+    return width
+
+
+def array_bin(values: Any, dtype: str) -> bytes:
+    """``values`` as LE bin of ``dtype`` (``ARRAY_DTYPES``): a numpy array (cast), bytes (as
+    they are) or an ``array`` of the matching typecode."""
+    if isinstance(values, (bytes, bytearray, memoryview)):
+        return bytes(values)
+    if hasattr(values, "astype") and hasattr(values, "tobytes"):
+        return values.astype(dtype, copy=False).tobytes()
+    code = {"<f4": "f", "<i4": "i"}.get(dtype)
+    if code is None:
+        raise ProtocolError(f"encoding {dtype} needs a numpy array")
+    arr = values if isinstance(values, array) and values.typecode == code else array(code, values)
+    if sys.byteorder != "little":
+        arr = array(code, arr)
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def decode_layout(raw: Any) -> dict[str, tuple[str, int]]:
+    """A result's ``layout`` map (name -> ``[dtype, width]``), checked."""
+    if not isinstance(raw, Mapping):
+        raise ProtocolError("result layout must be a map of name -> [dtype, width]")
+    out: dict[str, tuple[str, int]] = {}
+    for name, spec in raw.items():
+        if (
+            not isinstance(spec, (list, tuple))
+            or len(spec) != 2
+            or spec[0] not in ARRAY_DTYPES
+            or isinstance(spec[1], bool)
+            or not isinstance(spec[1], int)
+            or spec[1] < 1
+        ):
+            raise ProtocolError(f"result layout[{name!r}] must be [dtype, width >= 1]")
+        out[str(name)] = (spec[0], spec[1])
+    return out
