@@ -50,6 +50,12 @@ class UnsupportedMode(ScoringError):
     code = "unsupported_mode"
 
 
+class ModelNotFound(ScoringError):
+    """The adapter or version a job names is not a directory under the worker's roots."""
+
+    code = "model_not_found"
+
+
 class Expired(ScoringError):
     """The job was still queued after its ``deadline_ms``."""
 
@@ -126,6 +132,7 @@ ERROR_TABLE: tuple[ErrorKind, ...] = (
     ErrorKind(BadRequest, job_failed="BadRequestError"),
     ErrorKind(TooLong, job_failed="TooLongError"),
     ErrorKind(UnsupportedMode, job_failed="UnsupportedModeError"),
+    ErrorKind(ModelNotFound, job_failed="ModelNotFoundError"),  # per-job adapters/versions
     ErrorKind(Expired, job_failed="ExpiredError"),
     ErrorKind(DeadLetter, job_failed="DeadLetterError"),
     ErrorKind(InternalError, job_failed="InternalJobError"),

@@ -41,6 +41,10 @@ class UnsupportedModeError(JobFailed, errors.UnsupportedMode):
     """The worker does not serve the requested mode (``unsupported_mode``)."""
 
 
+class ModelNotFoundError(JobFailed, errors.ModelNotFound):
+    """No adapter or version of that name under the worker's roots (``model_not_found``)."""
+
+
 class ExpiredError(JobFailed, errors.Expired):
     """The job was still queued after its deadline (``expired``)."""
 

@@ -178,6 +178,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=_env_int("MAX_META_BYTES", DEFAULT_LIMITS.max_meta_bytes),
         help="largest packed meta, and longest str anywhere in a job, in bytes (default 65536)",
     )
+    lim.add_argument(  # teacher outputs
+        "--max-result-bytes",
+        type=int,
+        default=_env_int("MAX_RESULT_BYTES", 64 * 1024 * 1024),
+        help="largest result a job may ask for (per-token arrays: logps, top-k, gather, ...), "
+        "known at intake (default 64 MiB); size Redis proto-max-bulk-len and memory for it",
+    )
+    lim.add_argument(
+        "--max-topk",
+        type=int,
+        default=_env_int("MAX_TOPK", 256),
+        help="largest k a job's top-k output may ask for (1..256, default 256)",
+    )
     b.add_argument(
         "--burst",
         action="store_true",
@@ -245,6 +258,8 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         metrics_host=args.metrics_host,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         limits=limits_from_args(args),
+        max_result_bytes=args.max_result_bytes,
+        max_topk=args.max_topk,
     )
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from worker.errors import ConfigError
 from worker.keys import DEFAULT_GROUP
 from worker.protocol import Limits
+from worker.scorer.teacher import MAX_TOPK
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,10 @@ class WorkerConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 9400  # None: no HTTP endpoint; 0: a free port
     limits: Limits = field(default_factory=Limits)
+    # teacher outputs: a job whose result would be larger, or whose top-k is larger, gets
+    # bad_request at intake (docs/protocol.md, "Teacher outputs")
+    max_result_bytes: int = 64 * 1024 * 1024
+    max_topk: int = 256
 
     def __post_init__(self) -> None:
         if not self.streams:
@@ -59,6 +64,8 @@ class WorkerConfig:
             "claim_idle_ms",
             "max_deliveries",
             "isolate_after_deliveries",
+            "max_result_bytes",
+            "max_topk",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -68,6 +75,8 @@ class WorkerConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.drain_timeout_s <= 0 or self.batch_timeout_s <= 0:
             raise ConfigError("drain_timeout_s and batch_timeout_s must be > 0")
+        if self.max_topk > MAX_TOPK:
+            raise ConfigError(f"max_topk must be at most {MAX_TOPK}, got {self.max_topk}")
         if self.max_jobs is not None and self.max_jobs <= 0:
             raise ConfigError(f"max_jobs must be > 0, got {self.max_jobs}")
 

@@ -17,11 +17,28 @@ from worker.daemon.context import DeadLetter, JobContext, Pending, Reply
 from worker.errors import ProtocolError, ScoringError
 from worker.protocol import Job, decode_job, error_result, peek_envelope
 from worker.scorer import ScoreOptions, SequenceInput
+from worker.scorer.teacher import LOGPS_ONLY, Sampling, TokenOutputs, check_limits
 
 
 def job_options(job: Job) -> ScoreOptions:
-    """The scorer options a decoded job asks for (defaults: today's plain job)."""
-    return ScoreOptions()
+    """The scorer options a decoded job asks for (defaults: today's plain job); raises
+    ``BadRequest`` for a request the scorer's spec refuses."""
+    return ScoreOptions(outputs=token_outputs(job))
+
+
+def token_outputs(job: Job) -> TokenOutputs:
+    """The validated teacher-output request of ``job`` (``LOGPS_ONLY`` when it names none)."""
+    req = job.outputs
+    if req is None:
+        return LOGPS_ONLY
+    return TokenOutputs(
+        outputs=frozenset(req.outputs),
+        topk=req.topk or 0,
+        gather_ids=req.gather_ids or (),
+        gather_width=job.gather_width,
+        sampling=Sampling(**req.sampling) if req.sampling is not None else None,
+        float16=req.float16,
+    )
 
 
 def seq_inputs(job: Job) -> list[SequenceInput]:
@@ -29,7 +46,12 @@ def seq_inputs(job: Job) -> list[SequenceInput]:
     out = []
     for s in job.seqs:
         tokens = np.frombuffer(s.tokens, dtype=np.int32) if len(s.tokens) else np.zeros(0, np.int32)
-        out.append(SequenceInput(tokens=tokens, prompt_len=s.prompt_len, mask=s.mask))
+        gather = None  # teacher outputs: per-position ids [n_scored, K]
+        if s.gather_ids is not None and job.gather_width:
+            gather = np.frombuffer(s.gather_ids, np.int32).reshape(-1, job.gather_width)
+        out.append(
+            SequenceInput(tokens=tokens, prompt_len=s.prompt_len, mask=s.mask, gather_ids=gather)
+        )
     return out
 
 
@@ -68,12 +90,21 @@ def prepare_entry(
         late = now_s * 1000 - job.deadline_ms
         return answer("expired", f"still queued {late:.0f} ms after deadline_ms", temperature=None)
     inputs = seq_inputs(job)
-    pending = Pending(
-        entry=entry, job=job, inputs=inputs, read_at_s=now_s, options=job_options(job)
-    )
+    try:
+        options = job_options(job)
+        n_scored = sum(s.num_scored for s in job.seqs)
+        check_limits(
+            options.outputs, n_scored, max_topk=cfg.max_topk, max_bytes=cfg.max_result_bytes
+        )
+    except ScoringError as exc:
+        return answer(exc.code, exc.message)
+    pending = Pending(entry=entry, job=job, inputs=inputs, read_at_s=now_s, options=options)
     mode, temperature, options = pending.key
     try:
         ctx.scorer.validate(inputs, mode, temperature, options)
     except ScoringError as exc:
         return answer(exc.code, exc.message)
+    if job.mode != "reward":
+        for name in options.outputs.outputs:
+            ctx.metrics.outputs_requested.labels(output=name).inc()
     return pending

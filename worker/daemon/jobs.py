@@ -12,10 +12,13 @@ import logging
 import time
 from typing import Any, cast
 
+import numpy as np
+
 from worker.daemon.context import JobContext, Pending, Reply
 from worker.errors import KVCacheRejected, ScoringError
 from worker.protocol import Result, SeqResult, error_result
-from worker.scorer import ScoreOutput
+from worker.scorer import ScoreOptions, ScoreOutput, SequenceScore
+from worker.scorer.teacher import array_layout
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,7 @@ def _results(
         "temperature": batch[0].job.temperature,
         "compute_ms": round(compute_ms, 3),
     }
+    layout = result_layout(batch[0].options)
     replies: list[Reply] = []
     i = 0
     for p in batch:
@@ -87,10 +91,12 @@ def _results(
             # numpy float32 arrays: encode_result packs any float32 array-like as it is
             seq_results = [
                 SeqResult(logps=cast(Any, s.logps), reward=s.reward,
-                          token_scores=cast(Any, s.token_scores))
+                          token_scores=cast(Any, s.token_scores), arrays=s.arrays)
                 for s in scores
             ]  # fmt: skip
             res = Result(id=p.job.id, ok=True, seqs=seq_results, meta=p.job.meta, info=info)
+            res.layout = layout  # teacher outputs: the arrays each seqs entry carries
+            ctx.metrics.result_bytes.observe(array_bytes(scores, layout))
         replies.append(Reply(p.entry, p.job.reply_to, res, p.read_at_s))
     log.info(
         "batch: %d jobs, %d seqs, %d tokens, %.1f ms, backend %s%s",
@@ -104,6 +110,23 @@ def _results(
         }},
     )  # fmt: skip
     return replies
+
+
+def result_layout(options: ScoreOptions) -> dict[str, tuple[str, int]] | None:
+    """The teacher arrays a result carries besides ``logps`` (None: none, an old result)."""
+    layout = array_layout(options.outputs)
+    layout.pop("logps", None)
+    return layout or None
+
+
+def array_bytes(scores: list[SequenceScore], layout: dict[str, tuple[str, int]] | None) -> int:
+    """Wire bytes of the per-token arrays of one job's scores (logps float32, then ``layout``)."""
+    total = 0
+    for s in scores:
+        total += 4 * len(s.logps) if s.logps is not None else 0
+        for name, (dtype, _) in (layout or {}).items():
+            total += int((s.arrays or {})[name].size) * np.dtype(dtype).itemsize
+    return total
 
 
 def fail(ctx: JobContext, batch: list[Pending], code: str, message: str) -> list[Reply]:

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +31,7 @@ from worker.executor.loading import load_models, resolve_device, resolve_dtype
 from worker.executor.memory import device_total_bytes, read_peak, reset_peak
 from worker.executor.pooling import RewardAdapter, SequenceClassificationAdapter, backbone_of
 from worker.executor.selfcheck import self_check
+from worker.executor.weights import WeightsConfig, WeightsRouter, refuse
 from worker.modes import Mode
 from worker.scorer.inputs import SequenceInput
 from worker.scorer.options import DEFAULT_OPTIONS, ScoreOptions
@@ -59,6 +61,7 @@ class StatelessExecutor:
         model_name: str | None = None,
         *,
         reward_model_name: str | None = None,
+        weights: WeightsConfig | None = None,
     ) -> None:
         if reference_model is None and reward_model is None:
             raise ConfigError("StatelessExecutor needs a reference_model or a reward_model")
@@ -113,7 +116,30 @@ class StatelessExecutor:
         self._runner = BatchRunner(
             config, forward, self._guard, backend=backend, packed=packed, notify=self._on_fallback
         )
+        # per-job adapters and versions (docs/models.md); None: base weights only
+        self._weights = (
+            WeightsRouter(
+                weights,
+                forward.models,
+                kind="causal" if self.reference_model is not None else "reward",
+                device=self.device,
+                build=self._version_executor,
+            )
+            if weights is not None and weights.enabled
+            else None
+        )
+
         log.info("executor ready: %s", self.info)
+
+    def _version_executor(self, model: nn.Module) -> StatelessExecutor:
+        """The executor serving a version: ``model`` in the place of the served base."""
+        if self.reference_model is None:
+            return type(self)(self.config, None, model, self.reward_adapter)
+        shared = self.reward_model is self.reference_model
+        adapter = self.reward_adapter if shared else None
+        mode = self.config.mode if shared or self.config.mode == "reference" else "reference"
+        config = replace(self.config, mode=mode)
+        return type(self)(config, model, model if shared else None, adapter)
 
     @classmethod
     def from_pretrained(
@@ -127,6 +153,7 @@ class StatelessExecutor:
         trust_remote_code: bool = False,
         revision: str | None = None,
         reward_adapter: RewardAdapter | None = None,
+        weights: WeightsConfig | None = None,
     ) -> StatelessExecutor:
         """Load models from local directories, hub ids or ``.gguf`` files (a directory plus
         ``gguf_file`` also works) and build; ``reward_adapter`` replaces the default
@@ -149,6 +176,7 @@ class StatelessExecutor:
             reward_adapter=reward_adapter,
             model_name=reference_model,
             reward_model_name=reward_model,
+            weights=weights,
         )
 
     def _place(self, model: nn.Module | None) -> Any:
@@ -256,6 +284,7 @@ class StatelessExecutor:
         """Raise ``BadRequest`` / ``TooLong`` / ``UnsupportedMode`` if ``seqs`` cannot be scored."""
         mode, _ = call_args(self.config, self.modes, mode, temperature)
         prepare(seqs, self.vocab_size, self.max_positions, mode, options)
+        self._weights.check(options) if self._weights is not None else refuse(options)
 
     def score(
         self,
@@ -273,6 +302,14 @@ class StatelessExecutor:
         alone gets ``SequenceScore(error=TooLong(...))``. Safe to call from several threads; the
         peak-memory figures of overlapping calls then cover them all (the device counter is one).
         """
+        if self._weights is not None and (options.adapter, options.version) != (None, None):
+            plain = replace(options, adapter=None, version=None)
+            return self._weights.score(
+                options,
+                self,
+                lambda ex: ex.score(seqs, mode=mode, temperature=temperature, options=plain),
+            )
+        refuse(options)
         started = time.perf_counter()
         mode, temp = call_args(self.config, self.modes, mode, temperature)
         prepared = prepare(seqs, self.vocab_size, self.max_positions, mode, options)

@@ -29,6 +29,9 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 BATCH_TOKENS_BUCKETS = tuple(float(2**p) for p in range(6, 21))  # 64 .. 1M tokens
 
 JOB_OUTCOMES: tuple[str, ...] = ("ok", *ERROR_CODES)  # the table in worker.errors
+#: Per-token outputs a job may ask for (``worker.scorer.teacher.OUTPUT_NAMES``; a test checks).
+OUTPUT_KINDS: tuple[str, ...] = ("logps", "entropy", "topk", "gather", "processed_logps")
+RESULT_BYTES_BUCKETS = tuple(float(2**p) for p in range(10, 31, 2))  # 1 KiB .. 1 GiB
 
 
 # The metric definitions: a declarative table (one constructor call per exported metric, with its
@@ -66,6 +69,21 @@ class WorkerMetrics:
             registry=r,
         )
         self.batches = Counter("scoring_batches_total", "Forward batches run.", registry=r)
+        # --- teacher outputs (distillation)
+        self.outputs_requested = Counter(
+            "scoring_outputs_requested_total",
+            "Jobs accepted that ask for each per-token output (logps, entropy, topk, ...).",
+            ["output"],
+            registry=r,
+        )
+        for output in OUTPUT_KINDS:
+            self.outputs_requested.labels(output=output)
+        self.result_bytes = Histogram(
+            "scoring_result_bytes",
+            "Bytes of the per-token arrays (logps and teacher outputs) of each ok result.",
+            buckets=RESULT_BYTES_BUCKETS,
+            registry=r,
+        )
         self.batch_size = Histogram(
             "scoring_batch_size_sequences",
             "Sequences per batch.",

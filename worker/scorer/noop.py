@@ -22,6 +22,7 @@ from worker.modes import LOGPROB_MODES, MODES, REWARD_MODES, Mode
 from worker.scorer.inputs import SequenceInput
 from worker.scorer.options import DEFAULT_OPTIONS, ScoreOptions
 from worker.scorer.outputs import BatchMetrics, FallbackEvent, ScoreOutput, SequenceScore
+from worker.scorer.teacher import LOGPS_ONLY, TokenOutputs, check_call, gather_rows
 
 if TYPE_CHECKING:
     from worker.scorer import Scorer
@@ -76,6 +77,7 @@ class NoopScorer:
             raise UnsupportedMode(f"mode {mode!r} not served (serving {self.modes})")
         if not (math.isfinite(temperature) and temperature > 0):
             raise BadRequest(f"temperature must be finite and > 0, got {temperature}")
+        check_call(options.outputs, mode, self.vocab_size)  # teacher outputs
         for i, s in enumerate(seqs):
             tokens = np.asarray(s.tokens)
             if len(tokens) > self.max_positions:
@@ -114,6 +116,12 @@ class NoopScorer:
             if mode in REWARD_MODES:
                 reward = float(int(tokens.sum()) % 1000) / 1000.0
             out.append(SequenceScore(logps=logps, reward=reward, token_scores=None, error=None))
+        if options.outputs != LOGPS_ONLY:
+            for i, (s, score) in enumerate(zip(seqs, out, strict=True)):
+                if score.logps is not None:
+                    score.arrays, score.logps = teacher_arrays(
+                        score.logps, s.gather_ids, options.outputs, self.vocab_size, i
+                    )
         elapsed = time.perf_counter() - start
         metrics = BatchMetrics(
             batch_size=len(seqs),
@@ -140,6 +148,33 @@ class NoopScorer:
 def _call_args(mode: str | None, temperature: float | None) -> tuple[Any, float]:
     """The defaults of a call: mode ``reference``, temperature 1.0."""
     return ("reference" if mode is None else mode), (1.0 if temperature is None else temperature)
+
+
+def teacher_arrays(
+    logps: np.ndarray, gather_ids: Any, spec: TokenOutputs, vocab: int, index: int = 0
+) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    """Teacher arrays of the right shapes and dtypes from a sequence's no-op ``logps`` ``[n]``:
+    ``entropy`` log(V), ``topk_ids`` 0..k-1 with every ``topk_logps`` -log(V) and the tail the
+    rest, ``gather_logps`` -log(V), ``processed_logps`` = ``logps``. Returns the arrays and the
+    ``logps`` to keep (None when not asked for)."""
+    n, base = len(logps), -math.log(vocab)
+    out: dict[str, np.ndarray] = {}
+    if "entropy" in spec.outputs:
+        out["entropy"] = np.full(n, -base, np.float32)
+    if "topk" in spec.outputs:
+        out["topk_ids"] = np.tile(np.arange(spec.topk, dtype=np.int32), (n, 1))
+        out["topk_logps"] = np.full((n, spec.topk), base, np.float32)
+        tail = math.log1p(-spec.topk / vocab) if spec.topk < vocab else -math.inf
+        out["topk_tail_logp"] = np.full(n, tail, np.float32)
+    if "gather" in spec.outputs:
+        try:
+            gather_rows(gather_ids, n, spec, vocab)
+        except BadRequest as exc:
+            raise BadRequest(f"seqs[{index}]: {exc.message}") from None
+        out["gather_logps"] = np.full((n, spec.gather_k), base, np.float32)
+    if "processed_logps" in spec.outputs:
+        out["processed_logps"] = logps.copy()
+    return out, (logps if "logps" in spec.outputs else None)
 
 
 if TYPE_CHECKING:

@@ -13,6 +13,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from worker.errors import ScoringError
+    from worker.scorer.weights import WeightsReport
 
 
 @dataclass
@@ -65,6 +66,8 @@ class BatchMetrics:
     packed: bool
     forwards: int = 0
     packed_fill_tokens: int = 0
+    # Per-job weights: which adapter/version ran, loads and residency (None: base only).
+    weights: WeightsReport | None = None
 
 
 @dataclass
