@@ -77,6 +77,24 @@ def test_the_documented_table_is_the_checked_one() -> None:
         assert never == set(rule.never), f"{layer}: doc says never {sorted(never)}"
 
 
+def test_the_documented_modules_exist(tree: dict[str, arch.Module]) -> None:
+    """Every module the sub-package table of ``docs/architecture.md`` names is there (a moved or
+    renamed module fails this until the doc follows)."""
+    text = DOC.read_text()
+    table = text[text.index("| package | responsibility | modules |") :].split("\n\n")[0]
+    missing = []
+    for line in table.splitlines()[2:]:
+        package_cell, _, modules_cell = (c.strip() for c in line.strip("|").split("|"))
+        match = re.fullmatch(r"`worker/(\w+)/`", package_cell)
+        prefix = f"worker.{match.group(1)}" if match else "worker"
+        names = re.findall(r"`(\w+)`", re.sub(r"\([^)]*\)", "", modules_cell))
+        assert names, line
+        missing += [
+            f"{prefix}.{n}" for n in names if n != "__init__" and f"{prefix}.{n}" not in tree
+        ]
+    assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"
+
+
 # ----------------------------------------------------------------------------- the checker fails
 
 
