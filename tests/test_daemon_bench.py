@@ -24,3 +24,51 @@ def test_bench_e2e_runs_both_paths(redis_url: str, tmp_path: Path, capsys) -> No
     figures = json.loads(out.read_text())
     assert figures["jobs"] == 12 and figures["in_process_s"] > 0 and figures["e2e_s"] > 0
     assert figures["ratio"] == pytest.approx(figures["in_process_s"] / figures["e2e_s"])
+
+
+@pytest.mark.timeout(300)
+def test_bench_e2e_reports_pipelined_and_sequential_medians(
+    redis_url: str, tmp_path: Path, capsys
+) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "e2e.json"
+    argv = ["--redis-url", redis_url, "--jobs", "6", "--max-len", "48", "--rounds", "3"]
+    assert bench_e2e.main([*argv, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "(pipelined)" in text and "(--no-pipeline)" in text and "median of 3" in text
+    figures = json.loads(out.read_text())
+    assert all(len(figures["times"][k]) == 3 for k in ("in-process", "pipelined", "sequential"))
+    ratios = sorted(i / e for i, e in zip(figures["times"]["in-process"],
+                                          figures["times"]["pipelined"], strict=True))  # fmt: skip
+    assert figures["ratio"] == pytest.approx(ratios[1])
+
+
+@pytest.mark.timeout(300)
+def test_bench_small_jobs_table_through_the_bench_command(redis_url: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    from worker.cli import main as cli_main
+
+    argv = ["bench", "--suite", "small", "--", "--redis-url", redis_url, "--jobs", "30",
+            "--rate", "200", "--max-wait-ms", "0", "--max-wait-ms", "5"]  # fmt: skip
+    assert cli_main(argv) == 0
+    text = capsys.readouterr().out
+    rows = [line.split() for line in text.splitlines() if line.strip()[:1].isdigit()]
+    assert [(r[0], r[1]) for r in rows] == [
+        ("0", "pipelined"), ("0", "--no-pipeline"), ("5", "pipelined"), ("5", "--no-pipeline")
+    ]  # fmt: skip
+    for r in rows:
+        jobs_per_s, p50, p99 = map(float, r[2:5])
+        assert jobs_per_s > 0 and 0 < p50 <= p99
+
+
+@pytest.mark.timeout(600)
+def test_bench_naive_quick_measures_both_processes(redis_url: str, tmp_path: Path) -> None:
+    from worker.devtools import bench_naive
+
+    out = tmp_path / "naive.json"
+    assert bench_naive.main(["--quick", "--redis-url", redis_url, "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["model"] == "synthetic" and row["sequences"] == 4
+    for side in ("naive", "worker"):
+        assert row[side]["seconds"] > 0 and row[side]["peak_rss_bytes"] > 100 * 2**20
+    # full float32 logits over a padded batch: the naive process peaks far above the worker
+    assert row["naive"]["peak_rss_bytes"] > row["worker"]["peak_rss_bytes"]
+    assert row["speedup"] == pytest.approx(row["naive"]["seconds"] / row["worker"]["seconds"])

@@ -1,8 +1,11 @@
 """``scoring-worker bench``: the benchmarks, side by side in one run, printing tables and JSON.
 
 Suites: ``executor`` (naive in-trainer scoring vs the stateless executor), ``e2e`` (the same
-jobs through Redis and a worker vs in-process), ``capacity`` (queue throughput with the no-op
-scorer). Extra arguments after ``--`` go to the suite's own ``main``.
+jobs through Redis and a worker, pipelined and not, vs in-process), ``small`` (1,000 small jobs
+at a fixed offered rate: jobs/s and latency against ``--max-wait-ms``), ``naive`` (end to end vs
+naive in-trainer scoring on the synthetic 128k-vocab model and SmolLM2-135M: time and peak RSS),
+``capacity`` (queue throughput with the no-op scorer). Extra arguments after ``--`` go to the
+suite's own ``main``.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import importlib
 SUITES = {
     "executor": "worker.devtools.bench",
     "e2e": "worker.devtools.bench_e2e",
+    "small": "worker.devtools.bench_small",
+    "naive": "worker.devtools.bench_naive",
     "capacity": "worker.devtools.capacity",
 }
 
@@ -23,7 +28,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--suite",
         action="append",
         choices=[*SUITES, "all"],
-        help="which benchmark(s) to run (repeatable; default: executor and e2e)",
+        help="which benchmark(s) to run (repeatable; default: all but capacity)",
     )
     parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
     parser.add_argument(
@@ -35,7 +40,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the chosen suites in order; the exit code is the worst suite's."""
-    suites = args.suite or ["executor", "e2e"]
+    suites = args.suite or [name for name in SUITES if name != "capacity"]
     if "all" in suites:
         suites = list(SUITES)
     extra = [a for a in args.suite_args if a != "--"]

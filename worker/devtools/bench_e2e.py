@@ -7,16 +7,19 @@
    the queue shows) is saved to a temporary directory; ragged jobs are drawn with a fixed seed.
 2. In-process: one ``StatelessExecutor`` scores the jobs in chunks under the same
    ``max_batch_tokens`` the worker uses.
-3. End to end: one ``python -m worker serve`` subprocess on the same model and flags; every job is
-   ``XADD``-ed in one pipeline and the clock runs until the last result is read from the reply
-   stream.
+3. End to end: two ``python -m worker serve`` subprocesses on the same model and flags, one
+   pipelined (the default: the forward overlaps Redis reads and writes) and one with
+   ``--no-pipeline``; every job is ``XADD``-ed in one pipeline and the clock runs until the last
+   result is read from the reply stream.
 
 Each path first runs one untimed warm-up pass over all jobs (first-time kernel and shape costs on
-CPU are large and would otherwise land on whichever path runs first), then ``--rounds`` timed
-passes that alternate between the two paths (so both see the same machine load); the best pass
-of each is compared.
+CPU are large and would otherwise land on whichever path runs first), then ``--rounds`` (5) timed
+rounds, each running the three paths back to back in a rotating order (so all see the same
+machine load). A round's ratio is in-process seconds over end-to-end seconds; the median round is
+reported.
 
-Prints jobs/s and tokens/s of both and the ratio (target: end-to-end >= 0.9x in-process).
+Prints jobs/s and tokens/s of each path and the median ratios (target: pipelined end-to-end
+>= 0.95x in-process).
 """
 
 from __future__ import annotations
@@ -117,7 +120,7 @@ class InProcess:
         return time.perf_counter() - start
 
 
-def _collect(client: Any, reply: str, n: int, timeout_s: float) -> int:
+def collect_results(client: Any, reply: str, n: int, timeout_s: float) -> int:
     """Read ``reply`` until ``n`` distinct results arrived; returns how many were ok."""
     seen: dict[str, bool] = {}
     last = "0-0"
@@ -134,8 +137,9 @@ def _collect(client: Any, reply: str, n: int, timeout_s: float) -> int:
 
 
 class EndToEnd:
-    """The queue path: one ``python -m worker serve`` subprocess on the same model and flags;
-    a pass ``XADD``s every job in one pipeline and ends when the last result is read."""
+    """The queue path: one ``python -m worker serve`` subprocess on the same model and flags
+    (``pipeline`` False: ``--no-pipeline``); a pass ``XADD``s every job in one pipeline and ends
+    when the last result is read."""
 
     def __init__(
         self,
@@ -146,8 +150,9 @@ class EndToEnd:
         packing: str,
         log_path: Path,
         threads: int,
+        pipeline: bool = True,
     ) -> None:
-        tag = f"bench{os.getpid()}"
+        tag = f"bench{os.getpid()}{'' if pipeline else 'np'}"
         self.stream = keys.job_streams(tag)[0]
         self.reply = keys.reply_stream(self.stream, "bench")
         self.jobs = jobs
@@ -159,7 +164,8 @@ class EndToEnd:
             [sys.executable, "-m", "worker", "--log-level", "WARNING", "serve",
              "--redis-url", url, "--queue", tag, "--reference-model", model, "--device", "cpu",
              "--consumer", "bench", "--max-batch-tokens", str(max_batch_tokens),
-             "--packing", packing, "--metrics-port", "-1"],
+             "--packing", packing, "--metrics-port", "-1",
+             *([] if pipeline else ["--no-pipeline"])],
             stdout=self._log, stderr=subprocess.STDOUT,
             env={**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)},
         )  # fmt: skip
@@ -176,7 +182,7 @@ class EndToEnd:
         for p in payloads:
             pipe.xadd(self.stream, {"payload": p})
         pipe.execute()
-        ok = _collect(self.client, self.reply, len(self.jobs), timeout_s=600)
+        ok = collect_results(self.client, self.reply, len(self.jobs), timeout_s=600)
         elapsed = time.perf_counter() - start
         if ok != len(self.jobs):
             raise RuntimeError(f"{len(self.jobs) - ok} jobs failed; see {self.log_path}")
@@ -199,22 +205,40 @@ def run_side_by_side(
     log_path: Path,
     rounds: int,
     threads: int,
-) -> tuple[float, float]:
-    """Best seconds of (in-process, end-to-end): one untimed warm-up pass of each (first-time
-    kernel and shape costs, the worker's model load), then ``rounds`` timed passes that alternate
-    between the two paths so both see the same machine load."""
+) -> dict[str, list[float]]:
+    """Seconds per round of each path (``in-process``, ``pipelined``, ``sequential``): one untimed
+    warm-up pass of each (first-time kernel and shape costs, the workers' model load), then
+    ``rounds`` rounds running the paths back to back in a rotating order so all see the same
+    machine load."""
     in_proc = InProcess(model, jobs, max_batch_tokens, packing, threads)
-    e2e = EndToEnd(url, model, jobs, max_batch_tokens, packing, log_path, threads)
+    piped = EndToEnd(url, model, jobs, max_batch_tokens, packing, log_path, threads)
+    seq_log = log_path.with_name(log_path.stem + "-np.log")
+    plain = EndToEnd(url, model, jobs, max_batch_tokens, packing, seq_log, threads, False)
+    paths = {
+        "in-process": lambda _tag: in_proc.one_pass(),
+        "pipelined": piped.one_pass,
+        "sequential": plain.one_pass,
+    }
     try:
-        in_proc.one_pass()
-        e2e.one_pass("warm")
-        in_times, e2e_times = [], []
+        for run in paths.values():
+            run("warm")
+        times: dict[str, list[float]] = {name: [] for name in paths}
+        names = list(paths)
         for r in range(rounds):
-            in_times.append(in_proc.one_pass())
-            e2e_times.append(e2e.one_pass(f"r{r}-"))
-        return min(in_times), min(e2e_times)
+            for name in names[r % 3 :] + names[: r % 3]:
+                times[name].append(paths[name](f"r{r}-"))
+        return times
     finally:
-        e2e.close()
+        piped.close()
+        plain.close()
+
+
+def median_round(times: dict[str, list[float]], path: str) -> tuple[float, float, float]:
+    """(ratio, in-process s, ``path`` s) of the round whose in-process / ``path`` ratio is the
+    median (the lower middle one for an even count)."""
+    rounds = sorted(zip(times["in-process"], times[path], strict=True), key=lambda t: t[0] / t[1])
+    in_s, e2e_s = rounds[(len(rounds) - 1) // 2]
+    return in_s / e2e_s, in_s, e2e_s
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -241,7 +265,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "and keeps OpenMP spin-waits out of a loaded machine's figures)",
     )
     p.add_argument(
-        "--rounds", type=int, default=3, help="timed passes per path, alternating (best is kept)"
+        "--rounds", type=int, default=5, help="timed rounds of the three paths (median is kept)"
     )
     p.add_argument("--quick", action="store_true", help="100 jobs, 1 timed round")
     p.add_argument("--json", default=None, help="also write the figures to this file")
@@ -265,32 +289,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
             model = build_model(Path(tmp) / "model")
             rounds = 1 if args.quick else max(1, args.rounds)
-            in_proc_s, e2e_s = run_side_by_side(
+            times = run_side_by_side(
                 url, model, jobs, args.max_batch_tokens, args.packing, Path(tmp) / "w.log",
                 rounds, args.threads,
             )  # fmt: skip
     finally:
         if server is not None:
             server.stop()
-    rows = {
-        "in-process": in_proc_s,
-        "redis + 1 worker": e2e_s,
-    }
+    ratio, in_proc_s, e2e_s = median_round(times, "pipelined")
+    seq_ratio, seq_in_s, seq_s = median_round(times, "sequential")
     print(
         f"\nend-to-end benchmark: {n_jobs} jobs, {n_jobs * args.seqs_per_job} seqs, {tokens} "
         f"tokens, tiny Llama on CPU ({args.threads} thread(s)), "
-        f"max_batch_tokens={args.max_batch_tokens}, {args.packing}"
+        f"max_batch_tokens={args.max_batch_tokens}, {args.packing}, median of {rounds} round(s)"
     )
-    print(f"{'path':<18} {'seconds':>9} {'jobs/s':>9} {'tokens/s':>10}")
-    for name, secs in rows.items():
-        print(f"{name:<18} {secs:>9.3f} {n_jobs / secs:>9.1f} {tokens / secs:>10.0f}")
-    ratio = in_proc_s / e2e_s
-    print(f"end-to-end / in-process throughput: {ratio:.2f}x (target >= 0.90x)")
+    print(f"{'path':<30} {'seconds':>9} {'jobs/s':>9} {'tokens/s':>10}  rounds (s)")
+    rows = {
+        "in-process": (in_proc_s, times["in-process"]),
+        "redis + 1 worker (pipelined)": (e2e_s, times["pipelined"]),
+        "redis + 1 worker (--no-pipeline)": (seq_s, times["sequential"]),
+    }
+    for name, (secs, all_s) in rows.items():
+        listed = " ".join(f"{t:.2f}" for t in all_s)
+        print(f"{name:<30} {secs:>9.3f} {n_jobs / secs:>9.1f} {tokens / secs:>10.0f}  {listed}")
+    print(f"end-to-end / in-process throughput: {ratio:.2f}x pipelined (target >= 0.95x), "
+          f"{seq_ratio:.2f}x --no-pipeline (median of {rounds})")  # fmt: skip
     if args.json:
         figures = {
-            "jobs": n_jobs, "tokens": tokens, "in_process_s": in_proc_s, "e2e_s": e2e_s,
-            "in_process_jobs_per_s": n_jobs / in_proc_s, "e2e_jobs_per_s": n_jobs / e2e_s,
-            "ratio": ratio,
+            "jobs": n_jobs, "tokens": tokens, "rounds": rounds, "in_process_s": in_proc_s,
+            "e2e_s": e2e_s, "in_process_jobs_per_s": n_jobs / in_proc_s,
+            "e2e_jobs_per_s": n_jobs / e2e_s, "ratio": ratio, "no_pipeline_ratio": seq_ratio,
+            "no_pipeline_s": seq_s, "no_pipeline_in_process_s": seq_in_s, "times": times,
         }  # fmt: skip
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
     return 0
