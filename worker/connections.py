@@ -11,7 +11,9 @@ retries with backoff while connecting (a cluster with no reachable node raises
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -21,6 +23,7 @@ from redis.cluster import ClusterNode
 from redis.retry import Retry
 
 from worker.config import RedisSettings
+from worker.errors import ConfigError
 
 RETRY_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 #: Errors that mean "Redis (or the cluster's topology) is not reachable right now": retried.
@@ -112,6 +115,60 @@ def connect_async(settings: RedisSettings) -> Any:
         nodes = [AsyncClusterNode(host, port) for host, port in startup_nodes(settings)]
         return aioredis.RedisCluster.from_url(settings.plain_url, startup_nodes=nodes, **kwargs)
     return aioredis.Redis.from_url(settings.plain_url, **kwargs)
+
+
+_DURABLE_RETRIES = 5
+_DURABLE_RETRY_ERRORS: tuple[type[BaseException], ...] = (
+    *CONNECT_ERRORS,
+    redis.exceptions.MovedError,
+)
+
+
+def _node_client(client: Any, key: str) -> Any:
+    """The client of the primary that serves ``key`` (``client`` itself when standalone)."""
+    if not isinstance(client, redis.RedisCluster):
+        return client
+    node = client.get_node_from_key(key)
+    return node.redis_connection or client.get_redis_connection(node)
+
+
+def xadd_wait(
+    client: Any, stream: str, fields: Any, replicas: int, timeout_ms: int
+) -> tuple[Any, int]:
+    """``XADD stream * fields`` then ``WAIT replicas timeout_ms`` on one connection to the
+    stream's primary (``WAIT`` counts the writes of its own connection, so both must share
+    one); ``(entry id, replicas that acknowledged)``. On a Cluster a moved slot or a dead
+    primary refreshes the topology and tries again (a retry may add a second copy of the
+    entry: the job id de-duplicates it)."""
+    for attempt in range(_DURABLE_RETRIES):
+        try:
+            with _node_client(client, stream).pipeline(transaction=False) as pipe:
+                pipe.xadd(stream, fields)
+                pipe.execute_command("WAIT", replicas, timeout_ms)
+                entry_id, acked = pipe.execute()
+            return entry_id, int(acked)
+        except _DURABLE_RETRY_ERRORS:
+            if not isinstance(client, redis.RedisCluster) or attempt == _DURABLE_RETRIES - 1:
+                raise
+            time.sleep(min(0.1 * 2**attempt, 1.0))
+            with contextlib.suppress(*CONNECT_ERRORS):
+                client.nodes_manager.initialize()
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def xadd_wait_async(
+    client: Any, stream: str, fields: Any, replicas: int, timeout_ms: int
+) -> tuple[Any, int]:
+    """:func:`xadd_wait` for a ``redis.asyncio`` client (standalone only for now)."""
+    import redis.asyncio as aioredis
+
+    if isinstance(client, aioredis.RedisCluster):
+        raise ConfigError("durable submit needs the sync client on Redis Cluster (for now)")
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.xadd(stream, fields)
+        pipe.execute_command("WAIT", replicas, timeout_ms)
+        entry_id, acked = await pipe.execute()
+    return entry_id, int(acked)
 
 
 def server_version(client: Any) -> tuple[int, int, int]:

@@ -17,18 +17,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
 from typing import Any, TypeVar
 
 import redis
 
 from worker.client.base import ClientBase
-from worker.client.core import END, Block, Command, Delivered, Effect, Pause, Steps
+from worker.client.core import END, Block, Command, Delivered, DurableAdd, Effect, Pause, Steps
 from worker.client.errors import ClientClosed, JobFailed
+from worker.client.inputs import output_request
 from worker.client.results import JobHandle, ScoreResult, SeqScore, job_id_of, unwrap
 from worker.client.window import ScoreWindow
 from worker.config import DEFAULT_REDIS_URL
-from worker.connections import connect_async
+from worker.connections import connect_async, xadd_wait_async
 from worker.protocol import Result
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,10 @@ class AsyncScoringClient(ClientBase):
         core = self._core
         if isinstance(effect, Command):
             return await getattr(self.redis, effect.name)(*effect.args, **effect.kwargs)
+        if isinstance(effect, DurableAdd):
+            return await xadd_wait_async(
+                self.redis, effect.stream, effect.fields, effect.replicas, effect.timeout_ms
+            )
         if isinstance(effect, Block):
             seen = effect.seen
             cond = self._condition()
@@ -146,10 +151,18 @@ class AsyncScoringClient(ClientBase):
         expires_in_s: float | None = None,
         meta: Any = None,
         job_id: str | None = None,
+        outputs: Any = None,
+        topk: int | None = None,
+        gather_ids: Any = None,
+        sampling: Mapping[str, Any] | None = None,
+        float16: bool = False,
     ) -> JobHandle:
-        """Enqueue one job (see ``ScoringClient.submit``)."""
+        """Enqueue one job (see ``ScoringClient.submit``, teacher outputs too)."""
         self._ensure_reader()
-        job = self._core.prepare(seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id)
+        request = output_request(outputs, topk, gather_ids, sampling, float16)
+        job = self._core.prepare(
+            seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id, outputs=request
+        )
         return await self._run(self._core.submit(job))
 
     async def raw_result(
@@ -179,10 +192,18 @@ class AsyncScoringClient(ClientBase):
         timeout: float | None = 300.0,
         meta: Any = None,
         expires_in_s: float | None = None,
+        outputs: Any = None,
+        topk: int | None = None,
+        gather_ids: Any = None,
+        sampling: Mapping[str, Any] | None = None,
+        float16: bool = False,
     ) -> list[SeqScore]:
         """Submit one job and await its scores; forgotten on a timeout or cancellation."""
         self._ensure_reader()
-        job = self._core.prepare(seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s)
+        request = output_request(outputs, topk, gather_ids, sampling, float16)
+        job = self._core.prepare(
+            seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s, outputs=request
+        )
         return await self._run(self._core.score(job, timeout))
 
     async def score_many(

@@ -21,6 +21,12 @@ class ClientBase:
     keyword-only ``cluster``, ``ssl_*``, ``settings`` (a ``RedisSettings`` instead of the URL and
     TLS arguments), ``client_id`` (names the reply stream), ``mode`` (the default mode),
     ``reply_ttl_s``, ``block_ms`` (the reader's ``XREAD BLOCK``) and ``limits``.
+
+    Producer-side at-least-once (docs/guarantees.md): ``resubmit_after_s`` (default None: off) adds
+    a job again, same id, when its result has not arrived that long after its last ``XADD``, up
+    to ``max_submits`` ``XADD`` commands in all (default 3); ``durable_replicas`` (default 0:
+    off) makes each ``XADD`` wait (``WAIT``) until that many replicas have it, at most
+    ``durable_timeout_ms`` (default 1000; a shortfall is logged and counted in ``undurable``).
     """
 
     def __init__(self, redis_url: str = DEFAULT_REDIS_URL, *args: Any, **kwargs: Any) -> None:
@@ -108,6 +114,16 @@ class ClientBase:
     def evicted_results(self) -> int:
         """How many unclaimed results were dropped because ``MAX_UNCLAIMED_RESULTS`` were held."""
         return self._core.buffer.evicted
+
+    @property
+    def resubmits(self) -> int:
+        """How many times a job was added again because its result was overdue."""
+        return self._core.resubmitter.resubmits
+
+    @property
+    def undurable(self) -> int:
+        """Durable adds that fewer replicas than ``durable_replicas`` acknowledged in time."""
+        return self._core.undurable
 
     @property
     def reconnects(self) -> int:

@@ -29,6 +29,7 @@ from worker import errors, keys, protocol
 from worker.client.buffer import ReplyBuffer
 from worker.client.errors import ClientClosed, ScoringTimeout
 from worker.client.inputs import normalize_seqs
+from worker.client.resubmit import Resubmitter
 from worker.client.results import JobHandle, SeqScore, unwrap
 from worker.config import DEFAULT_REDIS_URL, RedisSettings
 from worker.modes import MODES
@@ -63,6 +64,18 @@ class Block:
 
 
 @dataclass(frozen=True)
+class DurableAdd:
+    """``XADD stream * fields`` then ``WAIT replicas timeout_ms`` on the same connection to the
+    stream's primary (``connections.xadd_wait``); ``(entry id, replicas that acked)`` is sent
+    back."""
+
+    stream: str
+    fields: Mapping[bytes, bytes]
+    replicas: int
+    timeout_ms: int
+
+
+@dataclass(frozen=True)
 class Pause:
     """Sleep ``seconds``, or less if the client closes (the reader's back-off)."""
 
@@ -83,7 +96,7 @@ class NextItem:
 
 
 END: Any = object()  # what a NextItem effect sends back when its source is exhausted
-Effect = Command | Block | Pause | Delivered | NextItem
+Effect = Command | DurableAdd | Block | Pause | Delivered | NextItem
 #: An operation of the core: yields effects, returns a ``T``.
 Steps = Generator[Effect, Any, T]
 
@@ -119,6 +132,10 @@ class ClientCore:
         reply_ttl_s: int = 3600,
         block_ms: int = 2000,
         limits: protocol.Limits = protocol.DEFAULT_LIMITS,
+        resubmit_after_s: float | None = None,
+        max_submits: int = 3,
+        durable_replicas: int = 0,
+        durable_timeout_ms: int = 1000,
     ) -> None:
         self.client_id = client_id or uuid.uuid4().hex[:16]
         if settings is None:
@@ -149,6 +166,13 @@ class ClientCore:
         self.arrivals = 0  # bumped whenever new results are buffered (see Block)
         self.reconnects = 0
         self.closed = False
+        # producer-side at-least-once (docs/guarantees.md)
+        self.resubmitter = Resubmitter(resubmit_after_s, max_submits)
+        if durable_replicas < 0 or durable_timeout_ms < 0:
+            raise errors.ConfigError("durable_replicas and durable_timeout_ms must be >= 0")
+        self.durable_replicas = int(durable_replicas)
+        self.durable_timeout_ms = int(durable_timeout_ms)
+        self.undurable = 0  # durable adds that fewer replicas than asked acknowledged in time
 
     # -- jobs
 
@@ -167,6 +191,8 @@ class ClientCore:
         expires_in_s: float | None = None,
         meta: Any = None,
         job_id: str | None = None,
+        *,
+        outputs: protocol.OutputRequest | None = None,
     ) -> PreparedJob:
         """Validate and encode a job (see ``ScoringClient.submit`` for the arguments)."""
         specs = normalize_seqs(seqs)
@@ -181,6 +207,7 @@ class ClientCore:
             temperature=temperature,
             deadline_ms=deadline_ms,
             meta=meta,
+            outputs=outputs,
         )
         return PreparedJob(job_id, self.stream_for(job_id), payload, len(specs))
 
@@ -191,16 +218,44 @@ class ClientCore:
         now = time.monotonic()
         self.outstanding[job.job_id] = now
         try:
-            entry_id = yield Command("xadd", (job.stream, {protocol.PAYLOAD_FIELD: job.payload}))
+            entry_id = yield from self._add(job)
         except BaseException:
             self.outstanding.pop(job.job_id, None)
             raise
+        self.resubmitter.track(job.job_id, job, time.monotonic())
         eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
         return JobHandle(job.job_id, job.stream, eid, now, job.num_seqs)
+
+    def _add(self, job: PreparedJob) -> Steps[Any]:
+        """``XADD`` the job (then ``WAIT`` for replicas when durable); its entry id."""
+        fields = {protocol.PAYLOAD_FIELD: job.payload}
+        if not self.durable_replicas:
+            return (yield Command("xadd", (job.stream, fields)))
+        entry_id, acked = yield DurableAdd(
+            job.stream, fields, self.durable_replicas, self.durable_timeout_ms
+        )
+        if acked < self.durable_replicas:
+            self.undurable += 1
+            log.warning(
+                "job %s: %d of %d replicas acknowledged it within %d ms",
+                job.job_id, acked, self.durable_replicas, self.durable_timeout_ms,
+            )  # fmt: skip
+        return entry_id
+
+    def _resubmit_due(self, job_ids: Sequence[str]) -> Steps[None]:
+        """Add again, same id and payload, the jobs among ``job_ids`` whose result is overdue."""
+        for job_id, job in self.resubmitter.due(job_ids, time.monotonic()):
+            try:
+                yield from self._add(job)
+                log.info("job %s: no result yet, submitted again", job_id)
+            except redis.RedisError as exc:  # Redis away (a failover): try again later
+                log.warning("job %s: could not submit again (%s)", job_id, exc)
+                self.resubmitter.retry_later(job_id, job, time.monotonic())
 
     def forget(self, job_id: str) -> bool:
         """Give up on ``job_id``: drop its buffered result, or drop its result on arrival."""
         outstanding = self.outstanding.pop(job_id, None) is not None
+        self.resubmitter.done(job_id)
         return self.buffer.forget(job_id, outstanding)
 
     def keep_reply_stream(self) -> bool:
@@ -220,13 +275,24 @@ class ClientCore:
                 result = self.buffer.take(job_id)
                 if result is not None:
                     self.outstanding.pop(job_id, None)
+                    self.resubmitter.done(job_id)
                     return job_id, result
             if self.closed:
                 what = f"job {job_ids[0]}" if len(job_ids) == 1 else "results"
                 raise ClientClosed(f"client closed while waiting for {what}")
-            remaining = None if deadline is None else deadline - time.monotonic()
+            if self.resubmitter.enabled:
+                yield from self._resubmit_due(job_ids)
+            now = time.monotonic()
+            remaining = None if deadline is None else deadline - now
             if remaining is not None and remaining <= 0:
                 return None
+            due = self.resubmitter.next_due(job_ids)
+            if due is not None:  # wake up when the next job falls due
+                remaining = (
+                    max(due - now, 0.01)
+                    if remaining is None
+                    else min(remaining, max(due - now, 0.01))
+                )
             yield Block(remaining, self.arrivals)
 
     def wait_result(self, job_id: str, timeout_s: float | None) -> Steps[protocol.Result]:

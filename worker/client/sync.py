@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import redis
@@ -17,15 +17,17 @@ from worker.client.core import (
     Block,
     Command,
     Delivered,
+    DurableAdd,
     Effect,
     Pause,
     Steps,
 )
 from worker.client.errors import ClientClosed, JobFailed
+from worker.client.inputs import output_request
 from worker.client.results import JobHandle, ScoreResult, SeqScore, job_id_of, unwrap
 from worker.client.window import ScoreWindow
 from worker.config import DEFAULT_REDIS_URL
-from worker.connections import connect
+from worker.connections import connect, xadd_wait
 from worker.protocol import Result
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,10 @@ class ScoringClient(ClientBase):
         try:
             if isinstance(effect, Command):
                 return getattr(self.redis, effect.name)(*effect.args, **effect.kwargs)
+            if isinstance(effect, DurableAdd):
+                return xadd_wait(
+                    self.redis, effect.stream, effect.fields, effect.replicas, effect.timeout_ms
+                )
             if isinstance(effect, Pause):
                 self._closing.wait(effect.seconds)
                 return None
@@ -140,15 +146,27 @@ class ScoringClient(ClientBase):
         expires_in_s: float | None = None,
         meta: Any = None,
         job_id: str | None = None,
+        outputs: Any = None,
+        topk: int | None = None,
+        gather_ids: Any = None,
+        sampling: Mapping[str, Any] | None = None,
+        float16: bool = False,
     ) -> JobHandle:
         """Enqueue one job and return its handle (``result(handle)`` waits for it).
 
         ``seqs``: sequences as dicts (``tokens`` + ``prompt_len`` or ``mask``) or
         ``(tokens, prompt_len)`` tuples. ``deadline_ms`` (unix ms) or ``expires_in_s``: the worker
         answers ``expired`` instead of scoring a job still queued after that.
+        Teacher outputs (``docs/distillation.md``): ``outputs`` names the per-token arrays
+        wanted (``logps``, ``entropy``, ``topk``, ``gather``, ``processed_logps``), with ``topk``
+        k, shared ``gather_ids`` (or ``gather_ids`` ``[n_scored, K]`` on each sequence),
+        ``sampling`` ``{top_k, top_p, min_p}`` and ``float16`` for top-k/gather log-probs.
         """
         self._ensure_reader()
-        job = self._core.prepare(seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id)
+        request = output_request(outputs, topk, gather_ids, sampling, float16)
+        job = self._core.prepare(
+            seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id, outputs=request
+        )
         return self._run(self._core.submit(job))
 
     def raw_result(self, handle_or_id: JobHandle | str, timeout: float | None = None) -> Result:
@@ -178,11 +196,19 @@ class ScoringClient(ClientBase):
         timeout: float | None = 300.0,
         meta: Any = None,
         expires_in_s: float | None = None,
+        outputs: Any = None,
+        topk: int | None = None,
+        gather_ids: Any = None,
+        sampling: Mapping[str, Any] | None = None,
+        float16: bool = False,
     ) -> list[SeqScore]:
         """Submit one job and wait for its scores (one ``SeqScore`` per sequence). On a timeout
         (or an interrupt) the job is forgotten: its late result is dropped."""
         self._ensure_reader()
-        job = self._core.prepare(seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s)
+        request = output_request(outputs, topk, gather_ids, sampling, float16)
+        job = self._core.prepare(
+            seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s, outputs=request
+        )
         return self._run(self._core.score(job, timeout))
 
     def score_many(
