@@ -37,6 +37,7 @@ def normalize_seq(seq: Any, index: int = 0) -> protocol.SeqSpec:
         spec = {"tokens": seq["tokens"], "prompt_len": seq.get("prompt_len"), "mask": None}
         if seq.get("mask") is not None:
             spec["mask"] = seq["mask"]
+        spec["gather_ids"] = seq.get("gather_ids")  # teacher outputs: [n_scored, K]
     elif isinstance(seq, tuple) and len(seq) == 2:
         tokens, second = seq
         if protocol.is_bool_like(second):  # True would pass operator.index as 1
@@ -55,7 +56,10 @@ def normalize_seq(seq: Any, index: int = 0) -> protocol.SeqSpec:
     tokens = protocol.as_int32_array(spec["tokens"])
     mask = protocol.as_mask_bytes(spec["mask"]) if spec["mask"] is not None else None
     protocol.validate_seq(tokens, spec["prompt_len"], mask, index)
-    return protocol.SeqSpec(tokens=tokens, prompt_len=spec["prompt_len"], mask=mask)
+    out = protocol.SeqSpec(tokens=tokens, prompt_len=spec["prompt_len"], mask=mask)
+    if spec.get("gather_ids") is not None:
+        out = protocol.with_gather_ids(out, spec["gather_ids"], index)
+    return out
 
 
 def normalize_seqs(seqs: Any) -> list[protocol.SeqSpec]:
@@ -68,6 +72,30 @@ def normalize_seqs(seqs: Any) -> list[protocol.SeqSpec]:
     if not out:
         raise errors.BadRequest("a job needs at least one sequence")
     return out
+
+
+def output_request(
+    outputs: Any = None,
+    topk: int | None = None,
+    gather_ids: Any = None,
+    sampling: Mapping[str, Any] | None = None,
+    float16: bool = False,
+) -> protocol.OutputRequest | None:
+    """The teacher outputs a job asks for (``None``: plain log-probs, today's job). ``outputs``
+    defaults to ``("logps",)`` when another argument is given; ``gather_ids`` here are shared
+    by every position (per-position ids go on each sequence)."""
+    given = (outputs, topk, gather_ids, sampling)
+    if all(x is None for x in given) and not float16:
+        return None
+    if gather_ids is not None and hasattr(gather_ids, "tolist"):
+        gather_ids = gather_ids.tolist()
+    return protocol.OutputRequest(
+        outputs=tuple(outputs) if outputs is not None else ("logps",),
+        topk=topk,
+        gather_ids=tuple(gather_ids) if gather_ids is not None else None,
+        sampling=sampling,
+        float16=float16,
+    )
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from typing import Any
 
 from worker.client.errors import job_failed
 from worker.protocol import Result
+from worker.protocol.seqs import from_le
 
 try:  # numpy is optional on the producer side
     import numpy as _np
@@ -26,6 +27,37 @@ def _float_array(values: array | None) -> Any:
     return values
 
 
+#: The teacher-output arrays a ``SeqScore`` may carry (``docs/protocol.md``).
+TEACHER_ARRAYS = (
+    "entropy",
+    "topk_ids",
+    "topk_logps",
+    "topk_tail_logp",
+    "gather_logps",
+    "processed_logps",
+)
+
+
+def _teacher_arrays(
+    arrays: dict[str, bytes] | None, layout: dict[str, tuple[str, int]] | None
+) -> dict[str, Any]:
+    """Decode a result entry's teacher arrays by the result's ``layout``: numpy ``[n]`` for
+    width 1 and ``[n, width]`` otherwise (without numpy: flat ``array``/lists)."""
+    out: dict[str, Any] = {}
+    for name, (dtype, width) in (layout or {}).items():
+        if name not in TEACHER_ARRAYS or arrays is None or name not in arrays:
+            continue
+        data = arrays[name]
+        if _np is not None:
+            value = _np.frombuffer(data, dtype=dtype)
+            out[name] = value if width == 1 else value.reshape(-1, width)
+        elif dtype == "<f2":
+            out[name] = list(memoryview(data).cast("e"))
+        else:
+            out[name] = from_le("f" if dtype == "<f4" else "i", data)
+    return out
+
+
 @dataclass(frozen=True)
 class SeqScore:
     """Scores of one sequence: completion-token log-probs (float32 array) and/or a reward."""
@@ -33,6 +65,14 @@ class SeqScore:
     logps: Any = None  # numpy float32 array when numpy is installed, else array('f')
     reward: float | None = None
     token_scores: Any = None
+    # teacher outputs (docs/distillation.md): numpy arrays, row i = the i-th scored token;
+    # [n] float32, or [n, k] / [n, K] (int32 ids; float16 log-probs when the job asked)
+    entropy: Any = None
+    topk_ids: Any = None
+    topk_logps: Any = None
+    topk_tail_logp: Any = None
+    gather_logps: Any = None
+    processed_logps: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +99,10 @@ class SeqScore:
             out["reward"] = float(self.reward)
         if self.token_scores is not None:
             out["token_scores"] = [float(x) for x in self.token_scores]
+        for name in TEACHER_ARRAYS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value.tolist() if hasattr(value, "tolist") else list(value)
         return out
 
 
@@ -90,6 +134,7 @@ class ScoreResult:
                     logps=_float_array(s.logps),
                     reward=s.reward,
                     token_scores=_float_array(s.token_scores),
+                    **_teacher_arrays(s.arrays, result.layout),
                 )
                 for s in result.seqs
             ],

@@ -36,6 +36,7 @@ from worker.protocol.seqs import (
     seq_specs,
     token_id,
     validate_seq,
+    with_gather_ids,
 )
 
 __all__ = [
@@ -65,4 +66,5 @@ __all__ = [
     "seq_specs",
     "token_id",
     "validate_seq",
+    "with_gather_ids",
 ]
