@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test test-quick test-faults test-gpu lint format bench clean
+.PHONY: venv demo test test-quick test-faults test-gpu soak lint format bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,12 @@ test-quick: venv
 
 test-faults: venv
 	$(PY) -m pytest tests/faults -m faults --faults-full $(PYTEST_ARGS)
+
+# A long soak of one no-op worker (drift table + build/soak/soak.png); see docs/guarantees.md.
+DURATION ?= 30m
+RATE ?= 20
+soak: venv
+	$(PY) -m worker.devtools.soak --duration $(DURATION) --rate $(RATE)
 
 test-gpu: venv
 	$(PY) -m pytest -m gpu -v tests/test_gpu.py $(PYTEST_ARGS)
