@@ -151,6 +151,14 @@ class _FakeStats:
     def xinfo_consumers(self, key: str, group: str) -> list[dict[str, Any]]:
         return [{"name": b"me", "pending": 3, "idle": 5}]
 
+    # the sampler also trims acked entries (XPENDING summary, XTRIM MINID)
+    def xpending(self, key: str, group: str) -> dict[str, Any]:
+        return {"pending": 3, "min": b"1-0", "max": b"1-0", "consumers": []}
+
+    def xtrim(self, key: str, **kwargs: Any) -> int:
+        self.trimmed = kwargs
+        return 0
+
 
 def test_stats_sampler_publishes_gauges_at_most_every_interval() -> None:
     metrics = WorkerMetrics(CollectorRegistry())

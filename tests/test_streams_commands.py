@@ -176,3 +176,26 @@ def test_result_of_an_entry_taken_over_is_not_written(client: redis.Redis, key_p
     # No longer pending at all: still answered (never lose a result to de-duplication).
     assert streams.write_results(client, G, [late], maxlen=100, consumer="c1") == []
     assert client.xlen(reply) == 2
+
+
+def test_trim_acked_drops_only_what_every_group_read_and_acked(
+    client: redis.Redis, key_prefix: str
+) -> None:
+    """A job stream does not grow forever: acked entries go, pending and unread ones stay,
+    and a second group that is behind holds the floor."""
+    stream = keys.job_streams(key_prefix)[0]
+    streams.ensure_group(client, stream, "g1")
+    ids = [client.xadd(stream, {b"payload": b"x"}) for _ in range(300)]
+    got = client.xreadgroup("g1", "c", {stream: ">"}, count=200)[0][1]  # 200 read
+    client.xack(stream, "g1", *[e[0] for e in got[:150]])  # 150 acked, 50 pending, 100 unread
+    assert streams.trim_acked(client, stream) > 0
+    left = [e[0] for e in client.xrange(stream)]
+    assert set(ids[150:]) <= set(left), "a pending or unread entry was trimmed"
+    assert len(left) < 300
+    client.xack(stream, "g1", *[e[0] for e in got[150:]])
+    streams.ensure_group(client, stream, "g2")  # a new group from 0: nothing may go
+    client.xgroup_setid(stream, "g2", id="0")
+    before = client.xlen(stream)
+    streams.trim_acked(client, stream)
+    assert client.xlen(stream) == before
+    assert streams.trim_acked(client, f"{stream}-none") == 0

@@ -2,7 +2,8 @@
 
 Every ``stats_interval_s`` the worker publishes, per job stream, its length, the group's lag,
 pending count and consumers, and the length of its dead-letter stream, from
-:func:`worker.streams.stream_stats` (the same numbers ``scoring-worker info`` shows).
+:func:`worker.streams.stream_stats` (the same numbers ``scoring-worker info`` shows); and trims
+the entries every group has acked (:func:`worker.streams.trim_acked`).
 """
 
 from __future__ import annotations
@@ -74,3 +75,9 @@ class StatsSampler:
             m.stream_pending.labels(stream=stream, group=group).set(st["pending"])
             m.stream_consumers.labels(stream=stream, group=group).set(st["consumers"])
             m.dead_letter_length.labels(stream=dead).set(dead_len)
+            try:  # scored entries leave the stream: a long-running queue stays bounded
+                streams.trim_acked(client, stream)
+            except redis.ResponseError as exc:  # e.g. XTRIM MINID before Redis 6.2
+                if streams.is_transient(exc):
+                    raise
+                log.debug("trim of %s skipped: %s", stream, exc)

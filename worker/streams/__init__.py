@@ -54,6 +54,7 @@ from worker.streams.groups import (
     pending_count,
     server_version,
     supports_autoclaim,
+    trim_acked,
 )
 from worker.streams.reading import Entry, read_new
 from worker.streams.stats import stream_stats
@@ -87,5 +88,6 @@ __all__ = [
     "server_version",
     "stream_stats",
     "supports_autoclaim",
+    "trim_acked",
     "write_results",
 ]

@@ -4,6 +4,8 @@
 * :func:`forget_consumer` - ``XGROUP DELCONSUMER`` when the consumer holds nothing (script
   :data:`~worker.streams.scripts.FORGET`);
 * :func:`pending_count` - ``XPENDING`` (summary, or one consumer's range);
+* :func:`trim_acked` - ``XINFO GROUPS`` + ``XPENDING`` + ``XTRIM MINID``: drop the entries
+  every group has read and acked (without it a job stream grows forever);
 * :func:`is_cluster`, :func:`server_version` (``INFO server``), :func:`supports_autoclaim`.
 """
 
@@ -66,3 +68,34 @@ __all__ = [
     "server_version",
     "supports_autoclaim",
 ]
+
+
+def _id(raw: Any) -> tuple[int, int]:
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def trim_acked(client: Any, stream: str) -> int:
+    """``XTRIM stream MINID ~ floor``: delete entries that every group of ``stream`` has read
+    and acked; how many were deleted. ``floor`` is, over all groups, the lowest of each group's
+    oldest pending id (``XPENDING``) or, when nothing is pending, its last delivered id + 1
+    (``XINFO GROUPS``): an unread or pending entry is never touched. A stream without a group
+    is left alone. ``~`` lets Redis trim whole macro nodes only (cheap; a few acked entries
+    stay until the next trim)."""
+    try:
+        groups = client.xinfo_groups(stream)
+    except redis.ResponseError:  # no such key
+        return 0
+    floor: tuple[int, int] | None = None
+    for g in groups:
+        summary = client.xpending(stream, g["name"])
+        if summary["pending"]:
+            candidate = _id(summary["min"])
+        else:
+            ms, seq = _id(g["last-delivered-id"])
+            candidate = (ms, seq + 1)
+        floor = candidate if floor is None else min(floor, candidate)
+    if floor is None or floor <= (0, 1):
+        return 0
+    return int(client.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=True))
