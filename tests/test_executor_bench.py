@@ -65,7 +65,16 @@ def test_bench_entry_point_writes_table_and_json(
     rows = doc["rows"]
     assert list(rows) == [
         f"{s}_{side}" for s in ("dense", "ragged") for side in ("naive", "executor", "ratio")
-    ]
+    ] + ["teacher_v128k"]
+    teacher = rows["teacher_v128k"]  # logps + entropy + top-64 vs logps alone and vs naive
+    assert teacher["agree"] is True and teacher["vocab"] == 128 and teacher["topk"] == 64
+    assert (
+        set(teacher["seconds"]) == set(teacher["peak_extra_bytes"]) == {"teacher", "logps", "naive"}
+    )
+    assert teacher["time_vs_logps"] == pytest.approx(
+        teacher["seconds"]["teacher"] / teacher["seconds"]["logps"]
+    )
+    assert isinstance(teacher["met"], bool)
     for scenario in ("dense", "ragged"):
         naive, execu = rows[f"{scenario}_naive"], rows[f"{scenario}_executor"]
         assert naive["real_tokens"] == execu["real_tokens"] > 0

@@ -15,6 +15,8 @@ Scenarios:
   Real (unpadded) tokens per second. The smaller vocab keeps the row about packing and padding:
   at 128,256 the LM head is ~90% of both sides' work on this CPU and runs on the ~3/4 of tokens
   that are scored either way (one such run: 1.34x tokens/s, 12 minutes instead of 2).
+* ``teacher``: logps + entropy + top-64 at V = 128,256 vs logps alone and vs the naive
+  in-trainer way (``worker.devtools.bench_teacher``).
 
 Both sides run in one process on the same model. Peak memory (CPU): tracemalloc cannot see
 torch's allocator, so before each side's measured call the process records its RSS and resets its
@@ -39,6 +41,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from worker.devtools.bench_teacher import format_row as format_teacher_row
+from worker.devtools.bench_teacher import run_teacher
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
 from worker.executor.memory import peak_rss_bytes
 
@@ -223,6 +227,10 @@ def run_all(quick: bool) -> dict[str, Any]:
             ratio["targets"] = {"tokens_per_s_ratio": ">= 1.8"}
             ratio["met"] = ratio["tokens_per_s_ratio"] >= 1.8
         rows[f"{scenario}_ratio"] = ratio
+    teacher_seqs = dense_inputs(quick)[: 2 if quick else DENSE["batch"]]  # bench_teacher
+    rows["teacher_v128k"] = run_teacher(
+        build_model(DENSE["vocab"]), teacher_seqs, _peak_extra, quick
+    )
     meta = {
         "quick": quick,
         "torch": torch.__version__,
@@ -251,7 +259,9 @@ def format_table(doc: dict[str, Any]) -> str:
         "-" * 72,
     ]
     for name, row in doc["rows"].items():
-        if row.get("side") == "ratio":
+        if row.get("side") == "teacher":
+            lines.append(format_teacher_row(name, row))
+        elif row.get("side") == "ratio":
             note = (
                 f"time x{row['time_ratio']:.3f}  mem x{row['peak_memory_ratio']:.3f}  "
                 f"tok/s x{row['tokens_per_s_ratio']:.2f}  agree={row['logps_agree']}  "
