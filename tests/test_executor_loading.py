@@ -98,11 +98,21 @@ def _capture_from_pretrained(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str,
     calls: list[tuple[str, dict[str, Any]]] = []
 
     def fake(name: str, **kwargs: Any) -> Any:
+        asked_info = kwargs.pop("output_loading_info", False)
         calls.append((name, kwargs))
-        return tiny_causal("llama") if len(calls) == 1 else tiny_reward("llama")
+        model = tiny_causal("llama") if len(calls) == 1 else tiny_reward("llama")
+        return (model, {"missing_keys": set()}) if asked_info else model
+
+    def no_files(name: str, **kwargs: Any) -> Any:
+        raise OSError(f"{name}: nothing stored")  # a reward head from the architecture: none
 
     for cls in (transformers.AutoModelForCausalLM, transformers.AutoModelForSequenceClassification):
         monkeypatch.setattr(cls, "from_pretrained", staticmethod(fake))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(no_files))
+    monkeypatch.setattr(
+        transformers.AutoConfig, "from_pretrained",
+        staticmethod(lambda name, **kw: transformers.PretrainedConfig()),
+    )  # fmt: skip
     return calls
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.support.models import random_tokens, tiny_backbone, tiny_causal, tiny_reward
-from worker.errors import ConfigError
+from worker.errors import BadRequest, ConfigError
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
 from worker.executor.pooling import ValueHeadAdapter
 
@@ -120,12 +120,18 @@ def test_value_head_on_bare_backbone_with_token_scores() -> None:
         assert score.reward == pytest.approx(float(want[-1]), abs=1e-5)
 
 
-def test_reward_model_must_be_single_label() -> None:
-    with pytest.raises(ConfigError, match="num_labels"):
-        StatelessExecutor(ExecutorConfig(mode="reward"), reward_model=tiny_reward(num_labels=2))
-    with pytest.raises(ConfigError, match="reward head"):
-        StatelessExecutor(ExecutorConfig(mode="reward"), reward_model=tiny_causal("llama",
-                          num_labels=1))  # fmt: skip
+def test_reward_head_checks() -> None:
+    # A multi-objective head serves any index it has; an index past its outputs is refused.
+    with pytest.raises(ConfigError, match="outside the reward head's 2 outputs"):
+        StatelessExecutor(
+            ExecutorConfig(mode="reward", reward_index=2), reward_model=tiny_reward(num_labels=2)
+        )
+    # A causal LM as the reward model is an LM-label process reward model, never a random
+    # sequence head: a plain reward job is refused.
+    lm = StatelessExecutor(ExecutorConfig(mode="reward"), reward_model=tiny_causal("llama"))
+    assert lm.info["reward_head"] == "lm-label"
+    with pytest.raises(BadRequest, match="LM-label process reward model"):
+        lm.score([SequenceInput(random_tokens(5, 0))])
 
 
 class _TwoPass:

@@ -53,6 +53,8 @@ class ExecutorConfig:
     packing: Literal["auto", "packed", "padded"] = "auto"
     packed_row_tokens: int = 2048
     self_check: bool = True
+    # multi-objective reward heads: the output that is ``reward`` (all come back as ``rewards``)
+    reward_index: int = 0
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ConfigError:
@@ -77,6 +79,8 @@ class ExecutorConfig:
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise bad(name, "expected an integer >= 1")
+        if not is_int(self.reward_index) or self.reward_index < 0:
+            raise bad("reward_index", "expected an integer >= 0")
         if not isinstance(self.device, str) or not valid_device(self.device):
             raise bad("device", "expected 'cpu', 'cuda', 'cuda:N' or 'auto'")
         if self.dtype not in DTYPES:

@@ -22,14 +22,15 @@ from torch import nn
 
 from worker.errors import ConfigError
 from worker.executor import backends
-from worker.executor.call import ScoreCall, call_args, prepare
+from worker.executor.call import call_args
 from worker.executor.config import ExecutorConfig
 from worker.executor.fallback import BatchRunner
 from worker.executor.forward import BatchForward
 from worker.executor.kvcache import KVGuard
-from worker.executor.loading import load_models, resolve_device, resolve_dtype
+from worker.executor.loading import load_models, load_tokenizers, resolve_device, resolve_dtype
 from worker.executor.memory import device_total_bytes, read_peak, reset_peak
-from worker.executor.pooling import RewardAdapter, SequenceClassificationAdapter, backbone_of
+from worker.executor.pooling import RewardAdapter, backbone_of
+from worker.executor.rewards import merge_outputs, resolve_head, reward_surface
 from worker.executor.selfcheck import self_check
 from worker.executor.weights import WeightsConfig, WeightsRouter, refuse
 from worker.modes import Mode
@@ -62,6 +63,7 @@ class StatelessExecutor:
         *,
         reward_model_name: str | None = None,
         weights: WeightsConfig | None = None,
+        tokenizers: tuple[Any, Any] | None = None,
     ) -> None:
         if reference_model is None and reward_model is None:
             raise ConfigError("StatelessExecutor needs a reference_model or a reward_model")
@@ -69,11 +71,9 @@ class StatelessExecutor:
         self.device = resolve_device(config.device)
         if reward_model is None and reward_adapter is not None:
             reward_model = reference_model
-        if reward_model is not None and reward_adapter is None:
-            SequenceClassificationAdapter.check(reward_model)
-            reward_adapter = SequenceClassificationAdapter()
-        self.reference_model = self._place(reference_model)
-        self.reward_model = self._place(reward_model)
+        head, reward_adapter = resolve_head(reward_model, reward_adapter, config.reward_index)
+        self.reference_model = _place(reference_model, config, self.device)
+        self.reward_model = _place(reward_model, config, self.device)
         self.reward_adapter = reward_adapter
         self.model_name = model_name or _name_of(reference_model or reward_model)
         self.reward_model_name = reward_model_name or (
@@ -116,6 +116,7 @@ class StatelessExecutor:
         self._runner = BatchRunner(
             config, forward, self._guard, backend=backend, packed=packed, notify=self._on_fallback
         )
+        self._rewards = reward_surface(self.reward_model, head, tokenizers, forward)
         # per-job adapters and versions (docs/models.md); None: base weights only
         self._weights = (
             WeightsRouter(
@@ -128,7 +129,6 @@ class StatelessExecutor:
             if weights is not None and weights.enabled
             else None
         )
-
         log.info("executor ready: %s", self.info)
 
     def _version_executor(self, model: nn.Module) -> StatelessExecutor:
@@ -154,10 +154,13 @@ class StatelessExecutor:
         revision: str | None = None,
         reward_adapter: RewardAdapter | None = None,
         weights: WeightsConfig | None = None,
+        reward_head: str = "auto",
     ) -> StatelessExecutor:
         """Load models from local directories, hub ids or ``.gguf`` files (a directory plus
         ``gguf_file`` also works) and build; ``reward_adapter`` replaces the default
-        sequence-classification head reader."""
+        sequence-classification head reader; ``reward_head`` picks the reward model's class
+        (``auto``: its config's architecture). Tokenizers stored with the models are loaded
+        (the reward model's renders ``messages``; the two are compared)."""
         device = resolve_device(config.device)
         ref, rew = load_models(
             reference_model,
@@ -168,7 +171,9 @@ class StatelessExecutor:
             reward_gguf_file=reward_gguf_file,
             trust_remote_code=trust_remote_code,
             revision=revision,
+            reward_head=reward_head,
         )
+        tokenizers = load_tokenizers(reference_model, reward_model, gguf_file, reward_gguf_file)
         return cls(
             config,
             ref,
@@ -177,16 +182,8 @@ class StatelessExecutor:
             model_name=reference_model,
             reward_model_name=reward_model,
             weights=weights,
+            tokenizers=tokenizers,
         )
-
-    def _place(self, model: nn.Module | None) -> Any:
-        if model is None:
-            return None
-        if self.config.dtype != "auto":
-            model.to(resolve_dtype(self.config.dtype, self.device))
-        model.to(self.device)
-        model.eval()
-        return model
 
     def _on_load_fallback(self, event: FallbackEvent) -> None:
         self._load_fallbacks.append(event)
@@ -261,6 +258,7 @@ class StatelessExecutor:
             "modes": list(self.modes),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
+            **self._rewards.info(),
         }
 
     def close(self) -> None:
@@ -282,9 +280,23 @@ class StatelessExecutor:
         options: ScoreOptions = DEFAULT_OPTIONS,
     ) -> None:
         """Raise ``BadRequest`` / ``TooLong`` / ``UnsupportedMode`` if ``seqs`` cannot be scored."""
+        self.prepare(seqs, mode, temperature, options)
+
+    def prepare(
+        self,
+        seqs: Sequence[SequenceInput],
+        mode: Mode | None = None,
+        temperature: float | None = None,
+        options: ScoreOptions = DEFAULT_OPTIONS,
+    ) -> list[SequenceInput]:
+        """``validate``, rendering ``messages`` with the reward model's chat template (once)."""
         mode, _ = call_args(self.config, self.modes, mode, temperature)
-        prepare(seqs, self.vocab_size, self.max_positions, mode, options)
+        seqs = self._rewards.prepare(seqs, mode, options)
+        self._rewards.calls(
+            seqs, mode, 1.0, options, vocab=self.vocab_size, limit=self.max_positions
+        )
         self._weights.check(options) if self._weights is not None else refuse(options)
+        return seqs
 
     def score(
         self,
@@ -312,18 +324,32 @@ class StatelessExecutor:
         refuse(options)
         started = time.perf_counter()
         mode, temp = call_args(self.config, self.modes, mode, temperature)
-        prepared = prepare(seqs, self.vocab_size, self.max_positions, mode, options)
-        call = ScoreCall(mode, temp, prepared, started=started, options=options)
+        calls = self._rewards.calls(
+            self._rewards.prepare(seqs, mode, options), mode, temp, options,
+            vocab=self.vocab_size, limit=self.max_positions, started=started,
+        )  # fmt: skip
         reset_peak(self.device)
         runner = self._runner
-        for group in call.plan(self.config, packed=runner.packed, backend=runner.backend):
-            runner.run_group(group, call)
-        return call.output(
-            backend=runner.backend,
-            requested_backend=self.config.attention_backend,
-            peak=read_peak(self.device),
-            device_total=device_total_bytes(self.device),
-        )
+        for call in calls:
+            for group in call.plan(self.config, packed=runner.packed, backend=runner.backend):
+                runner.run_group(group, call)
+        peak, total = read_peak(self.device), device_total_bytes(self.device)
+        return merge_outputs([
+            c.output(backend=runner.backend, requested_backend=self.config.attention_backend,
+                     peak=peak, device_total=total)
+            for c in calls
+        ])  # fmt: skip
+
+
+def _place(model: nn.Module | None, config: ExecutorConfig, device: torch.device) -> Any:
+    """``model`` in ``config.dtype`` (unless ``auto``) on ``device``, eval mode."""
+    if model is None:
+        return None
+    if config.dtype != "auto":
+        model.to(resolve_dtype(config.dtype, device))
+    model.to(device)
+    model.eval()
+    return model
 
 
 def _name_of(model: nn.Module | None) -> str | None:

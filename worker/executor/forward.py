@@ -24,6 +24,7 @@ from worker.executor.pooling import (
     RewardOutput,
     backbone_hidden,
 )
+from worker.executor.steps import head_kind, step_scores
 from worker.executor.teacher import block_units, chunk_rows_for, chunked_token_outputs
 from worker.modes import LOGPROB_MODES, REWARD_MODES, Mode
 from worker.scorer.inputs import PreparedSequence, is_int
@@ -128,15 +129,38 @@ class BatchForward:
                 rewarded = self._logprobs(
                     batch, [seqs[j] for j in order], order, mode, temp, scores, spec
                 )
-            if mode in REWARD_MODES:
-                assert self.reward_adapter is not None and self.reward_model is not None
+            if mode in REWARD_MODES and options.step is not None:  # process rewards
+                self._steps(batch, [seqs[j] for j in order], order, options, scores)
+            elif mode in REWARD_MODES and self.reward_adapter is not None:
+                assert self.reward_model is not None
                 if rewarded is None:
                     rewarded = self.reward_adapter(self.reward_model, batch)
                 for k, j in enumerate(order):
                     scores[j].reward = float(rewarded.rewards[k])
                     if rewarded.token_scores is not None:
                         scores[j].token_scores = self._host(rewarded.token_scores[k])
+                    if rewarded.objectives is not None:  # multi-objective head
+                        scores[j].rewards = rewarded.objectives[k].cpu().numpy()
+            for j, s in enumerate(seqs):
+                scores[j].rm_tokens = s.rm_tokens
         return Computed(scores=scores, slot_tokens=slots)
+
+    def _steps(
+        self,
+        batch: ForwardBatch,
+        ordered: list[PreparedSequence],
+        order: list[int],
+        options: ScoreOptions,
+        scores: list[SequenceScore],
+    ) -> None:
+        """Fill ``scores[j].step_positions`` / ``.step_scores`` (process-reward heads)."""
+        assert self.reward_model is not None and options.step is not None
+        kind = head_kind(self.reward_model, self.reward_adapter)
+        probs = step_scores(self.reward_model, kind, batch, ordered, options.step)
+        for j, seq, row in zip(order, ordered, probs, strict=True):
+            steps = seq.steps if seq.steps is not None else np.zeros(0, np.int64)
+            scores[j].step_positions = steps.astype(np.int32)
+            scores[j].step_scores = row.cpu().numpy().astype(np.float32)
 
     def _logprobs(
         self,

@@ -88,6 +88,26 @@ def split_gguf_path(name_or_path: str, gguf_file: str | None = None) -> tuple[st
     return str(path.parent), path.name
 
 
+#: ``--reward-head`` value -> the transformers auto class a reward checkpoint loads as.
+REWARD_HEAD_CLASSES = {
+    "sequence": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "lm-label": "AutoModelForCausalLM",
+}
+
+
+def reward_head_of(architectures: Any) -> str:
+    """The reward head a checkpoint's ``config.architectures`` implies: ``token-classification``
+    (``*ForTokenClassification``), ``lm-label`` (``*ForCausalLM`` / ``*LMHeadModel``), else
+    ``sequence`` (also when the config names none, as a GGUF file's does)."""
+    for arch in architectures or ():
+        if str(arch).endswith("ForTokenClassification"):
+            return "token-classification"
+        if str(arch).endswith(("ForCausalLM", "LMHeadModel")):
+            return "lm-label"
+    return "sequence"
+
+
 def load_model(
     name_or_path: str,
     *,
@@ -97,17 +117,20 @@ def load_model(
     gguf_file: str | None = None,
     trust_remote_code: bool = False,
     revision: str | None = None,
+    reward_head: str = "auto",
 ) -> nn.Module:
-    """Load a ``*ForCausalLM`` (``kind="causal"``) or ``*ForSequenceClassification`` (``"reward"``).
+    """Load a ``*ForCausalLM`` (``kind="causal"``) or a reward model (``"reward"``): the class
+    ``reward_head`` names (``REWARD_HEAD_CLASSES``; ``auto``: the checkpoint's architecture).
 
     ``name_or_path`` may be a ``.gguf`` file (see ``split_gguf_path``). Loaded in eval mode on
-    ``device`` with ``dtype``; any loading failure becomes ``ConfigError``.
+    ``device`` with ``dtype``; any loading failure becomes ``ConfigError``, and so do weights the
+    checkpoint lacks (transformers would initialise them at random): they are named.
     """
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    import transformers
 
     name_or_path, gguf_file = split_gguf_path(name_or_path, gguf_file)
 
-    cls: Any = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
+    cls: Any = transformers.AutoModelForCausalLM
     kwargs: dict[str, Any] = {
         "dtype": dtype,
         "trust_remote_code": trust_remote_code,
@@ -119,12 +142,36 @@ def load_model(
         kwargs["gguf_file"] = gguf_file
     log.info("loading %s model %s (gguf=%s, dtype=%s)", kind, name_or_path, gguf_file, dtype)
     try:
-        model = cls.from_pretrained(name_or_path, **kwargs)
+        if kind == "reward":
+            if reward_head == "auto":
+                config = transformers.AutoConfig.from_pretrained(name_or_path, **kwargs)
+                reward_head = reward_head_of(getattr(config, "architectures", None))
+            if reward_head not in REWARD_HEAD_CLASSES:
+                raise ConfigError(f"unknown reward head {reward_head!r}")
+            cls = getattr(transformers, REWARD_HEAD_CLASSES[reward_head])
+        model, info = cls.from_pretrained(name_or_path, output_loading_info=True, **kwargs)
     except (OSError, ValueError, KeyError, ImportError) as exc:
         raise ConfigError(f"cannot load {kind} model {name_or_path!r}: {exc}") from exc
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise ConfigError(missing_weights_message(name_or_path, kind, reward_head, missing))
     model.to(device)
     model.eval()
     return model
+
+
+def missing_weights_message(name: str, kind: str, head: str, missing: list[str]) -> str:
+    """Why a checkpoint that lacks weights is refused, naming them and the likely cause."""
+    shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
+    why = f"{kind} model {name!r} lacks weights {shown}: they would be initialised at random"
+    if kind == "causal":
+        return why + "; is it a reward checkpoint? serve it with --reward-model"
+    if head == "sequence":
+        return why + (
+            "; a causal-LM checkpoint is served as a reward model only as an LM-label process "
+            "reward model (--reward-head lm-label, jobs with step.label_token_ids)"
+        )
+    return why
 
 
 def load_models(
@@ -137,6 +184,7 @@ def load_models(
     reward_gguf_file: str | None = None,
     trust_remote_code: bool = False,
     revision: str | None = None,
+    reward_head: str = "auto",
 ) -> tuple[nn.Module | None, nn.Module | None]:
     """``(reference, reward)``: each named model loaded with ``load_model`` (``None`` when not
     named); at least one must be named (``ConfigError``)."""
@@ -152,7 +200,13 @@ def load_models(
     if reference_model:
         ref = load_model(reference_model, kind="causal", gguf_file=gguf_file, **common)
     if reward_model:
-        rew = load_model(reward_model, kind="reward", gguf_file=reward_gguf_file, **common)
+        rew = load_model(
+            reward_model,
+            kind="reward",
+            gguf_file=reward_gguf_file,
+            reward_head=reward_head,
+            **common,
+        )
     return ref, rew
 
 
@@ -166,3 +220,27 @@ def load_tokenizer(name_or_path: str, *, gguf_file: str | None = None) -> Any:
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file
     return AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+
+
+def load_tokenizers(
+    reference_model: str | None,
+    reward_model: str | None,
+    gguf_file: str | None = None,
+    reward_gguf_file: str | None = None,
+) -> tuple[Any, Any]:
+    """``(reference tokenizer, reward tokenizer)`` stored with the checkpoints, each ``None``
+    when not named, or when the checkpoint carries none (logged); only loaded when a reward
+    model is served (its tokenizer renders ``messages``, the two are compared)."""
+    if not reward_model:
+        return None, None
+
+    def one(name: str | None, gguf: str | None) -> Any:
+        if not name:
+            return None
+        try:
+            return load_tokenizer(name, gguf_file=gguf)
+        except Exception as exc:  # no tokenizer files: token ids only
+            log.warning("no tokenizer with %s (%s): messages cannot be rendered", name, exc)
+            return None
+
+    return one(reference_model, gguf_file), one(reward_model, reward_gguf_file)

@@ -25,6 +25,7 @@ class RewardOutput:
 
     rewards: torch.Tensor  # [B] float32
     token_scores: list[torch.Tensor] | None = None  # B x [L_i] float32, when token_level
+    objectives: torch.Tensor | None = None  # [B, K] float32, when the head has K > 1 outputs
 
 
 @runtime_checkable
@@ -97,10 +98,15 @@ def _as_head_input(hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
 
 
 class HeadAdapter:
-    """Backbone hidden states -> a ``[H] -> [1]`` head, read at each sequence's last token."""
+    """Backbone hidden states -> a ``[H] -> [K]`` head, read at each sequence's last token.
 
-    def __init__(self, token_level: bool = False) -> None:
+    The reward is output ``reward_index`` (default 0); a head with ``K > 1`` outputs (a
+    multi-objective reward model) also returns all ``K`` (``RewardOutput.objectives``).
+    """
+
+    def __init__(self, token_level: bool = False, reward_index: int = 0) -> None:
         self.token_level = token_level
+        self.reward_index = reward_index
 
     def head(self, model: nn.Module) -> nn.Module:
         """The scalar head to apply on hidden states ``[N, H] -> [N, 1]``."""
@@ -115,19 +121,23 @@ class HeadAdapter:
         """Rewards (and token scores) from the backbone's hidden states ``[R, T, H]``."""
         head = self.head(model)
         last = _as_head_input(gather_flat(hidden, batch.last_index), head)  # [B, H]
-        rewards = head(last).float().reshape(len(batch.seq_ids), -1)[:, 0]  # [B]
+        outputs = head(last).float().reshape(len(batch.seq_ids), -1)  # [B, K]
+        rewards = outputs[:, self.reward_index]  # [B]
         token_scores = None
         if self.token_level:
             every = _as_head_input(gather_flat(hidden, token_index(batch)), head)  # [S, H]
-            flat = head(every).float().reshape(every.shape[0], -1)[:, 0]  # [S]
+            flat = head(every).float().reshape(every.shape[0], -1)[:, self.reward_index]  # [S]
             token_scores = list(torch.split(flat, batch.lengths.tolist()))
-        return RewardOutput(rewards=rewards, token_scores=token_scores)
+        objectives = outputs if outputs.shape[1] > 1 else None
+        return RewardOutput(rewards=rewards, token_scores=token_scores, objectives=objectives)
 
 
 class SequenceClassificationAdapter(HeadAdapter):
-    """Default adapter for ``*ForSequenceClassification`` models with ``num_labels == 1``.
+    """Default adapter for ``*ForSequenceClassification`` reward models.
 
     Uses the model's own head (``score``, or ``classifier`` for architectures that name it so).
+    With ``num_labels > 1`` (multi-objective), the reward is label ``reward_index`` and every
+    label's output comes back as ``objectives``.
     """
 
     HEAD_NAMES = ("score", "classifier")
@@ -143,14 +153,19 @@ class SequenceClassificationAdapter(HeadAdapter):
         )
 
     @staticmethod
-    def check(model: nn.Module) -> None:
-        """Raise ``ConfigError`` unless ``model`` is a single-label sequence classifier."""
+    def check(model: nn.Module, reward_index: int = 0) -> None:
+        """Raise ``ConfigError`` unless ``model`` is a sequence classifier with a label
+        ``reward_index``."""
         config: Any = getattr(model, "config", None)
         labels = getattr(config, "num_labels", None)
-        if labels != 1:
+        if not isinstance(labels, int) or labels < 1:
             raise ConfigError(
-                f"reward model {type(model).__name__} has num_labels={labels}; a scalar reward "
-                "head needs num_labels=1 (or pass a reward_adapter)"
+                f"reward model {type(model).__name__} has num_labels={labels}; a reward head "
+                "needs num_labels >= 1 (or pass a reward_adapter)"
+            )
+        if not 0 <= reward_index < labels:
+            raise ConfigError(
+                f"--reward-index {reward_index} is outside the reward head's {labels} outputs"
             )
         SequenceClassificationAdapter().head(model)
 
@@ -162,8 +177,10 @@ class ValueHeadAdapter(HeadAdapter):
     rewards), or anything whose ``base_model`` returns ``last_hidden_state``.
     """
 
-    def __init__(self, value_head: nn.Module, token_level: bool = False) -> None:
-        super().__init__(token_level=token_level)
+    def __init__(
+        self, value_head: nn.Module, token_level: bool = False, reward_index: int = 0
+    ) -> None:
+        super().__init__(token_level=token_level, reward_index=reward_index)
         self.value_head = value_head
 
     def head(self, model: nn.Module) -> nn.Module:

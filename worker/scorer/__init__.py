@@ -73,6 +73,21 @@ class Scorer(Protocol):
         """Raise ``BadRequest`` / ``TooLong`` / ``UnsupportedMode`` if ``seqs`` cannot be scored."""
         ...
 
+    def prepare(
+        self,
+        seqs: Sequence[SequenceInput],
+        mode: Mode | None = None,
+        temperature: float | None = None,
+        options: ScoreOptions = DEFAULT_OPTIONS,
+    ) -> list[SequenceInput]:
+        """``validate``, then do the per-sequence work that needs no device (rendering
+        ``messages`` with the reward model's chat template) and return the inputs to ``score``.
+
+        Called at intake, before batching, so tokenisation stays off the forward's critical
+        path; a scorer with nothing to prepare returns ``list(seqs)``.
+        """
+        ...
+
     def score(
         self,
         seqs: Sequence[SequenceInput],

@@ -26,9 +26,17 @@ class SequenceInput:
     ``[n_scored, K]`` for a job asking for ``gather`` with per-position ids (teacher outputs).
     """
 
-    tokens: Any
+    tokens: Any = ()
     prompt_len: int | None = None
     mask: Sequence[int] | bytes | None = None
+    # reward inputs (chat templates, process rewards): ``messages`` (a list of {role, content}
+    # maps) is rendered with the reward model's own chat template and scored instead of
+    # ``tokens`` (``both`` mode still takes its log-probs from ``tokens``); ``step_positions``:
+    # where a process-reward job reads step scores (in the ids the reward model sees);
+    # ``rm_ids``: the rendered ids, filled by ``Scorer.prepare`` so scoring does not re-tokenise
+    messages: Sequence[Any] | None = None
+    step_positions: Any = None
+    rm_ids: np.ndarray | None = None
     # teacher outputs: per-position gather ids [n_scored, K] (see worker.scorer.teacher)
     gather_ids: Any = None
 
@@ -39,6 +47,10 @@ class PreparedSequence:
 
     ids: np.ndarray  # [L] int64
     scored: np.ndarray | None  # [n] int64 positions t >= 1
+    # reward inputs: step positions read by a process-reward head; the reward model's token
+    # count when ``ids`` were rendered from messages
+    steps: np.ndarray | None = None  # [k] int64 positions in [0, L)
+    rm_tokens: int | None = None
     gather_ids: np.ndarray | None = None  # [n, K] int64 (teacher outputs), checked
 
 

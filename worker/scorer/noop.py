@@ -3,9 +3,10 @@
 Selected only explicitly (``serve --scorer noop``); never a default. Its values are deterministic
 functions of the tokens (so duplicates and ordering can be checked end to end) and are not model
 scores: ``logps[i] = -log(vocab_size) - (token_i % 7) / 100 / temperature`` for each scored token,
-``reward = (sum(tokens) % 1000) / 1000``. ``delay_ms`` sleeps per ``score`` call (tests use it to
-make a batch deterministically slow). Implements ``worker.scorer.Scorer``; a call without a mode
-scores ``reference``, without a temperature 1.0.
+``reward = (sum(tokens) % 1000) / 1000`` (``messages``: over the bytes of their contents; a
+process-reward ``step`` job: ``(token % 10) / 10`` at each step). ``delay_ms`` sleeps per
+``score`` call (tests use it to make a batch deterministically slow). Implements
+``worker.scorer.Scorer``; a call without a mode scores ``reference``, without a temperature 1.0.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from worker.modes import LOGPROB_MODES, MODES, REWARD_MODES, Mode
 from worker.scorer.inputs import SequenceInput
 from worker.scorer.options import DEFAULT_OPTIONS, ScoreOptions
 from worker.scorer.outputs import BatchMetrics, FallbackEvent, ScoreOutput, SequenceScore
+from worker.scorer.steps import step_positions
 from worker.scorer.teacher import LOGPS_ONLY, TokenOutputs, check_call, gather_rows
 
 if TYPE_CHECKING:
@@ -84,6 +86,23 @@ class NoopScorer:
                 raise TooLong(f"seqs[{i}] has {len(tokens)} tokens > {self.max_positions}")
             if len(tokens) and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
                 raise BadRequest(f"seqs[{i}] has token ids outside [0, {self.vocab_size})")
+            if options.step is not None and s.messages is None:
+                options.step.check(self.vocab_size)
+                try:
+                    step_positions(tokens, s.step_positions, options.step)
+                except BadRequest as exc:
+                    raise BadRequest(f"seqs[{i}]: {exc.message}") from None
+
+    def prepare(
+        self,
+        seqs: Sequence[SequenceInput],
+        mode: Mode | None = None,
+        temperature: float | None = None,
+        options: ScoreOptions = DEFAULT_OPTIONS,
+    ) -> list[SequenceInput]:
+        """``validate``; nothing to tokenise (``messages`` are scored from their text)."""
+        self.validate(seqs, mode, temperature, options)
+        return list(seqs)
 
     def score(
         self,
@@ -108,14 +127,15 @@ class NoopScorer:
                 sel = np.frombuffer(bytes(s.mask), dtype=np.uint8).astype(bool)
             else:
                 sel = np.arange(len(tokens)) >= int(s.prompt_len or 0)
-            logps = reward = None
+            logps = None
             if mode in LOGPROB_MODES:
                 picked = tokens[sel]
                 logps = (base - (picked % 7) / 100.0 / temperature).astype(np.float32)
                 scored += len(picked)
+            score = SequenceScore(logps=logps)
             if mode in REWARD_MODES:
-                reward = float(int(tokens.sum()) % 1000) / 1000.0
-            out.append(SequenceScore(logps=logps, reward=reward, token_scores=None, error=None))
+                _noop_reward(score, s, tokens, options)
+            out.append(score)
         if options.outputs != LOGPS_ONLY:
             for i, (s, score) in enumerate(zip(seqs, out, strict=True)):
                 if score.logps is not None:
@@ -143,6 +163,24 @@ class NoopScorer:
             packed=True,
         )
         return ScoreOutput(scores=out, metrics=metrics)
+
+
+def _noop_reward(
+    score: SequenceScore, seq: SequenceInput, tokens: np.ndarray, options: ScoreOptions
+) -> None:
+    """The reward half: ``(sum(tokens) % 1000) / 1000``; for ``messages``, the UTF-8 bytes of
+    the contents stand in for tokens (``rm_tokens`` = their count); a step job scores each step
+    ``(token % 10) / 10``."""
+    if seq.messages is not None:
+        text = "".join(str(m.get("content", "")) for m in seq.messages if isinstance(m, dict))
+        tokens = np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int64)
+        score.rm_tokens = len(tokens)
+    if options.step is not None:
+        pos = step_positions(tokens, seq.step_positions, options.step)
+        score.step_positions = pos.astype(np.int32)
+        score.step_scores = ((tokens[pos] % 10) / 10.0).astype(np.float32)
+        return
+    score.reward = float(int(tokens.sum()) % 1000) / 1000.0
 
 
 def _call_args(mode: str | None, temperature: float | None) -> tuple[Any, float]:

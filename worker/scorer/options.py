@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from worker.scorer.steps import StepOptions
 from worker.scorer.teacher import LOGPS_ONLY, TokenOutputs
 
 __all__ = ["DEFAULT_OPTIONS", "ScoreOptions"]
@@ -27,6 +28,9 @@ class ScoreOptions:
 
     # teacher outputs (distillation): the per-position arrays a job wants beyond logps
     outputs: TokenOutputs = LOGPS_ONLY
+
+    # process rewards: the job's ``step`` map (None: a plain sequence reward)
+    step: StepOptions | None = None
 
     def describe(self) -> dict[str, object]:
         """The options that differ from the defaults (for logs and result ``info``)."""
