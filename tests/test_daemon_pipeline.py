@@ -241,3 +241,36 @@ def test_no_pipeline_flag_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config(["--no-pipeline"]).pipeline is False
     monkeypatch.setenv("SCORING_PIPELINE", "0")
     assert config([]).pipeline is False
+
+
+@pytest.mark.timeout(60)
+def test_reads_ahead_one_batch_budget_even_with_a_large_read_count(
+    redis_url: str, key_prefix: str, cleanup_keys: None
+) -> None:
+    client = redis.Redis.from_url(redis_url)
+    stream = keys.job_streams(key_prefix)[0]
+    reply = keys.reply_stream(stream, "c")
+    scorer = GatedScorer()
+    # 2 jobs of 3 tokens per batch, up to 64 entries per read
+    worker = _worker(redis_url, stream, scorer, max_jobs=12, max_batch_tokens=6, read_count=64)
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    ids = [f"j{i}" for i in range(12)]
+    try:
+        enqueue(client, stream, ids[0], reply, SEQ)
+        wait_until(lambda: len(scorer.calls) == 1, 10, what="the first batch to start")
+        for job_id in ids[1:]:
+            enqueue(client, stream, job_id, reply, SEQ)
+        wait_until(lambda: worker.backlog.full(), 10, what="a batch read ahead")
+        threading.Event().wait(0.3)
+        assert worker.backlog.tokens() == 6  # one batch's budget ahead, not 11 jobs
+        assert pending_of(client, stream, GROUP, "pipe") == 3
+        for _ in range(12):
+            scorer.gate.release()
+        results, _ = collect(client, reply, ids, timeout=10)
+        assert all(r.ok for r in results.values())
+    finally:
+        for _ in range(12):
+            scorer.gate.release()
+        thread.join(20)
+    assert not thread.is_alive()

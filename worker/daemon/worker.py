@@ -88,6 +88,7 @@ class Worker:
         self.jobs_done = 0
         self.pipeline = BatchPipeline(partial(score_batch, self.jobs), threaded=config.pipeline)
         self._poll_s = POLL_MIN_S
+        self._job_tokens = 0.0  # running mean of a job's tokens (sizes reads ahead)
         self.http: HealthServer | None = None
         scorer.add_fallback_listener(self._on_fallback)
 
@@ -231,10 +232,10 @@ class Worker:
             if self.reader.reclaim_due(suspect_held=suspect_held):
                 got += self._prepare(self.reader.reclaim(client, suspect_held=suspect_held), outbox)
             idle = not (self.backlog or got or stage.busy)
-            if not stage.busy or not self.backlog.full():
-                got += self._prepare(
-                    self.reader.read(client, self._room(), cfg.block_ms if idle else 0), outbox
-                )
+            room = self._room_ahead() if stage.busy else self._room()
+            got += self._prepare(
+                self.reader.read(client, room, cfg.block_ms if idle else 0), outbox
+            )
             if not stage.busy:
                 got += self._fill(client, outbox)
         self._flush(outbox)
@@ -286,12 +287,24 @@ class Worker:
             room = min(room, self.config.max_jobs - self.jobs_done - len(self.in_flight))
         return room
 
+    def _room_ahead(self) -> int:
+        """How many entries to read while a batch computes: about what fills the backlog to one
+        batch's token budget (by the mean job size seen so far), so at most one batch is ahead."""
+        left = self.config.max_batch_tokens - self.backlog.tokens()
+        if left <= 0:
+            return 0
+        fit = int(left // self._job_tokens) if self._job_tokens > 0 else 1
+        return min(self._room(), max(1, fit))
+
     def _prepare(self, entries: list[streams.Entry], outbox: Outbox) -> int:
         """Decode and validate entries: good jobs join the backlog, bad ones get answers."""
         for entry in entries:
             outcome = prepare_entry(self.jobs, entry)
             if isinstance(outcome, Pending):
                 self.backlog.append(outcome)
+                tokens = outcome.job.num_tokens
+                mean = self._job_tokens
+                self._job_tokens = tokens if mean == 0 else 0.9 * mean + 0.1 * tokens
             else:
                 outbox.add(outcome)
         return len(entries)
