@@ -208,3 +208,34 @@ def test_clients_return_numpy_arrays_and_old_results_are_byte_identical(
     assert plain[0].entropy is None and plain[0].topk_ids is None
     assert async_scores[0].logps is None and async_scores[0].entropy.shape == (2,)
     assert set(first.to_json()) >= {"logps", "entropy", "topk_ids", "gather_logps"}
+
+
+@pytest.mark.timeout(120)
+def test_distillation_example_runs_against_a_real_worker(
+    redis_url: str, key_prefix: str, cleanup_keys: None, executor: StatelessExecutor
+) -> None:
+    """docs/examples/distill.py, as docs/distillation.md runs it, against a tiny-model worker."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "examples" / "distill.py"
+    spec = importlib.util.spec_from_file_location("distill_example", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    stream = keys.job_streams(key_prefix)[0]
+    worker, thread = _worker(redis_url, stream, executor)
+    try:
+        losses = example.main(["--redis-url", redis_url, "--queue", key_prefix, "--vocab", "96"])
+    finally:
+        _stop(worker, thread)
+    assert set(losses) == {"reverse_kl", "topk_forward_kl", "gather"}
+    assert all(np.isfinite(v) for v in losses.values())
+    assert losses["topk_forward_kl"] > 0 and losses["gather"] > 0  # KLs of distinct models
+    # the top-k forward KL with its tail bucket is exact when k covers the vocabulary
+    lp = example.log_softmax(np.random.default_rng(0).normal(size=(5, 8)))
+    lq = example.log_softmax(np.random.default_rng(1).normal(size=(5, 8)))
+    ids = np.argsort(-lp, axis=1)[:, :8]
+    full = (np.exp(lp) * (lp - lq)).sum(1)
+    got = example.topk_forward_kl(ids, np.take_along_axis(lp, ids, 1), np.full(5, -np.inf), lq)
+    np.testing.assert_allclose(got, full, atol=1e-9)
