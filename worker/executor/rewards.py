@@ -29,6 +29,7 @@ from worker.scorer.inputs import PreparedSequence, SequenceInput, prepare_sequen
 from worker.scorer.options import ScoreOptions
 from worker.scorer.outputs import ScoreOutput
 from worker.scorer.steps import step_positions
+from worker.scorer.teacher import check_call
 
 
 def resolve_head(
@@ -179,6 +180,7 @@ class RewardSurface:
             raise BadRequest("no sequences to score")
         chat = any(isinstance(s, SequenceInput) and s.messages is not None for s in seqs)
         if mode == "reward":
+            check_call(options.outputs, mode, vocab)  # teacher outputs need log-probs
             prepared = self.reward_inputs(seqs, options)
             return [ScoreCall(mode, temp, prepared, started, options=options)]
         if not chat and self.same_vocab is not False:  # one forward layout for both surfaces
