@@ -65,6 +65,11 @@ def test_adapter_scores_equal_merged_float64(fleet, base, packing: str) -> None:
         assert report is not None and report.adapter == name and report.hit is False
         assert report.fingerprint and len(report.fingerprint) == 16
         assert report.provenance()["adapter"] == name
+    prints = {
+        ex.score(seqs, options=ScoreOptions(adapter=n)).metrics.weights.fingerprint
+        for n in ADAPTERS
+    }
+    assert len(prints) == 3  # same shapes, different weights: different fingerprints
     # the adapters really differ from the base and from each other
     a, b = (ex.score(seqs, options=ScoreOptions(adapter=n)).scores[0].logps for n in ADAPTERS[:2])
     assert np.abs(a - b).max() > 1e-2
@@ -204,7 +209,9 @@ def test_reward_mode_adapter(tmp_path) -> None:
     save_lora(rm, tmp_path / "ad" / "rm", seed=5)
     merged = merged_float64(rm, tmp_path / "ad" / "rm")  # before the executor hooks rm
     ex = StatelessExecutor(
-        ExecutorConfig(mode="reward"), reward_model=rm, weights=WeightsConfig(adapter_root=str(tmp_path / "ad"))
+        ExecutorConfig(mode="reward"),
+        reward_model=rm,
+        weights=WeightsConfig(adapter_root=str(tmp_path / "ad")),
     )
     seqs = _seqs()
     out = ex.score(seqs, options=ScoreOptions(adapter="rm"))

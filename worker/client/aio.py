@@ -156,13 +156,16 @@ class AsyncScoringClient(ClientBase):
         gather_ids: Any = None,
         sampling: Mapping[str, Any] | None = None,
         float16: bool = False,
+        adapter: str | None = None,
+        version: str | None = None,
     ) -> JobHandle:
         """Enqueue one job (see ``ScoringClient.submit``, teacher outputs too)."""
         self._ensure_reader()
         request = output_request(outputs, topk, gather_ids, sampling, float16)
         job = self._core.prepare(
-            seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id, outputs=request
-        )
+            seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id, outputs=request,
+            adapter=adapter, version=version,
+        )  # fmt: skip
         return await self._run(self._core.submit(job))
 
     async def raw_result(
@@ -197,13 +200,16 @@ class AsyncScoringClient(ClientBase):
         gather_ids: Any = None,
         sampling: Mapping[str, Any] | None = None,
         float16: bool = False,
+        adapter: str | None = None,
+        version: str | None = None,
     ) -> list[SeqScore]:
         """Submit one job and await its scores; forgotten on a timeout or cancellation."""
         self._ensure_reader()
         request = output_request(outputs, topk, gather_ids, sampling, float16)
         job = self._core.prepare(
-            seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s, outputs=request
-        )
+            seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s, outputs=request,
+            adapter=adapter, version=version,
+        )  # fmt: skip
         return await self._run(self._core.score(job, timeout))
 
     async def score_many(

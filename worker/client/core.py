@@ -193,6 +193,8 @@ class ClientCore:
         job_id: str | None = None,
         *,
         outputs: protocol.OutputRequest | None = None,
+        adapter: str | None = None,
+        version: str | None = None,
     ) -> PreparedJob:
         """Validate and encode a job (see ``ScoringClient.submit`` for the arguments)."""
         specs = normalize_seqs(seqs)
@@ -208,6 +210,8 @@ class ClientCore:
             deadline_ms=deadline_ms,
             meta=meta,
             outputs=outputs,
+            adapter=adapter,
+            version=version,
         )
         return PreparedJob(job_id, self.stream_for(job_id), payload, len(specs))
 

@@ -108,6 +108,9 @@ class JobSpec:
     meta: Any = None
     job_id: str | None = None
     deadline_ms: int | None = None
+    # per-job weights: adapter under --adapter-root, version under --model-root
+    adapter: str | None = None
+    version: str | None = None
 
 
 def as_job_spec(item: Any) -> JobSpec:
@@ -123,5 +126,7 @@ def as_job_spec(item: Any) -> JobSpec:
             meta=item.get("meta"),
             job_id=item.get("job_id", item.get("id")),
             deadline_ms=item.get("deadline_ms"),
+            adapter=item.get("adapter"),
+            version=item.get("version"),
         )
     return JobSpec(seqs=item)

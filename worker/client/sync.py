@@ -151,6 +151,8 @@ class ScoringClient(ClientBase):
         gather_ids: Any = None,
         sampling: Mapping[str, Any] | None = None,
         float16: bool = False,
+        adapter: str | None = None,
+        version: str | None = None,
     ) -> JobHandle:
         """Enqueue one job and return its handle (``result(handle)`` waits for it).
 
@@ -161,12 +163,16 @@ class ScoringClient(ClientBase):
         wanted (``logps``, ``entropy``, ``topk``, ``gather``, ``processed_logps``), with ``topk``
         k, shared ``gather_ids`` (or ``gather_ids`` ``[n_scored, K]`` on each sequence),
         ``sampling`` ``{top_k, top_p, min_p}`` and ``float16`` for top-k/gather log-probs.
+        Per-job weights (``docs/models.md``): ``adapter`` names a LoRA adapter under the
+        worker's ``--adapter-root`` (``"run42/step-120"``), ``version`` a checkpoint under its
+        ``--model-root``; ``None`` scores with the served base.
         """
         self._ensure_reader()
         request = output_request(outputs, topk, gather_ids, sampling, float16)
         job = self._core.prepare(
-            seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id, outputs=request
-        )
+            seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id, outputs=request,
+            adapter=adapter, version=version,
+        )  # fmt: skip
         return self._run(self._core.submit(job))
 
     def raw_result(self, handle_or_id: JobHandle | str, timeout: float | None = None) -> Result:
@@ -201,14 +207,17 @@ class ScoringClient(ClientBase):
         gather_ids: Any = None,
         sampling: Mapping[str, Any] | None = None,
         float16: bool = False,
+        adapter: str | None = None,
+        version: str | None = None,
     ) -> list[SeqScore]:
         """Submit one job and wait for its scores (one ``SeqScore`` per sequence). On a timeout
         (or an interrupt) the job is forgotten: its late result is dropped."""
         self._ensure_reader()
         request = output_request(outputs, topk, gather_ids, sampling, float16)
         job = self._core.prepare(
-            seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s, outputs=request
-        )
+            seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s, outputs=request,
+            adapter=adapter, version=version,
+        )  # fmt: skip
         return self._run(self._core.score(job, timeout))
 
     def score_many(

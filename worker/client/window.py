@@ -94,6 +94,8 @@ class ScoreWindow:
                 deadline_ms=spec.deadline_ms,
                 meta=spec.meta,
                 job_id=spec.job_id,
+                adapter=spec.adapter,
+                version=spec.version,
             )
             handle = yield from self.core.submit(job)
             start = handle.submitted_at

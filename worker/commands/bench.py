@@ -4,8 +4,9 @@ Suites: ``executor`` (naive in-trainer scoring vs the stateless executor), ``e2e
 jobs through Redis and a worker, pipelined and not, vs in-process), ``small`` (1,000 small jobs
 at a fixed offered rate: jobs/s and latency against ``--max-wait-ms``), ``naive`` (end to end vs
 naive in-trainer scoring on the synthetic 128k-vocab model and SmolLM2-135M: time and peak RSS),
-``capacity`` (queue throughput with the no-op scorer). Extra arguments after ``--`` go to the
-suite's own ``main``.
+``capacity`` (queue throughput with the no-op scorer), ``adapters`` (jobs over 3 resident
+LoRA adapters vs one model, cold adapter loads, a full-model switch per job). Extra arguments
+after ``--`` go to the suite's own ``main``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ SUITES = {
     "small": "worker.devtools.bench_small",
     "naive": "worker.devtools.bench_naive",
     "capacity": "worker.devtools.capacity",
+    "adapters": "worker.devtools.bench_adapters",
 }
 
 

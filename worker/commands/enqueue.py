@@ -2,7 +2,8 @@
 
 Input, one rollout per line: ``{"tokens": [...], "prompt_len": 12}`` or ``{"tokens": [...],
 "mask": [0, 0, 1, ...]}``, optional ``id`` (default: ``line-<n>``), ``meta``, ``mode``,
-``temperature``; or ``{"seqs": [{...}, ...], ...}`` for a multi-sequence job. Output, one line
+``temperature``, ``adapter``, ``version``; or ``{"seqs": [{...}, ...], ...}`` for a
+multi-sequence job. Output, one line
 per input line as results complete: ``{"id", "ok": true, "logps": [...], "reward", "meta",
 "info"}`` (``"seqs": [...]`` for multi-sequence jobs) or ``{"id", "ok": false, "error": {"code",
 "message"}}``. Ids already in the output file are skipped, so re-running resumes.
@@ -46,6 +47,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument(
+        "--adapter", help="LoRA adapter (under the workers' --adapter-root) for lines without one"
+    )
+    parser.add_argument(
+        "--version", help="checkpoint (under the workers' --model-root) for lines without one"
+    )
+    parser.add_argument(
         "--max-in-flight",
         type=int,
         default=int(env_get("MAX_IN_FLIGHT", "64") or 64),
@@ -86,7 +93,12 @@ def _done_ids(path: str, retry_errors: bool) -> set[str]:
     return done
 
 
-def _read_jobs(fh: IO[str], done: set[str], errors_out: list[dict[str, Any]]) -> Iterator[JobSpec]:
+def _read_jobs(
+    fh: IO[str],
+    done: set[str],
+    errors_out: list[dict[str, Any]],
+    weights: tuple[str | None, str | None] = (None, None),
+) -> Iterator[JobSpec]:
     for n, line in enumerate(fh, start=1):
         line = line.strip()
         if not line:
@@ -115,6 +127,8 @@ def _read_jobs(fh: IO[str], done: set[str], errors_out: list[dict[str, Any]]) ->
             temperature=obj.get("temperature"),
             meta={"line": n, "multi": multi, "meta": obj.get("meta")},
             job_id=job_id,
+            adapter=obj.get("adapter", weights[0]),  # per-job weights: the line's, else --adapter
+            version=obj.get("version", weights[1]),
         )
 
 
@@ -171,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
             ) as client,
         ):
             results = client.score_many(
-                _read_jobs(src, done, bad_lines),
+                _read_jobs(src, done, bad_lines, (args.adapter, args.version)),
                 max_in_flight=args.max_in_flight,
                 ordered=args.ordered,
                 timeout=args.timeout,

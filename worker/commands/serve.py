@@ -18,6 +18,7 @@ from typing import Any
 from worker import keys
 from worker.commands._fleet import add_fleet_args, run_fleet, wants_fleet
 from worker.commands._options import add_queue_args, add_redis_args, redis_settings
+from worker.commands._weights import add_weights_args, weights_config
 from worker.config import env_bool, env_get
 from worker.daemon.config import WorkerConfig
 from worker.errors import ConfigError
@@ -102,6 +103,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=_env_float("NOOP_DELAY_MS", 0.0),
         help="noop scorer only: sleep this long per batch",
     )
+    add_weights_args(parser)  # per-job adapters and versions
     b = parser.add_argument_group("batching and delivery")
     b.add_argument("--max-batch-tokens", type=int, default=_env_int("MAX_BATCH_TOKENS", 16384))
     b.add_argument(
@@ -317,6 +319,7 @@ def build_scorer(args: argparse.Namespace) -> Scorer:
         reward_gguf_file=args.reward_gguf_file,
         trust_remote_code=args.trust_remote_code,
         reward_adapter=reward_adapter_from_args(args) if args.reward_model else None,
+        weights=weights_config(args),
     )
 
 

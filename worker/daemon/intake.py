@@ -23,7 +23,11 @@ from worker.scorer.teacher import LOGPS_ONLY, Sampling, TokenOutputs, check_limi
 def job_options(job: Job) -> ScoreOptions:
     """The scorer options a decoded job asks for (defaults: today's plain job); raises
     ``BadRequest`` for a request the scorer's spec refuses."""
-    return ScoreOptions(outputs=token_outputs(job))
+    return ScoreOptions(
+        outputs=token_outputs(job),
+        adapter=job.adapter,  # per-job weights: batches group by adapter and version
+        version=job.version,
+    )
 
 
 def token_outputs(job: Job) -> TokenOutputs:

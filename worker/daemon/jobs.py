@@ -15,6 +15,7 @@ from typing import Any, cast
 import numpy as np
 
 from worker.daemon.context import JobContext, Pending, Reply
+from worker.daemon.weights import record_weights, weights_info
 from worker.errors import KVCacheRejected, ScoringError
 from worker.protocol import Result, SeqResult, error_result
 from worker.scorer import ScoreOptions, ScoreOutput, SequenceScore
@@ -62,6 +63,7 @@ def _results(
         kv_output_bytes=m.kv_output_bytes, kv_rejected=m.kv_rejected, oom_splits=m.oom_splits,
         device_total_bytes=m.device_total_bytes or None, now_s=time.time(),
     )  # fmt: skip
+    record_weights(ctx.metrics, m.weights, len(batch))  # per-job adapters/versions
     if m.backend and m.backend != "none":
         ctx.metrics.set_backend(m.backend)
     reasons = [f"{f.requested}->{f.used}: {f.reason}" for f in m.fallbacks]
@@ -73,6 +75,7 @@ def _results(
         "fallback_reason": "; ".join(at_load + reasons) or None,
         "temperature": batch[0].job.temperature,
         "compute_ms": round(compute_ms, 3),
+        **weights_info(m.weights),
     }
     layout = result_layout(batch[0].options)
     replies: list[Reply] = []

@@ -120,19 +120,31 @@ def _hook_for(name: str) -> Any:
     return hook
 
 
-def fingerprint(directory: Path, files: list[str]) -> str:
-    """sha256 (16 hex) of each file's config JSON or safetensors header, in order."""
+def fingerprint(directory: Path, files: list[str], *, full: bool = True) -> str:
+    """sha256 (16 hex) of the named files, in order.
+
+    ``full``: every byte (adapters: megabytes). Otherwise (full checkpoints: gigabytes) each
+    safetensors file contributes its size, its header (names, dtypes, shapes, offsets) and the
+    first and last MiB of its data; other files (JSON configs) every byte.
+    """
     digest = hashlib.sha256()
     for fname in files:
         path = directory / fname
         digest.update(fname.encode())
-        if fname.endswith(".safetensors"):
+        if full or not fname.endswith(".safetensors"):
             with path.open("rb") as fh:
-                head = fh.read(8)
-                (size,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
-                digest.update(fh.read(min(size, 100 << 20)))
-        else:
-            digest.update(path.read_bytes())
+                while block := fh.read(1 << 20):
+                    digest.update(block)
+            continue
+        size = path.stat().st_size
+        digest.update(str(size).encode())
+        with path.open("rb") as fh:
+            head = fh.read(8)
+            (header,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
+            digest.update(fh.read(min(header, 100 << 20)))
+            digest.update(fh.read(1 << 20))
+            fh.seek(max(size - (1 << 20), 0))
+            digest.update(fh.read(1 << 20))
     return digest.hexdigest()[:16]
 
 

@@ -45,7 +45,7 @@ def _model_bytes(model: nn.Module) -> int:
 
 def _version_fingerprint(path: Path) -> str:
     files = [f.name for f in sorted(path.iterdir()) if f.suffix in (".json", ".safetensors")]
-    return adapters.fingerprint(path, [f for f in files if f != "tokenizer.json"])
+    return adapters.fingerprint(path, [f for f in files if f != "tokenizer.json"], full=False)
 
 
 class WeightsRouter:

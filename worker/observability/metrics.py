@@ -241,6 +241,32 @@ class WorkerMetrics:
         self.in_flight = Gauge(
             "scoring_in_flight_jobs", "Jobs this worker holds right now.", registry=r
         )
+        # --- per-job weights (adapters, versions): docs/models.md
+        self.weights_loads = Counter(
+            "scoring_weights_loads_total",
+            "Adapter/version loads, by kind, reason (miss, evict, preload) and outcome.",
+            ["kind", "reason", "outcome"],
+            registry=r,
+        )
+        self.weights_load_seconds = Histogram(
+            "scoring_weights_load_seconds", "Time to load one adapter/version.", ["kind"],
+            buckets=SECONDS_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.weights_evictions = Counter(
+            "scoring_weights_evictions_total", "Adapters/versions evicted (LRU).", registry=r
+        )
+        self.weights_resident = Gauge(
+            "scoring_weights_resident", "Adapters/versions resident now.", ["kind"], registry=r
+        )
+        self.weights_resident_bytes = Gauge(
+            "scoring_weights_resident_bytes", "Bytes of resident adapters/versions.", registry=r
+        )
+        self.weights_jobs = Counter(
+            "scoring_weights_jobs_total",
+            "Jobs naming an adapter/version, by whether it was resident (hit) or loaded (miss).",
+            ["result"],
+            registry=r,
+        )
         # --- state and build info
         self.up = Gauge("scoring_worker_up", "1 while the worker loop runs.", registry=r)
         # ready and model_loaded follow the HealthState once bind_health() has been called.

@@ -35,6 +35,7 @@ from worker.protocol.seqs import (
     validate_seq,
     with_gather_ids,
 )
+from worker.protocol.weights import decode_weights, encode_weights
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ class Job:
     # per-sequence gather ids (0: none)
     outputs: OutputRequest | None = None
     gather_width: int = 0
+    # per-job weights (docs/models.md): adapter under --adapter-root, version under --model-root
+    adapter: str | None = None
+    version: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -69,10 +73,13 @@ def encode_job(
     deadline_ms: int | None = None,
     meta: Any = None,
     outputs: OutputRequest | None = None,
+    adapter: str | None = None,
+    version: str | None = None,
 ) -> bytes:
     """Encode a job payload; each seq is a ``SeqSpec`` or a map with ``tokens`` and
     ``prompt_len`` or ``mask`` (and per-position ``gather_ids``). ``outputs``: the teacher
-    outputs to ask for. Validates structure so producers fail fast."""
+    outputs to ask for. ``adapter``/``version``: the weights to score with (None: the worker's
+    base). Validates structure so producers fail fast."""
     if not isinstance(job_id, str) or not 0 < len(job_id) <= MAX_ID_CHARS:
         raise ProtocolError(f"job id must be a non-empty string of at most {MAX_ID_CHARS} chars")
     if mode not in MODES:
@@ -115,6 +122,7 @@ def encode_job(
         if mode == "reward":
             raise ProtocolError("teacher outputs need mode reference or both, not 'reward'")
         body.update(encode_output_request(outputs))
+    body.update(encode_weights(adapter, version))
     return msgpack.packb(body, use_bin_type=True)
 
 
@@ -157,6 +165,7 @@ def decode_job(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> Job:
         width = gather_width(
             [(s.num_scored, None if s.gather_ids is None else len(s.gather_ids)) for s in seqs]
         )
+        adapter, version = decode_weights(body)
     except ProtocolError as exc:
         raise ProtocolError(exc.message, raw=raw) from exc
     return Job(
@@ -169,6 +178,8 @@ def decode_job(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> Job:
         meta=meta,
         outputs=outputs,
         gather_width=width,
+        adapter=adapter,
+        version=version,
     )
 
 

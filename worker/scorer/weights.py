@@ -42,8 +42,9 @@ class WeightsReport:
     """The weights one scorer call ran with, and the residency events since the last report.
 
     ``hit``: the adapter/version was resident when the call asked for it (``None`` when the call
-    named neither). ``fingerprint``: a content hash of the weights that ran (adapter config and
-    safetensors headers, see ``worker.executor.adapters``).
+    named neither). ``fingerprint``: a content hash of the weights that ran (adapter files in
+    full; a version's configs and safetensors headers, sizes and edges, see
+    ``worker.executor.adapters.fingerprint``).
     """
 
     adapter: str | None
