@@ -158,13 +158,14 @@ class AsyncScoringClient(ClientBase):
         float16: bool = False,
         adapter: str | None = None,
         version: str | None = None,
+        step: Mapping[str, Any] | None = None,
     ) -> JobHandle:
         """Enqueue one job (see ``ScoringClient.submit``, teacher outputs too)."""
         self._ensure_reader()
         request = output_request(outputs, topk, gather_ids, sampling, float16)
         job = self._core.prepare(
             seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id, outputs=request,
-            adapter=adapter, version=version,
+            adapter=adapter, version=version, step=step,
         )  # fmt: skip
         return await self._run(self._core.submit(job))
 
@@ -202,13 +203,14 @@ class AsyncScoringClient(ClientBase):
         float16: bool = False,
         adapter: str | None = None,
         version: str | None = None,
+        step: Mapping[str, Any] | None = None,
     ) -> list[SeqScore]:
         """Submit one job and await its scores; forgotten on a timeout or cancellation."""
         self._ensure_reader()
         request = output_request(outputs, topk, gather_ids, sampling, float16)
         job = self._core.prepare(
             seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s, outputs=request,
-            adapter=adapter, version=version,
+            adapter=adapter, version=version, step=step,
         )  # fmt: skip
         return await self._run(self._core.score(job, timeout))
 

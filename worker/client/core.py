@@ -195,6 +195,7 @@ class ClientCore:
         outputs: protocol.OutputRequest | None = None,
         adapter: str | None = None,
         version: str | None = None,
+        step: Any = None,
     ) -> PreparedJob:
         """Validate and encode a job (see ``ScoringClient.submit`` for the arguments)."""
         specs = normalize_seqs(seqs)
@@ -211,6 +212,7 @@ class ClientCore:
             meta=meta,
             outputs=outputs,
             adapter=adapter,
+            step=step,
             version=version,
         )
         return PreparedJob(job_id, self.stream_for(job_id), payload, len(specs))

@@ -31,6 +31,13 @@ def normalize_seq(seq: Any, index: int = 0) -> protocol.SeqSpec:
     prompt_len)`` tuple or a ``SeqSpec``; tokens may be a list, numpy array or torch tensor."""
     if isinstance(seq, protocol.SeqSpec):
         return seq
+    if isinstance(seq, Mapping) and (
+        seq.get("messages") is not None or seq.get("step_positions") is not None
+    ):  # reward inputs: a conversation for the reward model's template, step positions
+        if seq.get("tokens") is None:
+            return protocol.reward_seq(seq, index)
+        rest = {k: v for k, v in seq.items() if k not in ("messages", "step_positions")}
+        return protocol.with_reward_inputs(normalize_seq(rest, index), seq, index)
     if isinstance(seq, Mapping):
         if "tokens" not in seq:
             raise errors.BadRequest(f"seqs[{index}]: a sequence map needs 'tokens'")

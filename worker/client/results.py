@@ -58,6 +58,17 @@ def _teacher_arrays(
     return out
 
 
+#: Reward-head arrays of a ``SeqScore`` (besides ``reward``).
+REWARD_ARRAYS = ("rewards", "step_positions", "step_scores")
+
+
+def _int_array(values: array | None) -> Any:
+    """A numpy int32 array when numpy is installed, else the ``array('i')`` itself."""
+    if values is None or _np is None:
+        return values
+    return _np.frombuffer(values.tobytes(), dtype=_np.int32)
+
+
 @dataclass(frozen=True)
 class SeqScore:
     """Scores of one sequence: completion-token log-probs (float32 array) and/or a reward."""
@@ -65,6 +76,12 @@ class SeqScore:
     logps: Any = None  # numpy float32 array when numpy is installed, else array('f')
     reward: float | None = None
     token_scores: Any = None
+    # reward inputs and heads (docs/rewards.md): reward-model token count of `messages`, every
+    # objective of a multi-objective head, process-reward step positions (int32) and scores
+    rm_tokens: int | None = None
+    rewards: Any = None
+    step_positions: Any = None
+    step_scores: Any = None
     # teacher outputs (docs/distillation.md): numpy arrays, row i = the i-th scored token;
     # [n] float32, or [n, k] / [n, K] (int32 ids; float16 log-probs when the job asked)
     entropy: Any = None
@@ -99,10 +116,12 @@ class SeqScore:
             out["reward"] = float(self.reward)
         if self.token_scores is not None:
             out["token_scores"] = [float(x) for x in self.token_scores]
-        for name in TEACHER_ARRAYS:
+        for name in TEACHER_ARRAYS + REWARD_ARRAYS:
             value = getattr(self, name)
             if value is not None:
                 out[name] = value.tolist() if hasattr(value, "tolist") else list(value)
+        if self.rm_tokens is not None:
+            out["rm_tokens"] = self.rm_tokens
         return out
 
 
@@ -135,6 +154,10 @@ class ScoreResult:
                     reward=s.reward,
                     token_scores=_float_array(s.token_scores),
                     **_teacher_arrays(s.arrays, result.layout),
+                    rm_tokens=s.rm_tokens,  # reward inputs and heads (docs/rewards.md)
+                    rewards=_float_array(s.rewards),
+                    step_positions=_int_array(s.step_positions),
+                    step_scores=_float_array(s.step_scores),
                 )
                 for s in result.seqs
             ],

@@ -153,6 +153,7 @@ class ScoringClient(ClientBase):
         float16: bool = False,
         adapter: str | None = None,
         version: str | None = None,
+        step: Mapping[str, Any] | None = None,
     ) -> JobHandle:
         """Enqueue one job and return its handle (``result(handle)`` waits for it).
 
@@ -165,13 +166,15 @@ class ScoringClient(ClientBase):
         ``sampling`` ``{top_k, top_p, min_p}`` and ``float16`` for top-k/gather log-probs.
         Per-job weights (``docs/models.md``): ``adapter`` names a LoRA adapter under the
         worker's ``--adapter-root`` (``"run42/step-120"``), ``version`` a checkpoint under its
-        ``--model-root``; ``None`` scores with the served base.
+        ``--model-root``; ``None`` scores with the served base. Process rewards
+        (``docs/rewards.md``): ``step`` ``{tag_id, label_token_ids, positive_index}``; a sequence
+        may be ``{"messages": [...]}`` (the reward model's chat template renders it).
         """
         self._ensure_reader()
         request = output_request(outputs, topk, gather_ids, sampling, float16)
         job = self._core.prepare(
             seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id, outputs=request,
-            adapter=adapter, version=version,
+            adapter=adapter, version=version, step=step,
         )  # fmt: skip
         return self._run(self._core.submit(job))
 
@@ -209,6 +212,7 @@ class ScoringClient(ClientBase):
         float16: bool = False,
         adapter: str | None = None,
         version: str | None = None,
+        step: Mapping[str, Any] | None = None,
     ) -> list[SeqScore]:
         """Submit one job and wait for its scores (one ``SeqScore`` per sequence). On a timeout
         (or an interrupt) the job is forgotten: its late result is dropped."""
@@ -216,7 +220,7 @@ class ScoringClient(ClientBase):
         request = output_request(outputs, topk, gather_ids, sampling, float16)
         job = self._core.prepare(
             seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s, outputs=request,
-            adapter=adapter, version=version,
+            adapter=adapter, version=version, step=step,
         )  # fmt: skip
         return self._run(self._core.score(job, timeout))
 

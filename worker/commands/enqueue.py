@@ -2,7 +2,8 @@
 
 Input, one rollout per line: ``{"tokens": [...], "prompt_len": 12}`` or ``{"tokens": [...],
 "mask": [0, 0, 1, ...]}``, optional ``id`` (default: ``line-<n>``), ``meta``, ``mode``,
-``temperature``, ``adapter``, ``version``; or ``{"seqs": [{...}, ...], ...}`` for a
+``temperature``, ``adapter``, ``version``; ``{"messages": [{"role": ..., "content": ...}]}`` for a
+reward on the reward model's own chat template; or ``{"seqs": [{...}, ...], ...}`` for a
 multi-sequence job. Output, one line
 per input line as results complete: ``{"id", "ok": true, "logps": [...], "reward", "meta",
 "info"}`` (``"seqs": [...]`` for multi-sequence jobs) or ``{"id", "ok": false, "error": {"code",

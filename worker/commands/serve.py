@@ -85,6 +85,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=env_bool(env_get("REWARD_TOKEN_SCORES")),
         help="also return the reward head's score at every token (token_scores in results)",
     )
+    m.add_argument(  # multi-objective reward heads
+        "--reward-index",
+        type=int,
+        default=_env_int("REWARD_INDEX", 0),
+        help="the output of a multi-objective reward head that is `reward` (all come back as "
+        "`rewards`; names from the config's id2label in info)",
+    )
+    m.add_argument(  # process reward models
+        "--reward-head",
+        choices=["auto", "sequence", "token-classification", "lm-label"],
+        default=env_get("REWARD_HEAD", "auto"),
+        help="how the reward checkpoint is read: auto = from its architecture "
+        "(*ForSequenceClassification: a reward per sequence; *ForTokenClassification / "
+        "*ForCausalLM: process rewards at step positions, docs/rewards.md)",
+    )
     m.add_argument("--device", default=env_get("DEVICE", "auto"))
     m.add_argument("--dtype", default=env_get("DTYPE", "auto"))
     m.add_argument("--attention-backend", default=env_get("ATTENTION_BACKEND", "auto"))
@@ -308,6 +323,7 @@ def build_scorer(args: argparse.Namespace) -> Scorer:
         "attention_backend": args.attention_backend,
         "max_batch_tokens": args.max_batch_tokens,
         "packing": args.packing,
+        "reward_index": args.reward_index,
     }
     names = {f.name for f in dataclasses.fields(ExecutorConfig)}
     config = ExecutorConfig(**{k: v for k, v in wanted.items() if k in names})
@@ -320,6 +336,7 @@ def build_scorer(args: argparse.Namespace) -> Scorer:
         trust_remote_code=args.trust_remote_code,
         reward_adapter=reward_adapter_from_args(args) if args.reward_model else None,
         weights=weights_config(args),
+        reward_head=args.reward_head,
     )
 
 
@@ -331,7 +348,9 @@ def reward_adapter_from_args(args: argparse.Namespace) -> Any:
     if not spec:
         from worker.executor.pooling import SequenceClassificationAdapter
 
-        return SequenceClassificationAdapter(token_level=token_level)
+        return SequenceClassificationAdapter(
+            token_level=token_level, reward_index=args.reward_index
+        )
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"--reward-adapter must be 'module:factory', got {spec!r}")

@@ -22,7 +22,7 @@ from worker.protocol import Job, Result
 from worker.scorer import DEFAULT_OPTIONS, FallbackEvent, ScoreOptions, Scorer, SequenceInput
 
 #: Keys of ``Scorer.info`` copied into every result's ``info``.
-INFO_KEYS = ("model", "reward_model", "dtype", "device")
+INFO_KEYS = ("model", "reward_model", "dtype", "device", "reward_head", "reward_objectives")
 
 
 @dataclass

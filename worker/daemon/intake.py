@@ -8,6 +8,7 @@ written here: the caller queues what :func:`prepare_entry` returns.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -17,16 +18,19 @@ from worker.daemon.context import DeadLetter, JobContext, Pending, Reply
 from worker.errors import ProtocolError, ScoringError
 from worker.protocol import Job, decode_job, error_result, peek_envelope
 from worker.scorer import ScoreOptions, SequenceInput
+from worker.scorer.steps import StepOptions
 from worker.scorer.teacher import LOGPS_ONLY, Sampling, TokenOutputs, check_limits
 
 
 def job_options(job: Job) -> ScoreOptions:
     """The scorer options a decoded job asks for (defaults: today's plain job); raises
     ``BadRequest`` for a request the scorer's spec refuses."""
+    step = job.step  # process rewards
     return ScoreOptions(
         outputs=token_outputs(job),
         adapter=job.adapter,  # per-job weights: batches group by adapter and version
         version=job.version,
+        step=None if step is None else StepOptions(**dataclasses.asdict(step)),
     )
 
 
@@ -54,8 +58,12 @@ def seq_inputs(job: Job) -> list[SequenceInput]:
         if s.gather_ids is not None and job.gather_width:
             gather = np.frombuffer(s.gather_ids, np.int32).reshape(-1, job.gather_width)
         out.append(
-            SequenceInput(tokens=tokens, prompt_len=s.prompt_len, mask=s.mask, gather_ids=gather)
-        )
+            SequenceInput(
+                tokens=tokens, prompt_len=s.prompt_len, mask=s.mask, gather_ids=gather,
+                messages=s.messages,  # reward inputs: rendered by the scorer's prepare
+                step_positions=s.step_positions,
+            )
+        )  # fmt: skip
     return out
 
 
@@ -104,8 +112,11 @@ def prepare_entry(
         return answer(exc.code, exc.message)
     pending = Pending(entry=entry, job=job, inputs=inputs, read_at_s=now_s, options=options)
     mode, temperature, options = pending.key
-    try:
-        ctx.scorer.validate(inputs, mode, temperature, options)
+    try:  # validate, and render messages with the reward model's template (off the forward)
+        started = time.perf_counter()
+        pending.inputs = ctx.scorer.prepare(inputs, mode, temperature, options)
+        if any(s.messages is not None for s in job.seqs):
+            ctx.metrics.tokenization_seconds.observe(time.perf_counter() - started)
     except ScoringError as exc:
         return answer(exc.code, exc.message)
     if job.mode != "reward":

@@ -94,9 +94,14 @@ def _results(
             # numpy float32 arrays: encode_result packs any float32 array-like as it is
             seq_results = [
                 SeqResult(logps=cast(Any, s.logps), reward=s.reward,
-                          token_scores=cast(Any, s.token_scores), arrays=s.arrays)
+                          token_scores=cast(Any, s.token_scores), arrays=s.arrays,
+                          rm_tokens=s.rm_tokens, rewards=s.rewards,  # reward inputs and heads
+                          step_positions=s.step_positions, step_scores=s.step_scores)
                 for s in scores
             ]  # fmt: skip
+            steps = sum(len(s.step_scores) for s in scores if s.step_scores is not None)
+            if steps:
+                ctx.metrics.step_scores.inc(steps)
             res = Result(id=p.job.id, ok=True, seqs=seq_results, meta=p.job.meta, info=info)
             res.layout = layout  # teacher outputs: the arrays each seqs entry carries
             ctx.metrics.result_bytes.observe(array_bytes(scores, layout))

@@ -84,6 +84,18 @@ class WorkerMetrics:
             buckets=RESULT_BYTES_BUCKETS,
             registry=r,
         )
+        # --- reward inputs (chat templates) and process rewards
+        self.tokenization_seconds = Histogram(
+            "scoring_tokenization_seconds",
+            "Time to render a job's messages with the reward model's chat template (intake).",
+            buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+            registry=r,
+        )
+        self.step_scores = Counter(
+            "scoring_step_scores_total",
+            "Process-reward step scores returned.",
+            registry=r,
+        )
         self.batch_size = Histogram(
             "scoring_batch_size_sequences",
             "Sequences per batch.",

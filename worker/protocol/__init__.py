@@ -28,6 +28,7 @@ from worker.protocol.limits import (
 )
 from worker.protocol.outputs import OutputRequest
 from worker.protocol.results import Result, SeqResult, decode_result, encode_result, error_result
+from worker.protocol.rewards import StepSpec, reward_seq, with_reward_inputs
 from worker.protocol.seqs import (
     SeqSpec,
     as_int32_array,
@@ -54,6 +55,7 @@ __all__ = [
     "Result",
     "SeqResult",
     "SeqSpec",
+    "StepSpec",
     "as_int32_array",
     "as_mask_bytes",
     "decode_job",
@@ -63,8 +65,10 @@ __all__ = [
     "error_result",
     "is_bool_like",
     "peek_envelope",
+    "reward_seq",
     "seq_specs",
     "token_id",
     "validate_seq",
     "with_gather_ids",
+    "with_reward_inputs",
 ]

@@ -26,6 +26,16 @@ from worker.protocol.outputs import (
     encode_output_request,
     gather_width,
 )
+from worker.protocol.rewards import (
+    StepSpec,
+    check_reward_job,
+    decode_step,
+    encode_step,
+    messages_only,
+    reward_entry,
+    reward_seq,
+    with_reward_inputs,
+)
 from worker.protocol.seqs import (
     SeqSpec,
     as_int32_array,
@@ -56,6 +66,8 @@ class Job:
     # per-job weights (docs/models.md): adapter under --adapter-root, version under --model-root
     adapter: str | None = None
     version: str | None = None
+    # process rewards (worker.protocol.rewards): the job's step map
+    step: StepSpec | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +87,7 @@ def encode_job(
     outputs: OutputRequest | None = None,
     adapter: str | None = None,
     version: str | None = None,
+    step: StepSpec | Mapping[str, Any] | None = None,
 ) -> bytes:
     """Encode a job payload; each seq is a ``SeqSpec`` or a map with ``tokens`` and
     ``prompt_len`` or ``mask`` (and per-position ``gather_ids``). ``outputs``: the teacher
@@ -91,16 +104,19 @@ def encode_job(
     ):
         raise ProtocolError(f"temperature must be a finite number > 0, got {temperature!r}")
     wire_seqs = []
+    specs: list[SeqSpec] = []
     for i, s in enumerate(seqs):
-        if isinstance(s, SeqSpec):
+        if not isinstance(s, SeqSpec):
+            s = reward_seq(s, i) if messages_only(s) else with_reward_inputs(seq_spec(s, i), s, i)
+        elif s.messages is None or len(s.tokens):
             validate_seq(s.tokens, s.prompt_len, s.mask, i)
-        else:
-            s = seq_spec(s, i)
-        entry: dict[str, Any] = {"tokens": le_bytes(s.tokens)}
+        specs.append(s)
+        entry: dict[str, Any] = {"tokens": le_bytes(s.tokens)} if len(s.tokens) else {}
         if s.prompt_len is not None:
             entry["prompt_len"] = int(s.prompt_len)
-        else:
+        elif s.mask is not None:
             entry["mask"] = s.mask
+        entry.update(reward_entry(s))
         if s.gather_ids is not None:
             entry["gather_ids"] = le_bytes(s.gather_ids)
         wire_seqs.append(entry)
@@ -123,6 +139,8 @@ def encode_job(
             raise ProtocolError("teacher outputs need mode reference or both, not 'reward'")
         body.update(encode_output_request(outputs))
     body.update(encode_weights(adapter, version))
+    body.update(encode_step(step))
+    check_reward_job(mode, specs, decode_step(body.get("step")))
     return msgpack.packb(body, use_bin_type=True)
 
 
@@ -168,6 +186,8 @@ def decode_job(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> Job:
         adapter, version = decode_weights(body)
     except ProtocolError as exc:
         raise ProtocolError(exc.message, raw=raw) from exc
+    step = _raw(decode_step, body.get("step"), raw)
+    _raw(check_reward_job, mode, seqs, step, raw)
     return Job(
         id=job_id,
         mode=mode,
@@ -180,7 +200,16 @@ def decode_job(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> Job:
         gather_width=width,
         adapter=adapter,
         version=version,
+        step=step,
     )
+
+
+def _raw(fn: Any, *args: Any) -> Any:
+    """``fn(*args[:-1])`` with its ``ProtocolError`` carrying the payload head ``args[-1]``."""
+    try:
+        return fn(*args[:-1])
+    except ProtocolError as exc:
+        raise ProtocolError(exc.message, raw=args[-1]) from None
 
 
 def _decode_seqs(raw_seqs: Any, limits: Limits, raw: bytes) -> tuple[SeqSpec, ...]:
@@ -196,6 +225,9 @@ def _decode_seqs(raw_seqs: Any, limits: Limits, raw: bytes) -> tuple[SeqSpec, ..
     for i, s in enumerate(raw_seqs):
         if not isinstance(s, dict):
             raise ProtocolError(f"seqs[{i}] must be a map", raw=raw)
+        if messages_only(s):  # reward inputs: a conversation the worker renders
+            seqs.append(_raw(reward_seq, s, i, raw))
+            continue
         raw_tokens = s.get("tokens")
         n = len(raw_tokens) // 4 if isinstance(raw_tokens, bytes) else None
         if isinstance(raw_tokens, list):
@@ -222,7 +254,7 @@ def _decode_seqs(raw_seqs: Any, limits: Limits, raw: bytes) -> tuple[SeqSpec, ..
             else:
                 raise ProtocolError(f"seqs[{i}].mask must be bin (one uint8 per token)", raw=raw)
         validate_seq(tokens, prompt_len, mask, i)
-        spec = SeqSpec(tokens=tokens, prompt_len=prompt_len, mask=mask)
+        spec = _raw(with_reward_inputs, SeqSpec(tokens, prompt_len, mask), s, i, raw)
         ids = s.get("gather_ids")  # teacher outputs: int32 LE bin [n_scored, K]
         if ids is not None:
             if not isinstance(ids, bytes) or len(ids) % 4:

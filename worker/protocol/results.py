@@ -12,7 +12,7 @@ import msgpack
 from worker.errors import ERROR_CODES, ProtocolError
 from worker.protocol.limits import DEFAULT_LIMITS, PROTOCOL_VERSION, Limits, unpack
 from worker.protocol.outputs import ARRAY_DTYPES, array_bin, decode_layout
-from worker.protocol.seqs import float_bin, from_le
+from worker.protocol.seqs import float_bin, from_le, le_bytes
 
 
 @dataclass
@@ -24,6 +24,12 @@ class SeqResult:
     token_scores: array | None = None  # typecode "f", optional per-token reward-head scores
     # teacher outputs: name -> values (numpy or LE bytes, as the result's ``layout`` says)
     arrays: dict[str, Any] | None = None
+    # reward inputs and heads: reward-model token count (messages), every objective of a
+    # multi-objective head (f32), process-reward step positions (i32) and scores (f32)
+    rm_tokens: int | None = None
+    rewards: Any = None
+    step_positions: Any = None
+    step_scores: Any = None
 
 
 @dataclass
@@ -58,6 +64,7 @@ def encode_result(result: Result) -> bytes:
                 entry["reward"] = float(s.reward)
             if s.token_scores is not None:
                 entry["token_scores"] = float_bin(s.token_scores)
+            entry.update(_reward_fields(s))
             for name, (dtype, _) in (result.layout or {}).items():
                 entry[name] = array_bin((s.arrays or {})[name], dtype)
             seqs.append(entry)
@@ -147,8 +154,34 @@ def _decode_seq_result(s: dict[str, Any]) -> SeqResult:
             raise ProtocolError("result float32 bin length is not a multiple of 4")
     if isinstance(reward, bool) or not isinstance(reward, (int, float, type(None))):
         raise ProtocolError("result reward must be a number")
-    return SeqResult(
+    out = SeqResult(
         logps=from_le("f", logps) if isinstance(logps, bytes) else None,
         reward=reward,
         token_scores=from_le("f", token_scores) if isinstance(token_scores, bytes) else None,
     )
+    rm_tokens = s.get("rm_tokens")
+    out.rm_tokens = rm_tokens if isinstance(rm_tokens, int) else None
+    for name, code in (("rewards", "f"), ("step_positions", "i"), ("step_scores", "f")):
+        value = s.get(name)
+        if isinstance(value, bytes):
+            if len(value) % 4:
+                raise ProtocolError(f"result {name} bin length is not a multiple of 4")
+            setattr(out, name, from_le(code, value))
+    return out
+
+
+def _reward_fields(s: SeqResult) -> dict[str, Any]:
+    """The reward-input and reward-head keys of one result entry (only those set)."""
+    entry: dict[str, Any] = {}
+    if s.rm_tokens is not None:
+        entry["rm_tokens"] = int(s.rm_tokens)
+    if s.rewards is not None:
+        entry["rewards"] = float_bin(s.rewards)
+    if s.step_positions is not None:
+        pos = s.step_positions
+        entry["step_positions"] = (
+            pos.astype("<i4").tobytes() if hasattr(pos, "astype") else le_bytes(array("i", pos))
+        )
+    if s.step_scores is not None:
+        entry["step_scores"] = float_bin(s.step_scores)
+    return entry

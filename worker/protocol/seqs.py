@@ -33,12 +33,18 @@ class SeqSpec:
     mask: bytes | None = None
     # teacher outputs: per-position gather ids, int32 row-major [num_scored, K] (flat)
     gather_ids: array | None = None
+    # reward inputs (worker.protocol.rewards): a conversation rendered by the reward model's
+    # chat template (tokens may then be empty in mode reward), process-reward step positions
+    messages: tuple[dict[str, Any], ...] | None = None
+    step_positions: array | None = None
 
     @property
     def num_scored(self) -> int:
         """How many tokens of this sequence are scored."""
         if self.mask is not None:
             return sum(self.mask)
+        if self.prompt_len is None:  # a messages-only reward sequence
+            return 0
         assert self.prompt_len is not None
         return len(self.tokens) - self.prompt_len
 

@@ -39,6 +39,12 @@ class SequenceScore:
     reward: float | None = None
     token_scores: np.ndarray | None = None  # [len] when the adapter is token-level
     error: ScoringError | None = None
+    # reward inputs and heads: the reward model's token count (messages), every objective of a
+    # multi-objective head, process-reward step positions and scores
+    rm_tokens: int | None = None
+    rewards: np.ndarray | None = None  # [K] float32 when the head has K > 1 outputs
+    step_positions: np.ndarray | None = None  # [k] int32
+    step_scores: np.ndarray | None = None  # [k] float32
     # teacher outputs: entropy, topk_ids, topk_logps, ... float32/int32 [n_scored(, width)]
     arrays: dict[str, np.ndarray] | None = None
 
