@@ -76,9 +76,10 @@ def test_reads_next_and_writes_previous_while_a_batch_computes(
         wait_until(lambda: len(scorer.calls) == 1, 10, what="batch a to start")
         for job_id in ("b", "c", "d"):
             enqueue(client, stream, job_id, reply, SEQ)
-        # a computes (blocked): b is read and validated ahead, and no more than b
+        # a computes (blocked): b is read and validated ahead (queued behind a), no more than b
         wait_until(lambda: pending_of(client, stream, GROUP, "pipe") == 2, 10, what="b read")
-        assert len(worker.backlog) == 1 and worker.pipeline.computing
+        wait_until(lambda: worker.pipeline.queued, 10, what="b queued behind a")
+        assert len(worker.backlog) == 0 and len(scorer.calls) == 1
         threading.Event().wait(0.3)
         assert pending_of(client, stream, GROUP, "pipe") == 2, "read more than one batch ahead"
         scorer.gate.release()  # a finishes
@@ -147,7 +148,7 @@ def test_drain_finishes_the_computing_batch_and_the_one_ahead(
         wait_until(lambda: len(scorer.calls) == 1, 10, what="batch a to start")
         enqueue(client, stream, "b", reply, SEQ)
         enqueue(client, stream, "c", reply, SEQ)
-        wait_until(lambda: len(worker.backlog) == 1, 10, what="b read ahead")
+        wait_until(lambda: worker.pipeline.queued, 10, what="b read ahead")
         worker.request_stop("test")
         scorer.gate.release()
         scorer.gate.release()
@@ -199,8 +200,9 @@ def test_nothing_is_read_ahead_of_a_suspect_running_alone(
 
 
 def test_stage_hands_back_replies_and_errors_once() -> None:
-    """Without Redis: submit while busy is refused, an error raised by the compute step comes
-    out of ``take_done`` in the caller's thread and frees the stage."""
+    """Without Redis: one batch computes and one waits queued behind it (a third is refused, and
+    so is a suspect behind a batch), replies come back in order, and an error raised by the
+    compute step comes out of ``take_done`` in the caller's thread and frees the stage."""
     started = threading.Event()
     release = threading.Event()
 
@@ -214,11 +216,14 @@ def test_stage_hands_back_replies_and_errors_once() -> None:
     stage = BatchPipeline(score)  # type: ignore[arg-type]
     stage.submit([1, 2])  # type: ignore[list-item]
     assert started.wait(5) and stage.computing and stage.take_done() is None
+    assert not stage.can_take(suspect=True)
+    stage.submit([3])  # type: ignore[list-item]
+    assert stage.queued and not stage.can_take()
     with pytest.raises(RuntimeError):
-        stage.submit([3])  # type: ignore[list-item]
+        stage.submit([4])  # type: ignore[list-item]
     release.set()
-    assert stage.wait(5)
-    assert stage.take_done() == ["r1", "r2"] and not stage.busy
+    wait_until(lambda: not stage.computing, 5, what="both batches")
+    assert stage.take_done() == ["r1", "r2", "r3"] and not stage.busy
     stage.submit(["boom"])  # type: ignore[list-item]
     assert stage.wait(5)
     with pytest.raises(RuntimeError, match="bug in a step"):
@@ -261,10 +266,10 @@ def test_reads_ahead_one_batch_budget_even_with_a_large_read_count(
         wait_until(lambda: len(scorer.calls) == 1, 10, what="the first batch to start")
         for job_id in ids[1:]:
             enqueue(client, stream, job_id, reply, SEQ)
-        wait_until(lambda: worker.backlog.full(), 10, what="a batch read ahead")
+        wait_until(lambda: worker.pipeline.queued, 10, what="a batch read ahead")
         threading.Event().wait(0.3)
-        assert worker.backlog.tokens() == 6  # one batch's budget ahead, not 11 jobs
-        assert pending_of(client, stream, GROUP, "pipe") == 3
+        # one batch's budget ahead (queued), not 11 jobs
+        assert pending_of(client, stream, GROUP, "pipe") == 3 and not worker.backlog
         for _ in range(12):
             scorer.gate.release()
         results, _ = collect(client, reply, ids, timeout=10)

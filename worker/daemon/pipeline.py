@@ -1,11 +1,11 @@
 """The compute stage: one batch scores on its own thread while the main thread talks to Redis.
 
-:class:`BatchPipeline` owns a compute thread fed through a one-slot hand-off: the main thread
-:meth:`~BatchPipeline.submit`\\ s a batch when the stage is idle, keeps reading, decoding and
-validating the next batch and writing and acking the previous one, and
-:meth:`~BatchPipeline.take_done`\\ s the replies once the forward returns. At most one batch
-computes and (because the worker reads ahead only until its backlog holds one batch's token
-budget) at most one more is prepared ahead, so leases and memory stay bounded.
+:class:`BatchPipeline` owns a compute thread fed through a one-slot queue: the main thread
+submits a batch, keeps reading, decoding and validating the next one (queued in the slot once it
+fills a batch's token budget, so the compute thread starts it the moment the forward returns)
+and writes and acks the previous one's replies (:meth:`~BatchPipeline.take_done`). At most one
+batch computes and one is prepared ahead (queued, or filling the backlog while the slot is free),
+so leases and memory stay bounded.
 
 Only the main thread touches the loop's Redis client; the compute thread calls
 :func:`worker.daemon.jobs.score_batch` and nothing else. With ``threaded=False`` the same object
@@ -19,6 +19,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from worker.daemon.context import Pending, Reply
@@ -30,50 +31,76 @@ ScoreFn = Callable[[list[Pending]], list[Reply]]
 
 
 class BatchPipeline:
-    """At most one batch computing (on a compute thread, or inline), its replies handed back."""
+    """A compute stage: at most one batch computing and one queued behind it, replies handed back.
+
+    The queued batch lets the compute thread go from one forward straight to the next without
+    waiting for the main thread to wake up (on a loaded machine a thread wake-up costs
+    milliseconds per batch). Replies of finished batches wait in order until taken.
+    """
 
     def __init__(self, score: ScoreFn, *, threaded: bool = True) -> None:
         self._score = score
         self.threaded = threaded
         self._inbox: queue.Queue[list[Pending] | None] = queue.Queue(maxsize=1)
-        self._done = threading.Event()
+        self._ready = threading.Event()  # set while finished batches wait to be taken
         self._lock = threading.Lock()
-        self._batch: list[Pending] | None = None  # submitted, replies not yet taken
-        self._suspect = False
-        self._replies: list[Reply] | None = None
-        self._error: BaseException | None = None
+        self._queued: list[Pending] | None = None  # submitted, not started
+        self._running: list[Pending] | None = None  # computing now
+        self._finished: deque[tuple[list[Pending], list[Reply] | None, Exception | None]] = deque()
+        self._suspects: set[int] = set()  # id() of held batches that are suspects
         self.started_s: float | None = None  # monotonic start of the batch computing now
         self._thread: threading.Thread | None = None  # started on the first submit
 
     # ------------------------------------------------------------------ main thread
     @property
     def busy(self) -> bool:
-        """True from :meth:`submit` until the batch's replies are taken."""
-        return self._batch is not None
+        """True while any batch is held here (queued, computing, or replies not taken)."""
+        with self._lock:
+            return bool(self._queued or self._running or self._finished)
 
     @property
     def computing(self) -> bool:
-        """True while the submitted batch has not finished computing."""
-        return self._batch is not None and not self._done.is_set()
+        """True while a batch is queued or computing."""
+        with self._lock:
+            return bool(self._queued or self._running)
+
+    @property
+    def queued(self) -> bool:
+        """True while a batch waits behind the one computing (the slot is taken)."""
+        with self._lock:
+            return self._queued is not None
 
     @property
     def suspect_running(self) -> bool:
-        """True while the batch held here is a suspect running alone (see ``Backlog``)."""
-        return self._batch is not None and self._suspect
+        """True while a suspect (see ``Backlog``) is queued or computing here."""
+        with self._lock:
+            return any(id(b) in self._suspects for b in (self._queued, self._running) if b)
 
     def held_ids(self) -> set[tuple[str, str]]:
-        """``(stream, entry_id)`` of the batch held here (computing, or replies not taken)."""
-        batch = self._batch
-        return {(p.entry.stream, p.entry.id) for p in batch} if batch else set()
+        """``(stream, entry_id)`` of every batch held (queued, computing, replies not taken)."""
+        with self._lock:
+            batches = [self._queued, self._running, *(f[0] for f in self._finished)]
+        return {(p.entry.stream, p.entry.id) for b in batches if b for p in b}
+
+    def can_take(self, *, suspect: bool = False) -> bool:
+        """True when a batch can be submitted now: the slot is free, and a suspect (which runs
+        alone) only when nothing computes, and nothing behind a suspect."""
+        with self._lock:
+            if self._queued is not None:
+                return False
+            if self._running is not None:
+                return not suspect and id(self._running) not in self._suspects
+            return True
 
     def submit(self, batch: list[Pending], *, suspect: bool = False) -> None:
-        """Start scoring ``batch`` (inline when not threaded). The stage must not be busy.
-        ``suspect``: the batch is a suspect running alone (the worker reads nothing ahead)."""
-        if self._batch is not None:
-            raise RuntimeError("a batch is already held by the compute stage")
-        self._batch = batch
-        self._suspect = suspect
-        self._done.clear()
+        """Queue ``batch`` (run it inline when not threaded); ``can_take`` must be True.
+        ``suspect``: the batch is a suspect running alone (nothing is queued behind it)."""
+        if not self.can_take(suspect=suspect):
+            raise RuntimeError("the compute stage cannot take a batch now")
+        with self._lock:
+            self._queued = batch
+            if suspect:
+                self._suspects.add(id(batch))
         if not self.threaded:
             self._compute(batch)
             return
@@ -83,28 +110,35 @@ class BatchPipeline:
         self._inbox.put_nowait(batch)
 
     def wait(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for the batch to finish; True when it has (or none is held)."""
-        if self._batch is None:
-            return True
-        return self._done.wait(timeout_s)
+        """Wait up to ``timeout_s`` for a batch to finish; True when replies wait to be taken."""
+        return self._ready.wait(timeout_s)
 
     def take_done(self) -> list[Reply] | None:
-        """The finished batch's replies (the stage is then idle), or None while it computes.
+        """Replies of the finished batches, oldest first (None when none finished).
 
         An error the compute step raised (``score_batch`` answers scorer failures itself, so
-        this is a bug) is raised here, in the main thread, after the stage is freed.
+        this is a bug) is raised here, in the main thread, once the batches before it are taken.
         """
-        if self._batch is None or not self._done.is_set():
-            return None
+        out: list[Reply] = []
         with self._lock:
-            replies, error = self._replies, self._error
-            self._batch, self._replies, self._error = None, None, None
-        if error is not None:
-            raise error
-        return replies or []
+            while self._finished:
+                batch, replies, error = self._finished[0]
+                if error is not None and out:
+                    break  # hand back what is done first; the error comes out next time
+                self._finished.popleft()
+                self._suspects.discard(id(batch))
+                if error is not None:
+                    if not self._finished:
+                        self._ready.clear()
+                    raise error
+                out.extend(replies or [])
+            if not self._finished:
+                self._ready.clear()
+            taken = bool(out)
+        return out if taken else None
 
     def close(self, timeout_s: float = 2.0) -> None:
-        """Stop the compute thread (after the batch it runs, if any)."""
+        """Stop the compute thread (after the batches it holds, if any)."""
         thread, self._thread = self._thread, None
         if thread is not None and thread.is_alive():
             try:
@@ -122,8 +156,10 @@ class BatchPipeline:
             self._compute(batch)
 
     def _compute(self, batch: list[Pending]) -> None:
+        with self._lock:
+            self._queued, self._running = None, batch
         replies: list[Reply] | None = None
-        error: BaseException | None = None
+        error: Exception | None = None
         self.started_s = time.monotonic()
         try:
             replies = self._score(batch)
@@ -132,5 +168,6 @@ class BatchPipeline:
         finally:
             self.started_s = None
         with self._lock:
-            self._replies, self._error = replies, error
-        self._done.set()
+            self._running = None
+            self._finished.append((batch, replies, error))
+            self._ready.set()

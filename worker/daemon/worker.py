@@ -232,19 +232,16 @@ class Worker:
             if self.reader.reclaim_due(suspect_held=suspect_held):
                 got += self._prepare(self.reader.reclaim(client, suspect_held=suspect_held), outbox)
             idle = not (self.backlog or got or stage.busy)
-            room = self._room_ahead() if stage.busy else self._room()
+            computing = stage.computing
+            room = self._room_ahead() if computing else self._room()
             got += self._prepare(
                 self.reader.read(client, room, cfg.block_ms if idle else 0), outbox
             )
-            if not stage.busy:
+            if not computing:
                 got += self._fill(client, outbox)
         self._flush(outbox)
         done = stage.take_done()
-        batch: list[Pending] = []
-        if not stage.busy:
-            batch = self.backlog.take_batch()
-            if batch:
-                stage.submit(batch, suspect=self.backlog.is_suspect(batch[0]))
+        batch = self._submit()
         if done is not None:  # the previous batch, written while the next one computes
             self._flush(Outbox(results=done))
         if not stage.threaded:
@@ -262,6 +259,23 @@ class Worker:
         if cfg.burst and not got and not batch and not self.backlog:
             return self.reader.drained(client)
         return False
+
+    def _submit(self) -> list[Pending]:
+        """Hand the next batch to the compute stage when it can take one: at once when nothing
+        computes; behind the computing batch only once the backlog holds a full batch (and never
+        a suspect, which waits to run alone). Returns the batch submitted (empty: none)."""
+        stage, backlog = self.pipeline, self.backlog
+        if not backlog:
+            return []
+        head_suspect = backlog.is_suspect(next(iter(backlog)))
+        if not stage.can_take(suspect=head_suspect):
+            return []
+        if stage.computing and not backlog.full():
+            return []
+        batch = backlog.take_batch()
+        if batch:
+            stage.submit(batch, suspect=backlog.is_suspect(batch[0]))
+        return batch
 
     def _fill(self, client: Any, outbox: Outbox) -> int:
         """Fill the batch: poll without BLOCK until the backlog holds a batch's token budget or
@@ -291,7 +305,7 @@ class Worker:
         """How many entries to read while a batch computes: about what fills the backlog to one
         batch's token budget (by the mean job size seen so far), so at most one batch is ahead."""
         left = self.config.max_batch_tokens - self.backlog.tokens()
-        if left <= 0:
+        if left <= 0 or self.pipeline.queued:
             return 0
         fit = int(left // self._job_tokens) if self._job_tokens > 0 else 1
         return min(self._room(), max(1, fit))
