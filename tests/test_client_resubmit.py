@@ -5,7 +5,9 @@ lost before any worker read it is recovered by resubmission, and is lost without
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -164,3 +166,45 @@ def cluster_node_url(cluster: FailoverCluster, key: str) -> str:
         return f"redis://127.0.0.1:{node.port}"
     finally:
         c.close()
+
+
+@contextlib.contextmanager
+def _replica_stopped(cluster: FailoverCluster, key: str) -> Iterator[int]:
+    """SIGSTOP the replica of ``key``'s primary (it acknowledges nothing) until the block ends."""
+    node = cluster_node_url(cluster, key)
+    replica = cluster.replica_of(int(node.rsplit(":", 1)[1]))
+    proc = cluster.procs[replica]
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        yield replica
+    finally:
+        proc.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_async_cluster_durable_submit_waits_on_the_streams_primary(
+    cluster: FailoverCluster, key_prefix: str
+) -> None:
+    """The asyncio client's durable submit on Redis Cluster: XADD and WAIT share one connection
+    to the stream's primary, so the WAIT counts that XADD's replica (a WAIT sent anywhere else
+    would count a stopped replica, or another primary's, and see no shortfall)."""
+    streams = keys.job_streams(key_prefix)
+
+    async def submit_one(replicas: int) -> tuple[int, str]:
+        async with AsyncScoringClient(
+            cluster.url, queue=key_prefix, durable_replicas=replicas, durable_timeout_ms=300
+        ) as client:
+            handle = await client.submit(SEQS)
+            return client.undurable, handle.entry_id
+
+    undurable, entry_id = asyncio.run(submit_one(1))
+    assert undurable == 0  # the replica acknowledged the XADD
+    node = cluster_node_url(cluster, streams[0])
+    replica = cluster.replica_of(int(node.rsplit(":", 1)[1]))
+    with redis.Redis(port=replica) as r:  # and it has the entry
+        r.execute_command("READONLY")
+        assert [i.decode() for i, _ in r.xrange(streams[0])][-1] == entry_id
+    with _replica_stopped(cluster, streams[0]):
+        assert asyncio.run(submit_one(1))[0] == 1  # WAIT 1 on that node: 0 within 300 ms
+    assert asyncio.run(submit_one(2))[0] == 1  # one replica per primary: 2 is never met

@@ -23,7 +23,6 @@ from redis.cluster import ClusterNode
 from redis.retry import Retry
 
 from worker.config import RedisSettings
-from worker.errors import ConfigError
 
 RETRY_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 #: Errors that mean "Redis (or the cluster's topology) is not reachable right now": retried.
@@ -124,8 +123,9 @@ _DURABLE_RETRY_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
-def _node_client(client: Any, key: str) -> Any:
-    """The client of the primary that serves ``key`` (``client`` itself when standalone)."""
+def node_client(client: Any, key: str) -> Any:
+    """The client of the primary that serves ``key`` (``client`` itself when standalone): a
+    ``WAIT`` must run on the connection that made the writes it waits for."""
     if not isinstance(client, redis.RedisCluster):
         return client
     node = client.get_node_from_key(key)
@@ -142,7 +142,7 @@ def xadd_wait(
     entry: the job id de-duplicates it)."""
     for attempt in range(_DURABLE_RETRIES):
         try:
-            with _node_client(client, stream).pipeline(transaction=False) as pipe:
+            with node_client(client, stream).pipeline(transaction=False) as pipe:
                 pipe.xadd(stream, fields)
                 pipe.execute_command("WAIT", replicas, timeout_ms)
                 entry_id, acked = pipe.execute()
@@ -159,16 +159,46 @@ def xadd_wait(
 async def xadd_wait_async(
     client: Any, stream: str, fields: Any, replicas: int, timeout_ms: int
 ) -> tuple[Any, int]:
-    """:func:`xadd_wait` for a ``redis.asyncio`` client (standalone only for now)."""
+    """:func:`xadd_wait` for a ``redis.asyncio`` client. On a Cluster both commands go down one
+    connection of the stream's primary (``ClusterNode.execute_pipeline``; the cluster
+    pipeline would send the keyless ``WAIT`` to any node), with the same retries."""
     import redis.asyncio as aioredis
 
     if isinstance(client, aioredis.RedisCluster):
-        raise ConfigError("durable submit needs the sync client on Redis Cluster (for now)")
+        return await _xadd_wait_cluster_async(client, stream, fields, replicas, timeout_ms)
     async with client.pipeline(transaction=False) as pipe:
         pipe.xadd(stream, fields)
         pipe.execute_command("WAIT", replicas, timeout_ms)
         entry_id, acked = await pipe.execute()
     return entry_id, int(acked)
+
+
+async def _xadd_wait_cluster_async(
+    client: Any, stream: str, fields: Any, replicas: int, timeout_ms: int
+) -> tuple[Any, int]:
+    import asyncio
+
+    from redis.asyncio.cluster import PipelineCommand
+
+    flat = [part for pair in dict(fields).items() for part in pair]
+    for attempt in range(_DURABLE_RETRIES):
+        try:
+            await client.initialize()  # a no-op once the client knows its nodes
+            node = client.get_node_from_key(stream)
+            xadd = PipelineCommand(0, "XADD", stream, "*", *flat)
+            wait = PipelineCommand(1, "WAIT", replicas, timeout_ms)
+            await node.execute_pipeline([xadd, wait])
+            for cmd in (xadd, wait):
+                if isinstance(cmd.result, BaseException):
+                    raise cmd.result
+            return xadd.result, int(wait.result)
+        except _DURABLE_RETRY_ERRORS:
+            if attempt == _DURABLE_RETRIES - 1:
+                raise
+            await asyncio.sleep(min(0.1 * 2**attempt, 1.0))
+            with contextlib.suppress(*CONNECT_ERRORS):
+                await client.nodes_manager.initialize()
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def server_version(client: Any) -> tuple[int, int, int]:

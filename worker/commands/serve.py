@@ -162,6 +162,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="a reply stream with no TTL gets this one when a result is written (a late result "
         "after its client closed leaves no key behind); 0: never set one",
     )
+    # durable result writes (docs/guarantees.md, "The worker's side")
+    b.add_argument(
+        "--durable-replicas",
+        type=int,
+        default=_env_int("DURABLE_REPLICAS", 0),
+        help="after writing a result to another Cluster node than its job, WAIT for this many "
+        "replicas and ack only then (a shortfall: not acked, written again); 0: off",
+    )
+    b.add_argument("--durable-timeout-ms", type=int, default=_env_int("DURABLE_TIMEOUT_MS", 1000))
+    b.add_argument(
+        "--durable-all-results",
+        action="store_true",
+        default=env_bool(env_get("DURABLE_ALL_RESULTS")),
+        help="with --durable-replicas, WAIT after the atomic result + ack script too",
+    )
     b.add_argument("--drain-timeout-s", type=float, default=_env_float("DRAIN_TIMEOUT_S", 60.0))
     b.add_argument(
         "--batch-timeout-s",
@@ -269,6 +284,9 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         batch_timeout_s=args.batch_timeout_s,
         result_maxlen=args.result_maxlen,
         reply_ttl_s=args.reply_ttl_s,
+        durable_replicas=args.durable_replicas,
+        durable_timeout_ms=args.durable_timeout_ms,
+        durable_all_results=args.durable_all_results,
         burst=args.burst,
         max_jobs=args.max_jobs,
         pipeline=args.pipeline,

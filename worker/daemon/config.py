@@ -9,6 +9,7 @@ from worker.errors import ConfigError
 from worker.keys import DEFAULT_GROUP
 from worker.protocol import Limits
 from worker.scorer.teacher import MAX_TOPK
+from worker.streams.durable import Durability
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,12 @@ class WorkerConfig:
     result_maxlen: int = 10000
     reply_ttl_s: int = 3600  # a reply stream without a TTL gets this one (0: none)
     dead_letter_maxlen: int = 100000
+    # durable result writes: WAIT for this many replicas after a result write on another node
+    # than its job, ack only then (0: off); durable_all_results WAITs after the one-script
+    # write + ack too (docs/guarantees.md)
+    durable_replicas: int = 0
+    durable_timeout_ms: int = 1000
+    durable_all_results: bool = False
     stats_interval_s: float = 5.0
     burst: bool = False
     max_jobs: int | None = None
@@ -73,12 +80,19 @@ class WorkerConfig:
                      "reply_ttl_s"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.durable_replicas < 0 or self.durable_timeout_ms <= 0:
+            raise ConfigError("durable_replicas must be >= 0 and durable_timeout_ms > 0")
         if self.drain_timeout_s <= 0 or self.batch_timeout_s <= 0:
             raise ConfigError("drain_timeout_s and batch_timeout_s must be > 0")
         if self.max_topk > MAX_TOPK:
             raise ConfigError(f"max_topk must be at most {MAX_TOPK}, got {self.max_topk}")
         if self.max_jobs is not None and self.max_jobs <= 0:
             raise ConfigError(f"max_jobs must be > 0, got {self.max_jobs}")
+
+    @property
+    def durability(self) -> Durability:
+        """The ``WAIT`` after result writes (``replicas`` 0: off)."""
+        return Durability(self.durable_replicas, self.durable_timeout_ms, self.durable_all_results)
 
     @property
     def lease_interval_s(self) -> float:

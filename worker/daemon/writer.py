@@ -51,10 +51,21 @@ class OutboxWriter:
             for r in outbox.results
         ]
         superseded: list[streams.Delivery] = []
-        failures = streams.write_results(
-            client, cfg.group, deliveries, maxlen=cfg.result_maxlen, consumer=cfg.consumer,
-            superseded=superseded, reply_ttl_s=cfg.reply_ttl_s,
-        )  # fmt: skip
+        shortfalls: list[str] = []
+        try:
+            failures = streams.write_results(
+                client, cfg.group, deliveries, maxlen=cfg.result_maxlen, consumer=cfg.consumer,
+                superseded=superseded, reply_ttl_s=cfg.reply_ttl_s,
+                durability=cfg.durability, shortfalls=shortfalls,
+            )  # fmt: skip
+        finally:
+            for write in shortfalls:
+                self.ctx.metrics.durable_shortfalls.labels(write=write).inc()
+            if shortfalls:
+                log.warning(
+                    "%d WAIT(s) after result writes got fewer than %d replicas (%s)",
+                    len(shortfalls), cfg.durable_replicas, ", ".join(shortfalls),
+                )  # fmt: skip
         failed = {(d.stream, d.entry_id): err for d, err in failures}
         taken = {(d.stream, d.entry_id) for d in superseded}
         retry: list[Reply] = []

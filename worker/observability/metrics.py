@@ -211,6 +211,15 @@ class WorkerMetrics:
             "Results not written because another consumer had taken the entry over.",
             registry=r,
         )
+        # durable result writes (--durable-replicas)
+        self.durable_shortfalls = Counter(
+            "scoring_durable_shortfalls_total",
+            "WAITs after result writes that fewer replicas than asked acknowledged in time "
+            "(write: two_step, the entries stay unacked and are written again; one_script, "
+            "already acked).",
+            ["write"],
+            registry=r,
+        )
         self.redelivered = Counter(
             "scoring_entries_redelivered_total", "Entries delivered more than once.", registry=r
         )

@@ -12,7 +12,9 @@ Functions and the Redis commands they send:
   partitions, no CROSSSLOT;
 * :func:`write_results` (``writing``) - result ``XADD`` + ``XACK``, atomic (script
   ``RESULT_ACK``, one per job) when the reply stream shares the job stream's slot, else ``XADD``
-  then ``XACK`` (never ack before the result);
+  then ``XACK`` (never ack before the result); with a :class:`Durability` (``durable``)
+  each node's writes are followed by ``WAIT replicas timeout`` on the same connection and the
+  two-step path acks only what a replica acknowledged;
 * :func:`ack` (``writing``) - ``XACK``, one command per stream;
 * :func:`dead_letter` (``writing``) - ``XADD`` to the dead-letter stream + the producer's error
   result + ``XACK`` in one script (``DEAD_ACK``);
@@ -47,6 +49,7 @@ Queue inspection and dead-letter operations for ``scoring-worker info``/``dlq`` 
 from __future__ import annotations
 
 from worker.streams.claims import delivery_counts, reclaim_idle, renew_leases
+from worker.streams.durable import Durability
 from worker.streams.groups import (
     ensure_group,
     forget_consumer,
@@ -70,6 +73,7 @@ from worker.streams.writing import Delivery, ack, dead_letter, write_results
 __all__ = [
     "TRANSIENT_ERRORS",
     "Delivery",
+    "Durability",
     "Entry",
     "TransientRedisError",
     "ack",

@@ -2,7 +2,8 @@
 
 * :func:`write_results` - result ``XADD`` + ``XACK``, atomic (script
   :data:`~worker.streams.scripts.RESULT_ACK`, one per job) when the reply stream shares the job
-  stream's slot, else ``XADD`` then ``XACK``; never ack before the result is written;
+  stream's slot, else ``XADD`` then ``XACK``; never ack before the result is written (with
+  a :class:`~worker.streams.durable.Durability`, never before a replica has it: ``WAIT``);
 * :func:`ack` - ``XACK``, one command per stream;
 * :func:`dead_letter` - dead-letter ``XADD`` + the producer's error result + ``XACK`` in one
   script (:data:`~worker.streams.scripts.DEAD_ACK`) where the keys share a slot.
@@ -20,6 +21,7 @@ import redis
 
 from worker.keys import same_slot
 from worker.protocol import PAYLOAD_FIELD
+from worker.streams.durable import ONE_SCRIPT, Durability, scripts_then_wait, write_then_wait
 from worker.streams.groups import is_cluster
 from worker.streams.reading import Entry, as_text
 from worker.streams.scripts import DEAD_ACK, RESULT_ACK
@@ -45,6 +47,8 @@ def write_results(
     consumer: str = "",
     superseded: list[Delivery] | None = None,
     reply_ttl_s: int = 0,
+    durability: Durability | None = None,
+    shortfalls: list[str] | None = None,
 ) -> list[tuple[Delivery, str]]:
     """Write every result and ack its entry; returns ``(delivery, error)`` for those that failed.
 
@@ -62,6 +66,13 @@ def write_results(
     its client closed (a duplicate, a DLQ replay) does not leave a key behind forever; a TTL the
     client keeps refreshing is left alone. (On the non-atomic cross-slot path the TTL is set
     with ``EXPIRE`` after the write, on servers that have ``EXPIRE ... NX``: Redis >= 7.)
+
+    ``durability`` (replicas > 0): on the two-step path each reply node's writes are followed
+    by ``WAIT replicas timeout_ms`` on the same connection, and only results a replica
+    acknowledged are acked; the others fail with a ``NOREPLICAS ...`` error (transient: the
+    caller keeps the entry held and writes again). With ``after_scripts`` the atomic scripts
+    are followed by a ``WAIT`` too (their entries are acked either way). Every ``WAIT`` that
+    fell short is appended to ``shortfalls`` (``"two_step"`` or ``"one_script"``).
     """
     failures: list[tuple[Delivery, str]] = []
     if not deliveries:
@@ -82,9 +93,17 @@ def write_results(
         return (RESULT_ACK, 2, d.reply_to, d.stream, group, d.entry_id, d.payload, maxlen,
                 consumer, reply_ttl_s)  # fmt: skip
 
+    dur = durability if durability is not None else Durability()
+    durable = dur.enabled
+    shorts = shortfalls if shortfalls is not None else []
+    wait_scripts = durable and dur.after_scripts and bool(atomic)
     pipe = client.pipeline(transaction=False)
     atomic_replies: list[Any] = []
-    if cluster:  # redis-py's ClusterPipeline has no EVAL: one script call per result
+    if cluster and wait_scripts:  # scripts + WAIT on one connection per node
+        atomic_replies = scripts_then_wait(
+            client, atomic, script_args, durability=dur, shortfalls=shorts
+        )
+    elif cluster:  # redis-py's ClusterPipeline has no EVAL: one script call per result
         for d in atomic:
             try:
                 atomic_replies.append(client.eval(*script_args(d)))
@@ -93,13 +112,25 @@ def write_results(
     else:
         for d in atomic:
             pipe.eval(*script_args(d))
-    for d in split:
-        pipe.xadd(d.reply_to, {PAYLOAD_FIELD: d.payload}, maxlen=maxlen, approximate=True)
-    queued = split or (atomic and not cluster)
+        if wait_scripts:
+            pipe.execute_command("WAIT", dur.replicas, dur.timeout_ms)
+    if not durable:
+        for d in split:
+            pipe.xadd(d.reply_to, {PAYLOAD_FIELD: d.payload}, maxlen=maxlen, approximate=True)
+    queued = (split and not durable) or (atomic and not cluster)
     replies = pipe.execute(raise_on_error=False) if queued else []
     if not cluster:
         atomic_replies, replies = replies[: len(atomic)], replies[len(atomic) :]
-    if split and reply_ttl_s > 0:
+        if wait_scripts:
+            waited = replies.pop() if replies else None
+            if isinstance(waited, Exception) or int(waited or 0) < dur.replicas:
+                shorts.append(ONE_SCRIPT)
+    if split and durable:
+        replies = write_then_wait(
+            client, split, maxlen=maxlen, reply_ttl_s=reply_ttl_s, durability=dur,
+            shortfalls=shorts,
+        )  # fmt: skip
+    elif split and reply_ttl_s > 0:
         for d, reply in zip(split, replies, strict=True):
             if not isinstance(reply, Exception):
                 with contextlib.suppress(redis.ResponseError):  # EXPIRE NX: Redis >= 7
