@@ -188,10 +188,12 @@ async def _xadd_wait_cluster_async(
             xadd = PipelineCommand(0, "XADD", stream, "*", *flat)
             wait = PipelineCommand(1, "WAIT", replicas, timeout_ms)
             await node.execute_pipeline([xadd, wait])
-            for cmd in (xadd, wait):
-                if isinstance(cmd.result, BaseException):
-                    raise cmd.result
-            return xadd.result, int(wait.result)
+            entry_id: Any = xadd.result
+            acked: Any = wait.result
+            for reply in (entry_id, acked):
+                if isinstance(reply, BaseException):
+                    raise reply
+            return entry_id, int(acked)
         except _DURABLE_RETRY_ERRORS:
             if attempt == _DURABLE_RETRIES - 1:
                 raise
