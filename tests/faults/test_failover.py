@@ -22,7 +22,7 @@ import pytest
 import redis
 
 from tests.faults.harness import REPORTS, PhaseReport
-from tests.support.daemon import WorkerProc
+from tests.support.daemon import WorkerProc, metric
 from tests.support.failover import FailoverCluster
 from worker import keys
 from worker.client import ScoringClient
@@ -57,12 +57,22 @@ def _node_of(cluster: FailoverCluster, key: str) -> int:
 
 
 def run_failover(
-    workdir: Path, *, resubmit: bool, durable: bool, seed_victim: bool, jobs: int, rate: float
+    workdir: Path,
+    *,
+    resubmit: bool,
+    durable: bool,
+    seed_victim: bool,
+    jobs: int,
+    rate: float,
+    worker_durable: bool = False,
 ) -> PhaseReport:
-    """One configuration; the report of what the producer saw."""
+    """One configuration; the report of what the producer saw. ``worker_durable``: the workers
+    run with ``--durable-replicas 1`` and the killed primary is started again after the
+    promotion (it rejoins as the replica its successor needs before a WAIT can succeed)."""
     name = (
         f"failover[resubmit={'on' if resubmit else 'off'},durable={'on' if durable else 'off'},"
-        f"seed={'victim' if seed_victim else 'other'}]"
+        f"seed={'victim' if seed_victim else 'other'}"
+        + (",worker-durable=on]" if worker_durable else "]")
     )
     queue = "fo"
     streams = keys.job_streams(queue, PARTITIONS)
@@ -72,6 +82,8 @@ def run_failover(
         victim = _node_of(cluster, streams[0])
         seed = victim if seed_victim else next(p for p in cluster.primary_ports() if p != victim)
         url = cluster.seeds_url([seed])
+        durable_args = ["--durable-replicas", "1", "--durable-timeout-ms", "200"]
+        durable_args = [*durable_args, "--metrics-port", "0"] if worker_durable else []
         workers = [
             WorkerProc(
                 [
@@ -93,6 +105,7 @@ def run_failover(
                     "-1",
                     "--max-deliveries",
                     "100",
+                    *durable_args,
                 ],
                 workdir / f"w{i}.log",
             )
@@ -116,6 +129,10 @@ def run_failover(
                 took = cluster.wait_promoted(replica, timeout_s=60)
                 report.faults.append(f"kill -9 primary :{victim}; replica :{replica} "
                                      f"promoted in {took:.1f}s")  # fmt: skip
+                if worker_durable:
+                    took = cluster.restart(victim)
+                    report.faults.append(f":{victim} restarted, in sync as a replica after "
+                                         f"{took:.1f}s")  # fmt: skip
 
             killer = threading.Thread(target=kill)
             killer.start()
@@ -148,6 +165,11 @@ def run_failover(
                 "resubmits": client.resubmits, "undurable": client.undurable,
                 "submit_retries": submit_errors,
             }  # fmt: skip
+            if worker_durable:
+                report.notes["durable_shortfalls"] = sum(
+                    metric(w.metrics_url, "scoring_durable_shortfalls_total", '{write="two_step"}')
+                    for w in workers
+                )
             after = client.score(_seqs(0), timeout=30)  # still serving after the failover
             assert after
             client.close()
@@ -188,3 +210,19 @@ def test_failover(
     if resubmit:
         assert report.lost == 0, report
     assert report.altered == 0, report
+
+
+@pytest.mark.timeout(600)
+def test_failover_with_durable_workers(tmp_path: Path, faults_full: bool) -> None:
+    """Workers with ``--durable-replicas 1``: partition 1 and 2's results go to the reply node
+    (the victim), whose promoted replica has no replica of its own until the victim is back;
+    meanwhile those writes fall short and stay unacked. Nothing is lost, every worker lives."""
+    if not (shutil.which("redis-server") and shutil.which("redis-cli")):
+        pytest.skip("redis-server/redis-cli not on PATH")
+    if not faults_full:
+        pytest.skip("make test-faults runs it")
+    report = run_failover(
+        tmp_path, resubmit=True, durable=False, seed_victim=False, jobs=600, rate=100.0,
+        worker_durable=True,
+    )  # fmt: skip
+    assert report.lost == 0 and report.altered == 0, report

@@ -129,6 +129,15 @@ class FailoverCluster:
         self.procs[port].wait()
         return replica
 
+    def restart(self, port: int, timeout_s: float = 60.0) -> float:
+        """Start the killed node on ``port`` again (same cluster config: it rejoins as the replica
+        of the node that took its slots); waits until every replica is in sync; the seconds."""
+        t0 = time.monotonic()
+        self._spawn(port)
+        _wait(lambda: redis.Redis(port=port).ping(), 10, f"redis-server on {port}")
+        _wait(self._healthy, timeout_s, "cluster ok with every replica in sync")
+        return time.monotonic() - t0
+
     def wait_promoted(self, replica: int, timeout_s: float = 30.0) -> float:
         """Wait until ``replica`` is a primary and the cluster is ok again; the seconds it took."""
         t0 = time.monotonic()
