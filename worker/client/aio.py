@@ -25,7 +25,7 @@ import redis
 from worker.client.base import ClientBase
 from worker.client.core import END, Block, Command, Delivered, DurableAdd, Effect, Pause, Steps
 from worker.client.errors import ClientClosed, JobFailed
-from worker.client.inputs import output_request
+from worker.client.inputs import JobSpec, output_request
 from worker.client.results import JobHandle, ScoreResult, SeqScore, job_id_of, unwrap
 from worker.client.window import ScoreWindow
 from worker.config import DEFAULT_REDIS_URL
@@ -224,14 +224,23 @@ class AsyncScoringClient(ClientBase):
         mode: str | None = None,
         temperature: float = 1.0,
         raise_errors: bool = True,
+        outputs: Any = None,
+        topk: int | None = None,
+        gather_ids: Any = None,
+        sampling: Mapping[str, Any] | None = None,
+        float16: bool | None = None,
+        step: Mapping[str, Any] | None = None,
     ) -> AsyncIterator[ScoreResult | JobFailed]:
         """Async generator twin of ``ScoringClient.score_many`` (sync or async iterable in).
 
         ``timeout=None`` waits as long as it takes; jobs still in flight when it stops are
-        forgotten."""
+        forgotten. Teacher outputs and ``step`` for every job as in the sync twin."""
+        defaults = JobSpec(None, outputs=outputs, topk=topk, gather_ids=gather_ids,
+                           sampling=sampling, float16=float16, step=step)  # fmt: skip
         window = ScoreWindow(
-            self._core, jobs, max_in_flight, ordered, timeout, mode, temperature, raise_errors
-        )
+            self._core, jobs, max_in_flight, ordered, timeout, mode, temperature, raise_errors,
+            defaults,
+        )  # fmt: skip
         self._ensure_reader()
         try:
             while (out := await self._run(window.next())) is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from worker import errors, protocol
@@ -118,11 +118,47 @@ class JobSpec:
     # per-job weights: adapter under --adapter-root, version under --model-root
     adapter: str | None = None
     version: str | None = None
+    # teacher outputs (docs/distillation.md), as ``client.score`` takes them; a job that sets
+    # none of these five takes score_many's, a job that sets any takes none of them
+    outputs: Any = None
+    topk: int | None = None
+    gather_ids: Any = None
+    sampling: Mapping[str, Any] | None = None
+    float16: bool | None = None
+    # process rewards (docs/rewards.md): the job's step map; None takes score_many's
+    step: Mapping[str, Any] | None = None
+
+    def sets_outputs(self) -> bool:
+        """Whether this job names any teacher-output setting of its own."""
+        return any(getattr(self, k) is not None for k in TEACHER_SETTINGS)
+
+    def output_request(self) -> protocol.OutputRequest | None:
+        """This job's teacher outputs (``output_request`` of its five settings)."""
+        return output_request(
+            self.outputs, self.topk, self.gather_ids, self.sampling, bool(self.float16)
+        )
+
+
+#: The ``JobSpec`` (and job map) keys that name teacher outputs, taken or left as one group.
+TEACHER_SETTINGS = ("outputs", "topk", "gather_ids", "sampling", "float16")
+
+
+def with_defaults(spec: JobSpec, defaults: JobSpec, mode: str) -> JobSpec:
+    """``spec`` with ``defaults``' teacher outputs (when ``spec`` sets none and its ``mode``,
+    as resolved by the caller, is not ``reward``, which has no log-probs) and ``step`` (when
+    ``spec`` has none and is a ``reward`` job, the only mode with step scores)."""
+    changes: dict[str, Any] = {}
+    if not spec.sets_outputs() and defaults.sets_outputs() and mode != "reward":
+        changes.update({k: getattr(defaults, k) for k in TEACHER_SETTINGS})
+    if spec.step is None and defaults.step is not None and mode == "reward":
+        changes["step"] = defaults.step
+    return replace(spec, **changes) if changes else spec
 
 
 def as_job_spec(item: Any) -> JobSpec:
-    """A ``JobSpec`` from a ``JobSpec``, a map with ``seqs`` (and ``mode``/``meta``/``id``...), a
-    single sequence map with ``tokens``, or a list of sequences."""
+    """A ``JobSpec`` from a ``JobSpec``, a map with ``seqs`` (and ``mode``/``meta``/``id``, the
+    teacher-output keys, ``step``...), a single sequence map with ``tokens``, or a list of
+    sequences."""
     if isinstance(item, JobSpec):
         return item
     if isinstance(item, Mapping) and "seqs" in item:
@@ -135,5 +171,7 @@ def as_job_spec(item: Any) -> JobSpec:
             deadline_ms=item.get("deadline_ms"),
             adapter=item.get("adapter"),
             version=item.get("version"),
+            step=item.get("step"),
+            **{k: item.get(k) for k in TEACHER_SETTINGS},
         )
     return JobSpec(seqs=item)

@@ -23,7 +23,7 @@ from worker.client.core import (
     Steps,
 )
 from worker.client.errors import ClientClosed, JobFailed
-from worker.client.inputs import output_request
+from worker.client.inputs import JobSpec, output_request
 from worker.client.results import JobHandle, ScoreResult, SeqScore, job_id_of, unwrap
 from worker.client.window import ScoreWindow
 from worker.config import DEFAULT_REDIS_URL
@@ -234,6 +234,12 @@ class ScoringClient(ClientBase):
         mode: str | None = None,
         temperature: float = 1.0,
         raise_errors: bool = True,
+        outputs: Any = None,
+        topk: int | None = None,
+        gather_ids: Any = None,
+        sampling: Mapping[str, Any] | None = None,
+        float16: bool | None = None,
+        step: Mapping[str, Any] | None = None,
     ) -> Iterator[ScoreResult | JobFailed]:
         """Score many jobs with at most ``max_in_flight`` submitted and not yet answered.
 
@@ -244,10 +250,19 @@ class ScoringClient(ClientBase):
         from its submission (None: wait as long as it takes). With ``raise_errors=False`` a failed
         job yields its ``JobFailed`` instead of raising it. Jobs still in flight when the iterator
         stops (a timeout, a raised error, ``break``) are forgotten (see ``forget``).
+
+        ``outputs``, ``topk``, ``gather_ids`` (shared), ``sampling``, ``float16`` (teacher
+        outputs, as in ``score``) and ``step`` (process rewards) apply to every job that sets
+        none of its own: a job (``JobSpec`` or map) naming any of the five teacher settings takes
+        none of these, nor does a ``reward`` job (no log-probs); ``step`` goes to ``reward`` jobs
+        only; per-sequence ``gather_ids`` and ``messages`` go on each sequence.
         """
+        defaults = JobSpec(None, outputs=outputs, topk=topk, gather_ids=gather_ids,
+                           sampling=sampling, float16=float16, step=step)  # fmt: skip
         window = ScoreWindow(
-            self._core, jobs, max_in_flight, ordered, timeout, mode, temperature, raise_errors
-        )
+            self._core, jobs, max_in_flight, ordered, timeout, mode, temperature, raise_errors,
+            defaults,
+        )  # fmt: skip
         self._ensure_reader()
         try:
             while (out := self._run(window.next())) is not None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from worker.client.core import END, ClientCore, NextItem, Steps
 from worker.client.errors import JobFailed, ScoringTimeout, job_failed
-from worker.client.inputs import as_job_spec
+from worker.client.inputs import JobSpec, as_job_spec, with_defaults
 from worker.client.results import ScoreResult
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,7 @@ class ScoreWindow:
         mode: str | None,
         temperature: float,
         raise_errors: bool,
+        defaults: JobSpec | None = None,
     ) -> None:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
@@ -49,6 +50,8 @@ class ScoreWindow:
         self.mode = mode
         self.temperature = temperature
         self.raise_errors = raise_errors
+        # teacher outputs and step for jobs that set none (score_many's keyword arguments)
+        self.defaults = defaults or JobSpec(seqs=None)
         self.exhausted = False
         # job id -> (submitted at, deadline), both monotonic
         self.pending: OrderedDict[str, tuple[float, float]] = OrderedDict()
@@ -87,15 +90,19 @@ class ScoreWindow:
                 self.exhausted = True
                 break
             spec = as_job_spec(item)
+            mode = spec.mode or self.mode or self.core.mode
+            spec = with_defaults(spec, self.defaults, mode)
             job = self.core.prepare(
                 spec.seqs,
-                spec.mode or self.mode,
+                mode,
                 spec.temperature if spec.temperature is not None else self.temperature,
                 deadline_ms=spec.deadline_ms,
                 meta=spec.meta,
                 job_id=spec.job_id,
                 adapter=spec.adapter,
                 version=spec.version,
+                outputs=spec.output_request(),
+                step=spec.step,
             )
             handle = yield from self.core.submit(job)
             start = handle.submitted_at

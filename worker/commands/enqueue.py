@@ -2,12 +2,17 @@
 
 Input, one rollout per line: ``{"tokens": [...], "prompt_len": 12}`` or ``{"tokens": [...],
 "mask": [0, 0, 1, ...]}``, optional ``id`` (default: ``line-<n>``), ``meta``, ``mode``,
-``temperature``, ``adapter``, ``version``; ``{"messages": [{"role": ..., "content": ...}]}`` for a
-reward on the reward model's own chat template; or ``{"seqs": [{...}, ...], ...}`` for a
-multi-sequence job. Output, one line
+``temperature``, ``adapter``, ``version``, ``step`` (a process-reward step map, else
+``--step``); ``{"messages": [{"role": ..., "content": ...}]}`` for a reward on the reward model's
+own chat template; ``gather_ids`` ``[n_scored, K]`` on a sequence for per-position gather ids;
+or ``{"seqs": [{...}, ...], ...}`` for a multi-sequence job. Teacher outputs for every line come
+from ``--outputs``/``--topk``/``--gather-ids``/``--sampling-*``/``--float16``. Output, one line
 per input line as results complete: ``{"id", "ok": true, "logps": [...], "reward", "meta",
-"info"}`` (``"seqs": [...]`` for multi-sequence jobs) or ``{"id", "ok": false, "error": {"code",
-"message"}}``. Ids already in the output file are skipped, so re-running resumes.
+"info"}`` plus every array the job produced as a list (``entropy``, ``topk_ids`` ``[[...]]``,
+``topk_logps``, ``topk_tail_logp``, ``gather_logps``, ``processed_logps``, ``rewards``,
+``step_positions``, ``step_scores``; ``"seqs": [...]`` for multi-sequence jobs) or ``{"id",
+"ok": false, "error": {"code", "message"}}``. Ids already in the output file are skipped, so
+re-running resumes.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from worker.commands._options import add_queue_args, add_redis_args, redis_setti
 from worker.config import env_get
 from worker.errors import ScoringError
 from worker.modes import MODES
+from worker.protocol.rewards import decode_step
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +59,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--version", help="checkpoint (under the workers' --model-root) for lines without one"
     )
+    teacher = parser.add_argument_group("teacher outputs (docs/distillation.md), every line")
+    teacher.add_argument(
+        "--outputs", type=_names, help="comma-separated: logps,entropy,topk,gather,processed_logps"
+    )
+    teacher.add_argument("--topk", type=int, help="k for the topk output")
+    teacher.add_argument(
+        "--gather-ids", type=_ids, help="comma-separated token ids gathered at every position"
+    )
+    teacher.add_argument("--sampling-top-k", type=int, help="processed_logps: the sampler's top_k")
+    teacher.add_argument("--sampling-top-p", type=float, help="processed_logps: top_p")
+    teacher.add_argument("--sampling-min-p", type=float, help="processed_logps: min_p")
+    teacher.add_argument(
+        "--float16", action="store_true", help="topk_logps/gather_logps travel as float16"
+    )
+    parser.add_argument(
+        "--step",
+        type=_step,
+        help="process rewards: the step map for lines without one, JSON ('{\"tag_id\": 12}')",
+    )
     parser.add_argument(
         "--max-in-flight",
         type=int,
@@ -72,6 +97,37 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--ordered", action="store_true", help="write results in input order")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in text.split(",") if n.strip())
+
+
+def _ids(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"token ids must be integers: {exc}") from exc
+
+
+def _step(text: str) -> dict[str, Any]:
+    try:
+        step = json.loads(text)
+        decode_step(step)
+    except (ValueError, ScoringError) as exc:
+        raise argparse.ArgumentTypeError(f"--step: {exc}") from exc
+    return step
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``{top_k, top_p, min_p}`` from the ``--sampling-*`` flags given (None: none given)."""
+    given = {
+        "top_k": args.sampling_top_k,
+        "top_p": args.sampling_top_p,
+        "min_p": args.sampling_min_p,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    return given or None
 
 
 def _done_ids(path: str, retry_errors: bool) -> set[str]:
@@ -119,6 +175,7 @@ def _read_jobs(
         multi = "seqs" in obj
         try:
             seqs = normalize_seqs(obj["seqs"] if multi else [obj])
+            decode_step(obj.get("step"))  # a bad step map is this line's error, not the run's
         except (ScoringError, KeyError, TypeError) as exc:
             errors_out.append({"line": n, "message": f"id {job_id}: {exc}"})
             continue
@@ -130,6 +187,7 @@ def _read_jobs(
             job_id=job_id,
             adapter=obj.get("adapter", weights[0]),  # per-job weights: the line's, else --adapter
             version=obj.get("version", weights[1]),
+            step=obj.get("step"),  # None: --step (score_many's default)
         )
 
 
@@ -192,6 +250,12 @@ def run(args: argparse.Namespace) -> int:
                 timeout=args.timeout,
                 temperature=args.temperature,
                 raise_errors=False,
+                outputs=args.outputs,
+                topk=args.topk,
+                gather_ids=args.gather_ids,
+                sampling=_sampling(args),
+                float16=args.float16 or None,
+                step=args.step,
             )
             for item in results:
                 if isinstance(item, JobFailed):
