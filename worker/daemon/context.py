@@ -19,10 +19,17 @@ from worker.keys import dead_letter_stream
 from worker.modes import Mode
 from worker.observability.metrics import WorkerMetrics
 from worker.protocol import Job, Result
-from worker.scorer import DEFAULT_OPTIONS, FallbackEvent, ScoreOptions, Scorer, SequenceInput
+from worker.scorer import (
+    DEFAULT_OPTIONS,
+    OPTIONAL_INFO_KEYS,
+    FallbackEvent,
+    ScoreOptions,
+    Scorer,
+    SequenceInput,
+)
 
 #: Keys of ``Scorer.info`` copied into every result's ``info``.
-INFO_KEYS = ("model", "reward_model", "dtype", "device", "reward_head", "reward_objectives")
+INFO_KEYS = ("model", "reward_model", "dtype", "device", *OPTIONAL_INFO_KEYS)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from worker.scorer.outputs import BatchMetrics, FallbackEvent, ScoreOutput, Sequ
 __all__ = [
     "DEFAULT_OPTIONS",
     "INFO_KEYS",
+    "OPTIONAL_INFO_KEYS",
     "BatchMetrics",
     "FallbackEvent",
     "ScoreOptions",
@@ -37,6 +38,9 @@ INFO_KEYS: tuple[str, ...] = (
     "attention_backend",
     "requested_backend",
 )
+#: Keys a scorer's ``info`` carries only when they apply (a reward model's head kind and its
+#: objectives' names); copied into results when present.
+OPTIONAL_INFO_KEYS: tuple[str, ...] = ("reward_head", "reward_objectives")
 
 
 @runtime_checkable
