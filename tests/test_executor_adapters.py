@@ -222,3 +222,50 @@ def test_reward_mode_adapter(tmp_path) -> None:
         assert abs(score.reward - want) <= 1e-4
     base = ex.score(seqs).scores
     assert abs(base[0].reward - out.scores[0].reward) > 1e-3
+
+
+def test_three_adapters_fit_a_byte_budget_and_a_fourth_evicts_the_lru(fleet, base, tmp_path):
+    """A byte budget of exactly three adapters holds three with no eviction; a fourth evicts
+    the least recently used one (not the oldest loaded), which reloads correctly later."""
+    import shutil
+
+    root = tmp_path / "adapters"
+    for name in ADAPTERS:
+        shutil.copytree(fleet["adapters"] / name, root / name)
+    save_lora(base, root / "fourth", seed=9)  # same rank and targets: the same bytes
+    ex = StatelessExecutor.from_pretrained(
+        ExecutorConfig(), str(fleet["base"]), weights=WeightsConfig(adapter_root=str(root))
+    )
+    seqs = _seqs()
+    first = ex.score(seqs, options=ScoreOptions(adapter=ADAPTERS[0])).metrics.weights
+    size = first.holdings.bytes
+    assert size > 0
+    ex = StatelessExecutor.from_pretrained(
+        ExecutorConfig(),
+        str(fleet["base"]),
+        weights=WeightsConfig(adapter_root=str(root), max_resident_bytes=3 * size),
+    )
+    for name in ADAPTERS:
+        report = ex.score(seqs, options=ScoreOptions(adapter=name)).metrics.weights
+        assert report.evictions == 0 and report.hit is False
+    assert ex.resident()["bytes"] == 3 * size
+    assert list(ex.resident()["adapters"]) == list(ADAPTERS)  # LRU order, oldest first
+    again = ex.score(seqs, options=ScoreOptions(adapter=ADAPTERS[0])).metrics.weights
+    assert again.hit is True and again.loads == ()  # ADAPTERS[1] is now the least recent
+    fourth = ex.score(seqs, options=ScoreOptions(adapter="fourth"))
+    _check(fourth.scores, merged_float64(base, root / "fourth"), seqs)
+    report = fourth.metrics.weights
+    assert report.evictions == 1
+    assert report.holdings.adapters == (ADAPTERS[2], ADAPTERS[0], "fourth")
+    held = ex.resident()
+    assert held["bytes"] == 3 * size <= held["budget"]["bytes"]
+    assert held["adapters"]["fourth"]["fingerprint"] == report.fingerprint
+    back = ex.score(seqs, options=ScoreOptions(adapter=ADAPTERS[1]))
+    _check(back.scores, merged_float64(base, root / ADAPTERS[1]), seqs)
+    assert [e.reason for e in back.metrics.weights.loads] == ["evict"]
+    assert back.metrics.weights.holdings.adapters == (ADAPTERS[0], "fourth", ADAPTERS[1])
+
+
+def test_an_executor_without_weight_roots_holds_nothing(fleet) -> None:
+    ex = StatelessExecutor.from_pretrained(ExecutorConfig(), str(fleet["base"]))
+    assert ex.resident() == {}

@@ -34,7 +34,8 @@ WORKER_ACL = (
     "resetkeys ~scoring:* resetchannels -@all "
     "+ping +hello +client|setname +client|setinfo +info +eval "
     "+xreadgroup +xautoclaim +xclaim +xpending +xrange +xack +xadd +ttl +expire "
-    "+xgroup|create +xgroup|delconsumer +xinfo|groups +xinfo|consumers +xlen"
+    "+xgroup|create +xgroup|delconsumer +xinfo|groups +xinfo|consumers +xlen "
+    "+hset +pexpire +zadd +zremrangebyscore"  # the heartbeat (scoring-worker info)
 )
 PRODUCER_ACL = (
     "resetkeys %W~scoring:*:jobs ~scoring:*:replies:* resetchannels -@all "
@@ -104,6 +105,8 @@ def test_worker_and_producer_acl_users_work_end_to_end(
             assert client.raw_result(bad, timeout=30).ok  # noop serves every mode
         # The producer's reply stream was created, read, and deleted by the producer user.
         assert not list(admin.scan_iter(match=f"scoring:{{{key_prefix}}}:replies:*"))
+        # The worker user wrote its heartbeat (what `scoring-worker info` lists).
+        assert [m.decode() for m in admin.zrange(keys.workers_index(key_prefix), 0, -1)] != []
         worker.signal(signal.SIGTERM)
         assert worker.wait_exit(30) == 0
         assert _denials(admin, {"worker", "producer"}) == []

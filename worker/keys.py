@@ -60,6 +60,29 @@ def reply_stream(job_stream: str, client_id: str) -> str:
     return f"{_base(job_stream)}:replies:{client_id}"
 
 
+# worker heartbeats (what each live worker holds; ``scoring-worker info``)
+def workers_index(queue: str) -> str:
+    """The sorted set of a queue's workers that sent a heartbeat (member: consumer name, score:
+    the Unix time its heartbeat expires). Tag ``{queue}``, like the heartbeats it lists."""
+    return f"{PREFIX}:{{{validate_queue(queue)}}}:workers"
+
+
+def worker_heartbeat(queue: str, consumer: str) -> str:
+    """A worker's heartbeat hash (expires unless renewed); same slot as ``workers_index``."""
+    return f"{PREFIX}:{{{validate_queue(queue)}}}:worker:{consumer}"
+
+
+def queue_of(job_stream: str) -> str | None:
+    """The logical queue of a key ``job_streams`` makes (``None`` for any other key)."""
+    tag = hash_tag(job_stream)
+    if tag is None or job_stream != f"{PREFIX}:{{{tag}}}:jobs":
+        return None
+    queue, _, part = tag.partition(":")
+    if part and not part.isdigit():
+        return None
+    return queue if _QUEUE_RE.match(queue) else None
+
+
 def same_slot(a: str, b: str) -> bool:
     """True when two keys hash to the same Cluster slot."""
     from redis.crc import key_slot

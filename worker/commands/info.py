@@ -1,5 +1,7 @@
 """``scoring-worker info``: streams, groups, lag, pending, oldest pending age, consumers with idle
-time and dead-letter depth of a queue (all partitions), as a table or ``--json``."""
+time and dead-letter depth of a queue (all partitions), and the live workers with what each
+holds (model, resident adapters/versions with bytes and fingerprints, from their heartbeats), as
+a table or ``--json``."""
 
 from __future__ import annotations
 
@@ -77,7 +79,35 @@ def render(info: dict[str, Any]) -> str:
             out.append(
                 f"{c['name'][:32].ljust(32)}  {c['pending']:>7}  {c['idle_s']:>5.1f}s  {stream}"
             )
-    return "\n".join(out)
+    return "\n".join(out + _workers(info.get("workers") or []))
+
+
+def _mib(nbytes: Any) -> str:
+    return f"{int(nbytes) / (1 << 20):.1f} MiB"
+
+
+def _workers(workers: list[dict[str, Any]]) -> list[str]:
+    """The WORKER table: one line per live worker, one indented line per resident item."""
+    if not workers:
+        return []
+    out = ["", "WORKER".ljust(32) + "  MODEL / RESIDENT"]
+    for w in workers:
+        held = w.get("resident") or {}
+        adapters, versions = held.get("adapters") or {}, held.get("versions") or {}
+        summary = f"{w.get('model', '-')} ({w.get('dtype', '-')}, {w.get('device', '-')})"
+        if held:
+            summary += (
+                f"  {len(adapters)} adapters, {len(versions)} versions, "
+                f"{_mib(held.get('bytes', 0))}"
+            )
+        out.append(f"{str(w.get('consumer', '?'))[:32].ljust(32)}  {summary}")
+        for kind, items in (("adapter", adapters), ("version", versions)):
+            for name, item in items.items():
+                out.append(
+                    f"{'':32}    {kind} {name}  {_mib(item.get('bytes', 0))}  "
+                    f"fingerprint {item.get('fingerprint', '-')}"
+                )
+    return out
 
 
 def run(args: argparse.Namespace) -> int:

@@ -2,8 +2,9 @@
 
 Every ``stats_interval_s`` the worker publishes, per job stream, its length, the group's lag,
 pending count and consumers, and the length of its dead-letter stream, from
-:func:`worker.streams.stream_stats` (the same numbers ``scoring-worker info`` shows); and trims
-the entries every group has acked (:func:`worker.streams.trim_acked`).
+:func:`worker.streams.stream_stats` (the same numbers ``scoring-worker info`` shows); trims
+the entries every group has acked (:func:`worker.streams.trim_acked`); and writes the worker's
+heartbeat (``worker.daemon.heartbeat``: what it serves and holds).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import redis
 
 from worker import streams
+from worker.daemon.heartbeat import Heartbeat
 from worker.observability.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -34,6 +36,7 @@ class StatsSampler:
         dead_stream_of: Callable[[str], str],
         interval_s: float,
         clock: Callable[[], float] = time.monotonic,
+        heartbeat: Heartbeat | None = None,
     ) -> None:
         self.streams = streams_
         self.group = group
@@ -41,6 +44,7 @@ class StatsSampler:
         self._metrics = metrics
         self._dead_stream_of = dead_stream_of
         self._clock = clock
+        self._heartbeat = heartbeat
         self._last: float | None = None
 
     def maybe_sample(self, client: Any) -> bool:
@@ -53,7 +57,20 @@ class StatsSampler:
         return True
 
     def sample(self, client: Any) -> None:
-        """Publish every stream's gauges now; a stream whose stats fail for good is skipped."""
+        """Publish every stream's gauges (a stream whose stats fail for good is skipped), then
+        the worker's heartbeat (a refused heartbeat is logged and counted, never fatal)."""
+        self._sample_streams(client)
+        if self._heartbeat is None:
+            return
+        try:
+            self._heartbeat.beat(client)
+        except redis.ResponseError as exc:  # e.g. NOPERM of an older ACL: keep serving
+            if streams.is_transient(exc):
+                raise
+            log.warning("heartbeat not written: %s", exc)
+            self._metrics.loop_errors.labels(where="heartbeat").inc()
+
+    def _sample_streams(self, client: Any) -> None:
         m, group = self._metrics, self.group
         for stream in self.streams:
             dead = self._dead_stream_of(stream)

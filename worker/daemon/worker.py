@@ -29,6 +29,7 @@ from worker.daemon.backlog import Backlog
 from worker.daemon.config import WorkerConfig
 from worker.daemon.context import JobContext, Outbox, Pending
 from worker.daemon.drain import DrainControl, SignalWatcher
+from worker.daemon.heartbeat import Heartbeat, heartbeat_ttl_s
 from worker.daemon.intake import prepare_entry
 from worker.daemon.jobs import score_batch
 from worker.daemon.leases import InFlight, LeaseKeeper
@@ -82,9 +83,17 @@ class Worker:
                               wait=self.drain.wait)  # fmt: skip
         self.reader = EntryReader(config, self.in_flight, self.metrics)
         self.writer = OutboxWriter(self.jobs)
+        heartbeat = Heartbeat(
+            config.streams,
+            group=config.group,
+            consumer=config.consumer,
+            scorer=scorer,
+            ttl_s=heartbeat_ttl_s(config.stats_interval_s),
+        )
         self.stats = StatsSampler(config.streams, config.group, metrics=self.metrics,
                                   dead_stream_of=self.jobs.dead_stream_of,
-                                  interval_s=config.stats_interval_s)  # fmt: skip
+                                  interval_s=config.stats_interval_s,
+                                  heartbeat=heartbeat)  # fmt: skip
         self.jobs_done = 0
         self.pipeline = BatchPipeline(partial(score_batch, self.jobs), threaded=config.pipeline)
         self._poll_s = POLL_MIN_S

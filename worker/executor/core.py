@@ -239,6 +239,10 @@ class StatelessExecutor:
         """Fallbacks taken while loading (attention backend, packing), oldest first."""
         return list(self._load_fallbacks)
 
+    def resident(self) -> dict[str, Any]:
+        """Resident per-job weights (``Residency.summary``); ``{}`` without weight roots."""
+        return self._weights.residency.summary() if self._weights is not None else {}
+
     @property
     def info(self) -> dict[str, Any]:
         """Identity of what produces the scores (goes into result metadata and logs)."""

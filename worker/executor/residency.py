@@ -250,6 +250,23 @@ class Residency:
             bytes=sum(i.nbytes for i in items),
         )
 
+    def summary(self) -> dict[str, Any]:
+        """What is resident, as plain data (LRU order, oldest first): per kind, each name's bytes
+        and fingerprint; the total bytes and the budget."""
+        with self._lock:
+            items = list(self._items.values())
+        cfg = self.config
+        out: dict[str, Any] = {"adapters": {}, "versions": {}}
+        for i in items:
+            out[f"{i.kind}s"][i.name] = {"bytes": i.nbytes, "fingerprint": i.fingerprint}
+        out["bytes"] = sum(i.nbytes for i in items)
+        out["budget"] = {
+            "adapters": cfg.max_resident_adapters,
+            "versions": cfg.max_resident_versions,
+            "bytes": cfg.max_resident_bytes,
+        }
+        return out
+
     def drain_events(self) -> tuple[tuple[LoadEvent, ...], int]:
         """Load events and the eviction count since the last drain."""
         with self._lock:

@@ -67,6 +67,11 @@ class Scorer(Protocol):
         """Call ``callback(event)`` on every run-time fallback."""
         ...
 
+    def resident(self) -> dict[str, Any]:
+        """What the scorer holds beyond its served models (per-job adapters/versions), as plain
+        JSON-ready data for the worker's heartbeat; ``{}`` when it serves none."""
+        ...
+
     def validate(
         self,
         seqs: Sequence[SequenceInput],

@@ -62,6 +62,10 @@ class NoopScorer:
             "modes": list(self.modes),
         }
 
+    def resident(self) -> dict[str, Any]:
+        """Nothing: the noop scorer holds no per-job weights."""
+        return {}
+
     def add_fallback_listener(self, callback: Callable[[FallbackEvent], None]) -> None:
         """Accepted for interface parity; the noop scorer never falls back."""
         self._listeners.append(callback)

@@ -27,7 +27,10 @@ Functions and the Redis commands they send:
   ``FORGET``);
 * :func:`stream_stats` (``stats``) - ``XLEN``, ``XINFO GROUPS`` (lag, pending), ``XINFO
   CONSUMERS``: the one source of the worker's stream gauges and of ``scoring-worker info``;
-* :func:`server_version` (``groups``) - ``INFO server``.
+* :func:`server_version` (``groups``) - ``INFO server``;
+* :func:`write_heartbeat` (``heartbeat``) - ``HSET`` + ``PEXPIRE`` of the worker's heartbeat hash,
+  ``ZADD`` + ``ZREMRANGEBYSCORE`` + ``PEXPIRE`` of the queue's worker index (one pipeline, one
+  slot); :func:`read_heartbeats` - ``ZRANGE`` + ``HGETALL`` + ``PTTL`` (``scoring-worker info``).
 
 Lua scripts (``scripts``), each one atomic check-then-write step:
 
@@ -59,6 +62,7 @@ from worker.streams.groups import (
     supports_autoclaim,
     trim_acked,
 )
+from worker.streams.heartbeat import read_heartbeats, write_heartbeat
 from worker.streams.reading import Entry, read_new
 from worker.streams.stats import stream_stats
 from worker.streams.transient import (
@@ -86,6 +90,7 @@ __all__ = [
     "is_nogroup",
     "is_transient",
     "pending_count",
+    "read_heartbeats",
     "read_new",
     "reclaim_idle",
     "renew_leases",
@@ -93,5 +98,6 @@ __all__ = [
     "stream_stats",
     "supports_autoclaim",
     "trim_acked",
+    "write_heartbeat",
     "write_results",
 ]

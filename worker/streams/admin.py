@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from worker import keys, protocol
+from worker.streams.heartbeat import read_heartbeats
 from worker.streams.reading import as_text
 from worker.streams.stats import stream_stats
 
@@ -79,7 +80,8 @@ def queue_info(
     partitions: int = 1,
     group: str = keys.DEFAULT_GROUP,
 ) -> dict[str, Any]:
-    """All partitions of ``queue`` plus totals (lag is None when any partition cannot say)."""
+    """All partitions of ``queue`` plus totals (lag is None when any partition cannot say), and
+    ``workers``: the live workers' heartbeats (what each serves and holds)."""
     now_ms = server_time_ms(client)
     parts = [stream_info(client, s, group, now_ms) for s in keys.job_streams(queue, partitions)]
     lags = [p["lag"] for p in parts]
@@ -100,6 +102,7 @@ def queue_info(
         "server_time_ms": now_ms,
         "total": total,
         "streams": parts,
+        "workers": read_heartbeats(client, queue),
     }
 
 
