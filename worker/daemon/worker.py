@@ -236,25 +236,28 @@ class Worker:
         outbox = Outbox()
         got = 0
         # Read ahead while a batch computes, but never next to a suspect running alone.
-        if not self.drain.stopping and not stage.suspect_running:
+        may_read = not self.drain.stopping and not stage.suspect_running
+        if may_read:
             suspect_held = self.backlog.holds_suspect() or stage.suspect_running
             if self.reader.reclaim_due(suspect_held=suspect_held):
                 got += self._prepare(self.reader.reclaim(client, suspect_held=suspect_held), outbox)
             idle = not (self.backlog or got or stage.busy)
-            computing = stage.computing
-            room = self._room_ahead() if computing else self._room()
+            room = self._room_ahead() if stage.computing else self._room()
             got += self._prepare(
                 self.reader.read(client, room, cfg.block_ms if idle else 0), outbox
             )
-            if not computing:
-                got += self._fill(client, outbox)
         self._flush(outbox)
-        done = stage.take_done()
-        batch = self._submit()
-        if done is not None:  # the previous batch, written while the next one computes
-            self._flush(Outbox(results=done))
+        batch = self._submit() if stage.computing else []  # queued behind: before writing
+        self._write_done()  # finished batches, written while the next one computes
+        if not stage.computing:  # idle: fill a batch within max_wait_ms, then run it
+            self._write_done()  # a batch that finished a moment ago is written before the fill
+            if may_read and self.backlog:
+                filled = Outbox()
+                got += self._fill(client, filled)
+                self._flush(filled)
+            batch = batch or self._submit()
         if not stage.threaded:
-            self._flush(Outbox(results=stage.take_done() or []))
+            self._write_done()
         elif got:
             self._poll_s = POLL_MIN_S
         elif stage.computing:  # nothing new came in: leave the CPU to the forward a while
@@ -268,6 +271,12 @@ class Worker:
         if cfg.burst and not got and not batch and not self.backlog:
             return self.reader.drained(client)
         return False
+
+    def _write_done(self) -> None:
+        """Write the replies of the batches the compute stage finished (and ack them)."""
+        done = self.pipeline.take_done()
+        if done is not None:
+            self._flush(Outbox(results=done))
 
     def _submit(self) -> list[Pending]:
         """Hand the next batch to the compute stage when it can take one: at once when nothing
