@@ -177,3 +177,47 @@ def test_a_slow_load_keeps_its_lease(
         loader.stop()
         if other is not None:
             other.stop()
+
+
+@pytest.mark.timeout(240)
+def test_info_shows_what_a_real_worker_holds(
+    redis_url: str, fleet: dict[str, Path], key_prefix: str, tmp_path: Path, capsys
+) -> None:
+    """A worker started with two preloaded adapters lists them in ``scoring-worker info``
+    (from its heartbeat) with the fingerprints its results carry; a third adapter loaded by a
+    job appears too, and the bytes add up."""
+    import json
+
+    from worker.cli import main
+
+    stream = keys.job_streams(key_prefix)[0]
+    reply = keys.reply_stream(stream, "c")
+    client = redis.Redis.from_url(redis_url)
+    worker = WorkerProc(
+        _args(redis_url, key_prefix, "holder", fleet, "--preload", ",".join(ADAPTERS[:2])),
+        tmp_path / "holder.log",
+    )
+
+    def held() -> dict:
+        assert main(["info", "--redis-url", redis_url, "--queue", key_prefix, "--json"]) == 0
+        workers = json.loads(capsys.readouterr().out)["workers"]
+        return {w["consumer"]: w for w in workers}.get("holder", {}).get("resident") or {}
+
+    try:
+        worker.wait_ready()
+        wait_until(lambda: len(held().get("adapters", {})) == 2, 30, what="heartbeat")
+        ids = [f"h{i}" for i in range(3)]
+        for i, job_id in enumerate(ids):
+            enqueue(client, stream, job_id, reply, [_seq(i)], adapter=ADAPTERS[i])
+        results, _ = collect(client, reply, ids, 120)
+        prints = {r.info["adapter"]: r.info["weights_fingerprint"] for r in results.values()}
+        wait_until(lambda: len(held().get("adapters", {})) == 3, 30, what="next heartbeat")
+        resident = held()
+        adapters = resident["adapters"]
+        assert set(adapters) == set(ADAPTERS)
+        assert {n: a["fingerprint"] for n, a in adapters.items()} == prints
+        assert resident["bytes"] == sum(a["bytes"] for a in adapters.values()) > 0
+        assert main(["info", "--redis-url", redis_url, "--queue", key_prefix]) == 0
+        assert f"adapter {ADAPTERS[2]}" in capsys.readouterr().out
+    finally:
+        worker.stop()

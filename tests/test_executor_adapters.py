@@ -269,3 +269,25 @@ def test_three_adapters_fit_a_byte_budget_and_a_fourth_evicts_the_lru(fleet, bas
 def test_an_executor_without_weight_roots_holds_nothing(fleet) -> None:
     ex = StatelessExecutor.from_pretrained(ExecutorConfig(), str(fleet["base"]))
     assert ex.resident() == {}
+
+
+def test_apply_delta_in_place_equals_the_naive_form() -> None:
+    """The hook's in-place ``addmm_`` and its out-of-place fallback both equal
+    ``output + scale * (x @ a.T) @ b.T`` in float64."""
+    from worker.executor.adapters import LoraDelta, apply_delta
+
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(4, 16, generator=g), torch.randn(24, 4, generator=g)
+    delta = LoraDelta(a=a, b=b, scale=0.75)
+    x, out = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 24, generator=g)
+    want = out.double() + 0.75 * (x.double() @ a.double().T) @ b.double().T
+    with torch.inference_mode():
+        inplace = out.clone()
+        assert apply_delta(delta, x, inplace) is None  # modified in place
+    assert (inplace.double() - want).abs().max() <= 1e-4
+    grad_out = out.clone().requires_grad_(True)  # autograd needs it: out of place, untouched
+    fallback = apply_delta(delta, x, grad_out)
+    assert fallback is not None and torch.equal(grad_out.detach(), out)
+    assert (fallback.detach().double() - want).abs().max() <= 1e-4
+    mixed = apply_delta(delta, x.double(), out.double())  # dtypes differ: out of place
+    assert mixed is not None and (mixed - want).abs().max() <= 1e-4

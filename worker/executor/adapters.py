@@ -9,9 +9,10 @@ Pickled ``adapter_model.bin`` files are never read (no code runs from a job's na
 The base model's weights are never modified. ``LoraHooks`` puts one forward hook on every linear
 layer of a served model (once, at construction: hooks are never added while forwards run); the
 hook reads the adapter active in the calling context (``active``, a ``ContextVar``) and adds
-``scale * (x @ A.T) @ B.T`` to the layer's output. With no adapter active the hook returns
-``None`` and the output is exactly the base model's. Naive equivalent: the merged weight
-``W + scale * B @ A`` (``tests/test_executor_adapters.py`` asserts they agree in float64).
+``scale * (x @ A.T) @ B.T`` to the layer's output (``apply_delta``: one in-place ``addmm_``).
+With no adapter active the hook returns ``None`` and the output is exactly the base model's.
+Naive equivalent: the merged weight ``W + scale * B @ A`` (``tests/test_executor_adapters.py``
+asserts they agree in float64).
 """
 
 from __future__ import annotations
@@ -108,16 +109,34 @@ def _features(module: nn.Module) -> tuple[int, int]:
 def _hook_for(name: str) -> Any:
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         adapter = _ACTIVE.get()
-        if adapter is None:
+        if adapter is None:  # the base: nothing added, not even a copy
             return None
         delta = adapter.deltas.get(name)
         if delta is None:
             return None
-        x = args[0]
-        low = (x.to(delta.a.dtype) @ delta.a.T) @ delta.b.T  # [..., out]
-        return output + (delta.scale * low).to(output.dtype)
+        return apply_delta(delta, args[0], output)
 
     return hook
+
+
+def apply_delta(delta: LoraDelta, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor | None:
+    """``output + scale * (x @ a.T) @ b.T``; in place (returns ``None``) when it can be.
+
+    In place: one ``addmm_`` into the layer's fresh output (``[N, out] += scale * [N, r] @ [r,
+    out]``), no ``[N, out]`` temporaries. Otherwise (dtypes differ, a non-contiguous output, or
+    an output autograd needs) the out-of-place naive form, returned.
+    """
+    a, b = delta.a, delta.b  # [r, in], [out, r]
+    if (
+        x.dtype == a.dtype == output.dtype
+        and output.is_contiguous()
+        and not (output.requires_grad and torch.is_grad_enabled())
+    ):
+        low = x.reshape(-1, x.shape[-1]) @ a.T  # [N, r]
+        output.view(-1, output.shape[-1]).addmm_(low, b.T, alpha=delta.scale)  # [N, out]
+        return None
+    low = (x.to(a.dtype) @ a.T) @ b.T  # [..., out]
+    return output + (delta.scale * low).to(output.dtype)
 
 
 def fingerprint(directory: Path, files: list[str], *, full: bool = True) -> str:
