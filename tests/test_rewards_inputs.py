@@ -188,6 +188,48 @@ def test_multi_objective_rewards_against_float64() -> None:
         assert score.reward == pytest.approx(float(want[2]), abs=1e-5)
 
 
+def test_reward_weights_combine_the_objectives_against_float64() -> None:
+    from worker.commands.serve import reward_adapter_from_args
+    from worker.executor.pooling import SequenceClassificationAdapter
+
+    model = tiny_reward("llama", num_labels=3)
+    weights = (0.5, -1.25, 2.0)
+    adapter = SequenceClassificationAdapter(token_level=True, reward_weights=weights)
+    ex = StatelessExecutor(
+        ExecutorConfig(mode="reward"), reward_model=model, reward_adapter=adapter
+    )
+    seqs = [SequenceInput(random_tokens(n, n)) for n in (5, 11, 2)]
+    for seq, score in zip(seqs, ex.score(seqs).scores, strict=True):
+        want = _head_at_last(model, list(seq.tokens))  # [3] float64
+        np.testing.assert_allclose(score.rewards, want, atol=1e-5)  # every objective still
+        assert score.reward == pytest.approx(float(np.dot(want, weights)), abs=1e-5)
+        assert score.token_scores is not None
+        assert float(score.token_scores[-1]) == pytest.approx(score.reward, abs=1e-5)
+    # one weight per output, never beside --reward-index; the serve flags build the adapter
+    with pytest.raises(ConfigError, match="2 weights; the reward head has 3 outputs"):
+        StatelessExecutor(
+            ExecutorConfig(mode="reward"), reward_model=model,
+            reward_adapter=SequenceClassificationAdapter(reward_weights=(1.0, 2.0)),
+        )  # fmt: skip
+    with pytest.raises(ConfigError, match="exclusive"):
+        SequenceClassificationAdapter(reward_index=1, reward_weights=weights)
+    with pytest.raises(ConfigError, match="finite"):
+        SequenceClassificationAdapter(reward_weights=(1.0, float("nan"), 0.0))
+    import argparse
+
+    from worker.commands import serve
+
+    parser = argparse.ArgumentParser()
+    serve.configure(parser)
+    args = parser.parse_args(["--reward-model", "x", "--reward-weights", "0.5,-1.25,2"])
+    assert reward_adapter_from_args(args).reward_weights == weights
+    args = parser.parse_args(
+        ["--reward-model", "x", "--reward-weights", "1", "--reward-index", "1"]
+    )
+    with pytest.raises(ConfigError, match="exclusive"):
+        reward_adapter_from_args(args)
+
+
 TAG = 7
 STEP_SEQS = [
     [5, 9, TAG, 11, 12, TAG, 3, TAG],  # tags inside and at the last position

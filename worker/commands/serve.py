@@ -33,6 +33,14 @@ def _env_int(name: str, default: int | None) -> int | None:
     return int(raw) if raw not in (None, "") else default
 
 
+def _floats(text: str | None) -> tuple[float, ...]:
+    """``"1,0.5,-2"`` -> ``(1.0, 0.5, -2.0)``."""
+    try:
+        return tuple(float(x) for x in (text or "").split(",") if x.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers: {exc}") from exc
+
+
 def _env_float(name: str, default: float) -> float:
     raw = env_get(name)
     return float(raw) if raw not in (None, "") else default
@@ -91,6 +99,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=_env_int("REWARD_INDEX", 0),
         help="the output of a multi-objective reward head that is `reward` (all come back as "
         "`rewards`; names from the config's id2label in info)",
+    )
+    m.add_argument(  # multi-objective reward heads: a linear combination instead of one output
+        "--reward-weights",
+        type=_floats,
+        default=_floats(env_get("REWARD_WEIGHTS")) if env_get("REWARD_WEIGHTS") else None,
+        help="comma-separated, one per output of a multi-objective reward head: `reward` = "
+        "sum of weight x output (float32); exclusive with --reward-index",
     )
     m.add_argument(  # process reward models
         "--reward-head",
@@ -367,7 +382,13 @@ def reward_adapter_from_args(args: argparse.Namespace) -> Any:
         from worker.executor.pooling import SequenceClassificationAdapter
 
         return SequenceClassificationAdapter(
-            token_level=token_level, reward_index=args.reward_index
+            token_level=token_level,
+            reward_index=args.reward_index,
+            reward_weights=getattr(args, "reward_weights", None),
+        )
+    if getattr(args, "reward_weights", None) is not None:
+        raise ConfigError(
+            "--reward-weights applies to the checkpoint's own head, not --reward-adapter"
         )
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:

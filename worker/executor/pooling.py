@@ -9,6 +9,8 @@ asserts they agree.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -97,16 +99,57 @@ def _as_head_input(hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
     return hidden.to(device=param.device, dtype=param.dtype)
 
 
+def check_reward_weights(
+    weights: Sequence[float] | None, reward_index: int = 0
+) -> tuple[float, ...] | None:
+    """``weights`` as a tuple of finite floats (None stays None); ``ConfigError`` when empty,
+    not numbers, or given with a ``reward_index`` other than 0 (the two are exclusive)."""
+    if weights is None:
+        return None
+    if isinstance(weights, (str, bytes)):
+        raise ConfigError("--reward-weights must be a list of numbers")
+    try:
+        out = tuple(float(w) for w in weights)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"--reward-weights must be numbers: {exc}") from None
+    if not out or not all(math.isfinite(w) for w in out):
+        raise ConfigError("--reward-weights must be one finite number per head output")
+    if reward_index != 0:
+        raise ConfigError("--reward-weights and --reward-index are exclusive: give one")
+    return out
+
+
 class HeadAdapter:
     """Backbone hidden states -> a ``[H] -> [K]`` head, read at each sequence's last token.
 
-    The reward is output ``reward_index`` (default 0); a head with ``K > 1`` outputs (a
+    The reward is output ``reward_index`` (default 0), or with ``reward_weights`` ``[K]`` the
+    linear combination ``outputs @ reward_weights`` (float32); a head with ``K > 1`` outputs (a
     multi-objective reward model) also returns all ``K`` (``RewardOutput.objectives``).
     """
 
-    def __init__(self, token_level: bool = False, reward_index: int = 0) -> None:
+    def __init__(
+        self,
+        token_level: bool = False,
+        reward_index: int = 0,
+        reward_weights: Sequence[float] | None = None,
+    ) -> None:
         self.token_level = token_level
         self.reward_index = reward_index
+        # multi-objective heads: a documented linear combination instead of one output
+        self.reward_weights = check_reward_weights(reward_weights, reward_index)
+
+    def _pick(self, outputs: torch.Tensor) -> torch.Tensor:
+        """``[N, K]`` head outputs -> ``[N]`` rewards: output ``reward_index``, or
+        ``outputs @ reward_weights``. Naive equivalent: ``sum_k w_k * outputs[:, k]`` in float64."""
+        if self.reward_weights is None:
+            return outputs[:, self.reward_index]  # [N]
+        if outputs.shape[1] != len(self.reward_weights):
+            raise ConfigError(
+                f"--reward-weights has {len(self.reward_weights)} weights for a reward head "
+                f"with {outputs.shape[1]} outputs"
+            )
+        w = torch.tensor(self.reward_weights, dtype=outputs.dtype, device=outputs.device)  # [K]
+        return outputs @ w  # [N]
 
     def head(self, model: nn.Module) -> nn.Module:
         """The scalar head to apply on hidden states ``[N, H] -> [N, 1]``."""
@@ -122,11 +165,11 @@ class HeadAdapter:
         head = self.head(model)
         last = _as_head_input(gather_flat(hidden, batch.last_index), head)  # [B, H]
         outputs = head(last).float().reshape(len(batch.seq_ids), -1)  # [B, K]
-        rewards = outputs[:, self.reward_index]  # [B]
+        rewards = self._pick(outputs)  # [B]
         token_scores = None
         if self.token_level:
             every = _as_head_input(gather_flat(hidden, token_index(batch)), head)  # [S, H]
-            flat = head(every).float().reshape(every.shape[0], -1)[:, self.reward_index]  # [S]
+            flat = self._pick(head(every).float().reshape(every.shape[0], -1))  # [S]
             token_scores = list(torch.split(flat, batch.lengths.tolist()))
         objectives = outputs if outputs.shape[1] > 1 else None
         return RewardOutput(rewards=rewards, token_scores=token_scores, objectives=objectives)
@@ -153,9 +196,11 @@ class SequenceClassificationAdapter(HeadAdapter):
         )
 
     @staticmethod
-    def check(model: nn.Module, reward_index: int = 0) -> None:
+    def check(
+        model: nn.Module, reward_index: int = 0, reward_weights: Sequence[float] | None = None
+    ) -> None:
         """Raise ``ConfigError`` unless ``model`` is a sequence classifier with a label
-        ``reward_index``."""
+        ``reward_index`` (or one weight per label in ``reward_weights``)."""
         config: Any = getattr(model, "config", None)
         labels = getattr(config, "num_labels", None)
         if not isinstance(labels, int) or labels < 1:
@@ -166,6 +211,11 @@ class SequenceClassificationAdapter(HeadAdapter):
         if not 0 <= reward_index < labels:
             raise ConfigError(
                 f"--reward-index {reward_index} is outside the reward head's {labels} outputs"
+            )
+        if reward_weights is not None and len(reward_weights) != labels:
+            raise ConfigError(
+                f"--reward-weights has {len(reward_weights)} weights; the reward head has "
+                f"{labels} outputs (one weight each)"
             )
         SequenceClassificationAdapter().head(model)
 
@@ -178,9 +228,13 @@ class ValueHeadAdapter(HeadAdapter):
     """
 
     def __init__(
-        self, value_head: nn.Module, token_level: bool = False, reward_index: int = 0
+        self,
+        value_head: nn.Module,
+        token_level: bool = False,
+        reward_index: int = 0,
+        reward_weights: Sequence[float] | None = None,
     ) -> None:
-        super().__init__(token_level=token_level, reward_index=reward_index)
+        super().__init__(token_level, reward_index, reward_weights)
         self.value_head = value_head
 
     def head(self, model: nn.Module) -> nn.Module:

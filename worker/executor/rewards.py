@@ -48,8 +48,9 @@ def resolve_head(
             raise ConfigError(f"{type(model).__name__} has no LM head")
         return kind, None
     if adapter is None:
-        SequenceClassificationAdapter.check(model, reward_index)
         adapter = SequenceClassificationAdapter(reward_index=reward_index)
+    if type(adapter) is SequenceClassificationAdapter:  # the model's own head: its index/weights
+        SequenceClassificationAdapter.check(model, adapter.reward_index, adapter.reward_weights)
     return kind, adapter
 
 
