@@ -342,6 +342,33 @@ def test_minus_inf_logits_from_a_masking_head() -> None:
         assert torch.allclose(got[name][finite].double(), want[name][finite], atol=ATOL), name
 
 
+@pytest.mark.parametrize("masked_rows", ["all", "some"])
+def test_minus_inf_logits_without_a_sampler(masked_rows: str) -> None:
+    # Without a sampler the CPU path skips the clamp pass and redoes only the NaN entropy rows.
+    base = _head(vocab=100)
+
+    class Masked(nn.Module):
+        out_features = 100
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            z = base(x)
+            rows = x[:, 0] > 0 if masked_rows == "some" else torch.ones(len(x), dtype=torch.bool)
+            z[rows, 50:] = -math.inf  # [c, V] the masked rows' upper half
+            return z
+
+    head = Masked()
+    hidden, labels = _inputs(9, vocab=100)
+    labels = labels % 50
+    spec = TokenOutputs({"logps", "entropy", "topk"}, topk=8)
+    with torch.inference_mode():
+        got = chunked_token_outputs(hidden, head, labels, spec, chunk_rows=4)
+        want = _naive(head(hidden), labels, spec)
+    assert masked_rows == "all" or 0 < int((hidden[:, 0] > 0).sum()) < 9  # a mix of rows
+    assert bool(torch.isfinite(got["entropy"]).all())
+    for name in ("entropy", "logps", "topk_logps", "topk_tail_logp"):
+        assert torch.allclose(got[name].double(), want[name], atol=ATOL), name
+
+
 def test_empty_input_gives_empty_arrays() -> None:
     spec = TokenOutputs(ALL, topk=3, gather_ids=(1,), sampling=Sampling(top_k=2))
     with torch.inference_mode():

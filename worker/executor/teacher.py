@@ -115,14 +115,21 @@ def chunked_token_outputs(
     shared_ids = torch.tensor(spec.gather_ids, dtype=torch.long, device=hidden.device)  # [K]
     if chunk_rows is not None and chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    rows = chunk_rows or chunk_rows_for(vocab, budget_bytes, block_units(spec, vocab))
+    units = block_units(spec, vocab)
+    rows = chunk_rows or chunk_rows_for(vocab, budget_bytes, units)
     out = _allocate(spec, n, hidden.device)
     transform = transform or LogitTransform()
     with torch.inference_mode():
+        # One exp block for every chunk: a fresh [c, V] per chunk costs its page faults again on
+        # CPU (measured 3.4x the exp itself). The sort path frees its exp instead (SORT_UNITS).
+        exp_buf = None
+        if n and units == BASE_UNITS:
+            exp_buf = torch.empty(min(rows, n), vocab, dtype=torch.float32, device=hidden.device)
         for lo in range(0, n, rows):
             hi = min(lo + rows, n)
             ids = per_row_ids[lo:hi] if per_row_ids is not None else shared_ids  # [c, K] | [K]
-            block = _block_outputs(hidden[lo:hi], head, labels[lo:hi], spec, transform, ids)
+            e = None if exp_buf is None else exp_buf[: hi - lo]  # [c, V]
+            block = _block_outputs(hidden[lo:hi], head, labels[lo:hi], spec, transform, ids, e)
             for name, value in block.items():
                 out[name][lo:hi] = value
     return out
@@ -187,8 +194,10 @@ def _block_outputs(
     spec: TokenOutputs,
     transform: LogitTransform,
     ids: torch.Tensor,
+    e: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """One block ``[c, H]`` -> the requested ``[c, ...]`` arrays; see ``block_units`` for memory."""
+    """One block ``[c, H]`` -> the requested ``[c, ...]`` arrays; see ``block_units`` for memory.
+    ``e``: a ``[c, V]`` float32 block to hold ``exp(z)`` (None: a fresh one)."""
     want = spec.outputs
     z = head(hidden).float()  # [c, V] a fresh tensor, so in place is safe
     transform.apply_(z)
@@ -200,9 +209,12 @@ def _block_outputs(
     picked = None
     if ids.numel():
         picked = z.index_select(1, ids) if ids.dim() == 1 else z.gather(1, ids)  # [c, K]
-    # -inf logits (a masking head) would make exp(z) * z NaN; clamp after the exact reads above.
-    z.clamp_(min=torch.finfo(z.dtype).min)
-    e = z.exp()  # [c, V]
+    # -inf logits (a masking head) would make exp(z) * z NaN; clamp after the exact reads above
+    # (a full pass: on CPU without a sampler, only rows whose entropy came out NaN are redone).
+    clamped = z.device.type != "cpu" or spec.sampling is not None
+    if clamped:
+        z.clamp_(min=torch.finfo(z.dtype).min)
+    e = torch.exp(z, out=e) if e is not None else z.exp()  # [c, V]
     total = e.sum(dim=1)  # [c]
     log_total = total.log()  # [c]
     out: dict[str, torch.Tensor] = {}
@@ -210,14 +222,17 @@ def _block_outputs(
         out["logps"] = z_label - log_total  # [c]
     if "entropy" in want:
         dot = torch.bmm(e[:, None, :], z[:, :, None]).view(-1)  # [c] sum(exp(z) * z), no [c, V]
+        if not clamped:
+            _redo_nan_rows(dot, e, z)
         out["entropy"] = log_total - dot / total  # [c]
     if top is not None:
         out["topk_ids"] = top.indices.to(torch.int32)  # [c, k]
         out["topk_logps"] = top.values - log_total[:, None]  # [c, k]
-        kept = e.gather(1, top.indices)  # [c, k]
+        kept = e.gather(1, top.indices) if spec.sampling is not None else None  # [c, k]
         tail = e.scatter_(1, top.indices, 0.0).sum(dim=1)  # [c] mass outside the top k
         out["topk_tail_logp"] = tail.log() - log_total  # [c] -inf when the top k hold it all
-        e.scatter_(1, top.indices, kept)  # restore for the sampler
+        if kept is not None:
+            e.scatter_(1, top.indices, kept)  # restore for the sampler
     if picked is not None:
         out["gather_logps"] = picked - log_total[:, None]  # [c, K]
     if spec.sampling is not None:
@@ -228,3 +243,13 @@ def _block_outputs(
             thr, mass = masked_support(z, e, spec.sampling)  # [c], [c]
         out["processed_logps"] = processed_logps(z_label, thr, mass)  # [c]
     return out
+
+
+def _redo_nan_rows(dot: torch.Tensor, e: torch.Tensor, z: torch.Tensor) -> None:
+    """``dot`` ``[c]`` = ``sum(e * z)`` again, in place, for the rows where a ``-inf`` logit made
+    it NaN (``0 * -inf``), with ``z`` clamped to the dtype's finite minimum in those rows only."""
+    bad = dot.isnan()  # [c]
+    if bool(bad.any()):
+        rows = bad.nonzero().squeeze(1)  # [r]
+        finite = z[rows].clamp_(min=torch.finfo(z.dtype).min)  # [r, V] a copy
+        dot[rows] = (e[rows] * finite).sum(dim=1)  # [r]
