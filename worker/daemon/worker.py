@@ -93,7 +93,8 @@ class Worker:
         self.stats = StatsSampler(config.streams, config.group, metrics=self.metrics,
                                   dead_stream_of=self.jobs.dead_stream_of,
                                   interval_s=config.stats_interval_s,
-                                  heartbeat=heartbeat)  # fmt: skip
+                                  heartbeat=heartbeat,
+                                  acked_upto=self.in_flight.done_upto)  # fmt: skip
         self.jobs_done = 0
         self.pipeline = BatchPipeline(partial(score_batch, self.jobs), threaded=config.pipeline)
         self._poll_s = POLL_MIN_S
@@ -126,11 +127,6 @@ class Worker:
         (a batch stuck past the limit still is)."""
         started = self.batch_started_s
         return started is not None and time.monotonic() - started < self.config.batch_timeout_s
-
-    def _overdue(self) -> bool:
-        """True when the batch computing now has run past ``batch_timeout_s`` (wedged)."""
-        started = self.batch_started_s
-        return started is not None and time.monotonic() - started >= self.config.batch_timeout_s
 
     def run(self) -> int:
         """Serve until stopped (signal, ``--burst`` drained, ``--max-jobs`` reached); returns 0."""
@@ -230,7 +226,7 @@ class Worker:
         """Read and prepare jobs, hand a batch to the compute stage, write what is done.
         True when the worker should exit."""
         cfg, client, stage = self.config, self.link.client, self.pipeline
-        if not self._overdue():  # a batch wedged past the limit leaves the loop beat stale
+        if self.batch_started_s is None or self.busy():  # a wedged batch leaves the beat stale
             self.health.beat("loop")
         self.stats.maybe_sample(client)
         outbox = Outbox()
