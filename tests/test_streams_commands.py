@@ -9,6 +9,7 @@ import pytest
 import redis
 
 from worker import keys, streams
+from worker.daemon.leases import InFlight
 
 pytestmark = pytest.mark.redis
 G = "scoring"
@@ -199,3 +200,27 @@ def test_trim_acked_drops_only_what_every_group_read_and_acked(
     streams.trim_acked(client, stream)
     assert client.xlen(stream) == before
     assert streams.trim_acked(client, f"{stream}-none") == 0
+
+
+def test_trim_acked_stops_at_the_newest_entry_the_worker_acked(
+    client: redis.Redis, key_prefix: str
+) -> None:
+    """A group created at ``$`` over entries (replayed later with ``XGROUP SETID ... 0``, as
+    the capacity benchmark does) has nothing pending and its last delivered id at the end: the
+    entries look read. A worker trims only up to the newest entry it acked itself."""
+    stream = keys.job_streams(key_prefix)[0]
+    ids = [client.xadd(stream, {b"payload": b"x"}) for _ in range(300)]
+    streams.ensure_group(client, stream, "g1", start_id="$")
+    worker = InFlight()
+    assert worker.done_upto(stream) is None  # acked nothing: the daemon does not trim at all
+    assert streams.trim_acked(client, stream, upto=ids[0].decode()) == 0
+    assert client.xlen(stream) == 300
+    client.xgroup_setid(stream, "g1", id="0")  # the replay reads them all
+    got = client.xreadgroup("g1", "c", {stream: ">"}, count=300)[0][1]
+    client.xack(stream, "g1", *[e[0] for e in got[:200]])
+    for entry_id, _ in got[:200]:
+        worker.done(stream, entry_id.decode())
+    assert worker.done_upto(stream) == ids[199].decode()
+    assert streams.trim_acked(client, stream, upto=worker.done_upto(stream)) > 0
+    left = [e[0] for e in client.xrange(stream)]
+    assert set(ids[200:]) <= set(left) and len(left) < 300

@@ -28,6 +28,8 @@ class InFlight:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._ids: dict[str, set[str]] = {}
+        # per stream, the newest entry (ms, seq) this worker answered and acked
+        self._done: dict[str, tuple[int, int]] = {}
 
     def add(self, stream: str, entry_id: str) -> None:
         """Register an entry as held."""
@@ -42,6 +44,23 @@ class InFlight:
                 ids.discard(entry_id)
                 if not ids:
                     del self._ids[stream]
+
+    def done(self, stream: str, entry_id: str) -> None:
+        """Forget an entry this worker answered and acked (or dead-lettered): it counts towards
+        :meth:`done_upto`."""
+        self.discard(stream, entry_id)
+        ms, _, seq = entry_id.partition("-")
+        key = (int(ms), int(seq or 0))
+        with self._lock:
+            if key > self._done.get(stream, (-1, -1)):
+                self._done[stream] = key
+
+    def done_upto(self, stream: str) -> str | None:
+        """The newest entry id of ``stream`` this worker acked (None: none yet); the stats
+        sampler trims no further (``streams.trim_acked(upto=...)``)."""
+        with self._lock:
+            key = self._done.get(stream)
+        return None if key is None else f"{key[0]}-{key[1]}"
 
     def held(self, stream: str, ids: set[str]) -> set[str]:
         """The subset of ``ids`` still held on ``stream``."""

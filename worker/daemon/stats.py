@@ -37,6 +37,7 @@ class StatsSampler:
         interval_s: float,
         clock: Callable[[], float] = time.monotonic,
         heartbeat: Heartbeat | None = None,
+        acked_upto: Callable[[str], str | None] | None = None,
     ) -> None:
         self.streams = streams_
         self.group = group
@@ -45,6 +46,8 @@ class StatsSampler:
         self._dead_stream_of = dead_stream_of
         self._clock = clock
         self._heartbeat = heartbeat
+        # the newest entry this worker acked per stream (None: trim nothing yet); None: no cap
+        self._acked_upto = acked_upto
         self._last: float | None = None
 
     def maybe_sample(self, client: Any) -> bool:
@@ -92,8 +95,11 @@ class StatsSampler:
             m.stream_pending.labels(stream=stream, group=group).set(st["pending"])
             m.stream_consumers.labels(stream=stream, group=group).set(st["consumers"])
             m.dead_letter_length.labels(stream=dead).set(dead_len)
+            upto = self._acked_upto(stream) if self._acked_upto is not None else None
+            if self._acked_upto is not None and upto is None:
+                continue  # this worker acked nothing there yet: nothing it may trim
             try:  # scored entries leave the stream: a long-running queue stays bounded
-                streams.trim_acked(client, stream)
+                streams.trim_acked(client, stream, upto=upto)
             except redis.ResponseError as exc:  # e.g. XTRIM MINID before Redis 6.2
                 if streams.is_transient(exc):
                     raise

@@ -124,7 +124,7 @@ class OutboxWriter:
         self.ctx.metrics.superseded.inc()
 
     def _finish(self, entry: streams.Entry, outcome: str) -> int:
-        self.ctx.in_flight.discard(entry.stream, entry.id)
+        self.ctx.in_flight.done(entry.stream, entry.id)
         self.ctx.metrics.record_job(outcome)
         if entry.enqueued_ms:
             e2e = max(time.time() - entry.enqueued_ms / 1000.0, 0.0)

@@ -76,13 +76,18 @@ def _id(raw: Any) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-def trim_acked(client: Any, stream: str) -> int:
+def trim_acked(client: Any, stream: str, *, upto: str | None = None) -> int:
     """``XTRIM stream MINID ~ floor``: delete entries that every group of ``stream`` has read
     and acked; how many were deleted. ``floor`` is, over all groups, the lowest of each group's
     oldest pending id (``XPENDING``) or, when nothing is pending, its last delivered id + 1
     (``XINFO GROUPS``): an unread or pending entry is never touched. A stream without a group
     is left alone. ``~`` lets Redis trim whole macro nodes only (cheap; a few acked entries
-    stay until the next trim)."""
+    stay until the next trim).
+
+    ``upto`` (an entry id) caps the floor at ``upto`` + 1: a worker passes the newest entry it
+    acked itself, because a group's last delivered id also moves without any delivery (a group
+    created at ``$`` over entries that ``XGROUP SETID ... 0`` replays later; they are neither
+    pending nor read)."""
     try:
         groups = client.xinfo_groups(stream)
     except redis.ResponseError:  # no such key
@@ -96,6 +101,9 @@ def trim_acked(client: Any, stream: str) -> int:
             ms, seq = _id(g["last-delivered-id"])
             candidate = (ms, seq + 1)
         floor = candidate if floor is None else min(floor, candidate)
+    if floor is not None and upto is not None:
+        ms, seq = _id(upto)
+        floor = min(floor, (ms, seq + 1))
     if floor is None or floor <= (0, 1):
         return 0
     return int(client.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=True))
