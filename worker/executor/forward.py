@@ -210,7 +210,7 @@ class BatchForward:
             spec,
             transform=self.transform,
             gather_ids=gather,  # [N, K] | None
-            chunk_rows=self._chunk_rows(head, block_units(spec, vocab), vocab),
+            chunk_rows=self._chunk_rows(head, block_units(spec, vocab, not _f32(head)), vocab),
         )
         split = {name: torch.split(value, sizes) for name, value in arrays.items()}
         for k, j in enumerate(order):

@@ -43,6 +43,7 @@ from worker.scorer.teacher import (
 __all__ = [
     "BASE_UNITS",
     "DEFAULT_BUDGET_BYTES",
+    "FAST_UNITS",
     "MAX_GATHER_IDS",
     "MAX_TOPK",
     "OUTPUT_NAMES",
@@ -61,6 +62,11 @@ DEFAULT_BUDGET_BYTES = 128 * 1024 * 1024
 BASE_UNITS = 2.5
 """``[c, V]`` float32 blocks held at once without a sort: the logits, their exp, and 0.5 of slack
 for a bool mask (0.25) or a half-precision head output before its float32 copy (0.5)."""
+FAST_UNITS = 1.0
+"""Without a sampler the exp is taken in place: one ``[c, V]`` float32 block (the logits, then
+their exp); plus ``HALF_HEAD_UNITS`` when the head's output is half precision (its ``[c, V]``
+output lives beside the float32 copy)."""
+HALF_HEAD_UNITS = 0.5
 SORT_UNITS = 6.5
 """With a sort (the exp block is freed first): the logits plus, while sorting, the sorted values
 and their int64 indices (4 blocks; measured 4.03 on CPU, whose sort also keeps a row or two of
@@ -68,9 +74,13 @@ scratch per thread). CUDA's segmented sort also reads an int64 iota (2 more bloc
 not measured), and 0.5 of slack."""
 
 
-def block_units(spec: TokenOutputs, vocab: int) -> float:
-    """``[c, V]`` float32 blocks one chunk holds at its peak: ``BASE_UNITS`` or ``SORT_UNITS``."""
-    if spec.sampling is not None and spec.sampling.needs_sort(vocab):
+def block_units(spec: TokenOutputs, vocab: int, half_head: bool = True) -> float:
+    """``[c, V]`` float32 blocks one chunk holds at its peak: ``FAST_UNITS`` (+
+    ``HALF_HEAD_UNITS`` for a half-precision head) without a sampler, else ``BASE_UNITS`` or
+    ``SORT_UNITS``."""
+    if spec.sampling is None:
+        return FAST_UNITS + (HALF_HEAD_UNITS if half_head else 0.0)
+    if spec.sampling.needs_sort(vocab):
         return SORT_UNITS
     return BASE_UNITS
 
@@ -121,7 +131,8 @@ def chunked_token_outputs(
     transform = transform or LogitTransform()
     with torch.inference_mode():
         # One exp block for every chunk: a fresh [c, V] per chunk costs its page faults again on
-        # CPU (measured 3.4x the exp itself). The sort path frees its exp instead (SORT_UNITS).
+        # CPU (measured 3.4x the exp itself). The sort path frees its exp instead (SORT_UNITS);
+        # without a sampler the exp is taken in place (FAST_UNITS).
         exp_buf = None
         if n and units == BASE_UNITS:
             exp_buf = torch.empty(min(rows, n), vocab, dtype=torch.float32, device=hidden.device)
@@ -197,7 +208,8 @@ def _block_outputs(
     e: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """One block ``[c, H]`` -> the requested ``[c, ...]`` arrays; see ``block_units`` for memory.
-    ``e``: a ``[c, V]`` float32 block to hold ``exp(z)`` (None: a fresh one)."""
+    ``e``: a ``[c, V]`` float32 block to hold ``exp(z)`` (None: a fresh one) when a sampler
+    needs ``z`` and ``exp(z)`` side by side; without a sampler the exp is taken in place."""
     want = spec.outputs
     z = head(hidden).float()  # [c, V] a fresh tensor, so in place is safe
     transform.apply_(z)
@@ -209,11 +221,10 @@ def _block_outputs(
     picked = None
     if ids.numel():
         picked = z.index_select(1, ids) if ids.dim() == 1 else z.gather(1, ids)  # [c, K]
-    # -inf logits (a masking head) would make exp(z) * z NaN; clamp after the exact reads above
-    # (a full pass: on CPU without a sampler, only rows whose entropy came out NaN are redone).
-    clamped = z.device.type != "cpu" or spec.sampling is not None
-    if clamped:
-        z.clamp_(min=torch.finfo(z.dtype).min)
+    if spec.sampling is None:
+        return _in_place_outputs(z, z_label, top, picked, want)
+    # -inf logits (a masking head) would make exp(z) * z NaN; clamp after the exact reads above.
+    z.clamp_(min=torch.finfo(z.dtype).min)
     e = torch.exp(z, out=e) if e is not None else z.exp()  # [c, V]
     total = e.sum(dim=1)  # [c]
     log_total = total.log()  # [c]
@@ -222,17 +233,14 @@ def _block_outputs(
         out["logps"] = z_label - log_total  # [c]
     if "entropy" in want:
         dot = torch.bmm(e[:, None, :], z[:, :, None]).view(-1)  # [c] sum(exp(z) * z), no [c, V]
-        if not clamped:
-            _redo_nan_rows(dot, e, z)
         out["entropy"] = log_total - dot / total  # [c]
     if top is not None:
         out["topk_ids"] = top.indices.to(torch.int32)  # [c, k]
         out["topk_logps"] = top.values - log_total[:, None]  # [c, k]
-        kept = e.gather(1, top.indices) if spec.sampling is not None else None  # [c, k]
+        kept = e.gather(1, top.indices)  # [c, k]
         tail = e.scatter_(1, top.indices, 0.0).sum(dim=1)  # [c] mass outside the top k
         out["topk_tail_logp"] = tail.log() - log_total  # [c] -inf when the top k hold it all
-        if kept is not None:
-            e.scatter_(1, top.indices, kept)  # restore for the sampler
+        e.scatter_(1, top.indices, kept)  # restore for the sampler
     if picked is not None:
         out["gather_logps"] = picked - log_total[:, None]  # [c, K]
     if spec.sampling is not None:
@@ -245,11 +253,36 @@ def _block_outputs(
     return out
 
 
-def _redo_nan_rows(dot: torch.Tensor, e: torch.Tensor, z: torch.Tensor) -> None:
-    """``dot`` ``[c]`` = ``sum(e * z)`` again, in place, for the rows where a ``-inf`` logit made
-    it NaN (``0 * -inf``), with ``z`` clamped to the dtype's finite minimum in those rows only."""
-    bad = dot.isnan()  # [c]
-    if bool(bad.any()):
-        rows = bad.nonzero().squeeze(1)  # [r]
-        finite = z[rows].clamp_(min=torch.finfo(z.dtype).min)  # [r, V] a copy
-        dot[rows] = (e[rows] * finite).sum(dim=1)  # [r]
+def _in_place_outputs(
+    z: torch.Tensor,
+    z_label: torch.Tensor,
+    top: torch.return_types.topk | None,
+    picked: torch.Tensor | None,
+    want: frozenset[str],
+) -> dict[str, torch.Tensor]:
+    """The outputs of a block without a sampler, ``z`` (``logits - rowmax`` ``[c, V]``, already
+    read for the label, top-k and gather) turned into ``exp(z)`` in place: one ``[c, V]`` block
+    (``FAST_UNITS``), as ``chunked_token_logps``, whose ``logps`` these equal bit for bit.
+    ``sum(exp(z) * z)`` is taken as ``sum(xlogy(e, e))``: ``log(exp(z)) = z`` to rounding, and
+    an underflowed or ``-inf`` logit adds 0 (no NaN, no clamp pass)."""
+    e = z.exp_()  # [c, V] the logits' block, now exp(z)
+    total = e.sum(dim=1)  # [c]
+    log_total = total.log()  # [c]
+    out: dict[str, torch.Tensor] = {}
+    if "logps" in want:
+        out["logps"] = z_label - log_total  # [c]
+    kept = None
+    if top is not None:
+        out["topk_ids"] = top.indices.to(torch.int32)  # [c, k]
+        out["topk_logps"] = top.values - log_total[:, None]  # [c, k]
+        kept = e.gather(1, top.indices)  # [c, k]
+        tail = e.scatter_(1, top.indices, 0.0).sum(dim=1)  # [c] mass outside the top k
+        out["topk_tail_logp"] = tail.log() - log_total  # [c] -inf when the top k hold it all
+    if picked is not None:
+        out["gather_logps"] = picked - log_total[:, None]  # [c, K]
+    if "entropy" in want:
+        dot = torch.special.xlogy(e, e, out=e).sum(dim=1)  # [c] sum(exp(z) * z) outside the top k
+        if kept is not None:
+            dot += torch.special.xlogy(kept, kept).sum(dim=1)  # [c] and inside it
+        out["entropy"] = log_total - dot / total  # [c]
+    return out
