@@ -40,7 +40,10 @@ def _executor(
         adapter_root=str(fleet["adapters"]), model_root=str(fleet["models"]), **weights
     )  # type: ignore[arg-type]
     return StatelessExecutor.from_pretrained(
-        ExecutorConfig(packing=packing), str(fleet["base"]), weights=cfg
+        # unmasked: a pad fraction of 1 puts sequences of different lengths in one bucket
+        ExecutorConfig(packing=packing, bucket_pad_fraction=1.0 if packing == "unmasked" else None),  # type: ignore[arg-type]
+        str(fleet["base"]),
+        weights=cfg,
     )
 
 
@@ -54,7 +57,7 @@ def _check(out_scores: list, model: torch.nn.Module, seqs: list[SequenceInput]) 
         assert np.abs(score.logps - want).max() <= 1e-4
 
 
-@pytest.mark.parametrize("packing", ["packed", "padded"])
+@pytest.mark.parametrize("packing", ["packed", "unmasked", "padded"])
 def test_adapter_scores_equal_merged_float64(fleet, base, packing: str) -> None:
     ex = _executor(fleet, packing)
     seqs = _seqs()
@@ -63,6 +66,7 @@ def test_adapter_scores_equal_merged_float64(fleet, base, packing: str) -> None:
         _check(out.scores, merged_float64(base, fleet["adapters"] / name), seqs)
         report = out.metrics.weights
         assert report is not None and report.adapter == name and report.hit is False
+        assert packing != "unmasked" or out.metrics.padded_tokens > 0  # pads without a mask
         assert report.fingerprint and len(report.fingerprint) == 16
         assert report.provenance()["adapter"] == name
     prints = {

@@ -44,8 +44,8 @@ def test_auto_picks_sdpa_on_cpu_without_a_fallback_event() -> None:
 
 def test_kernel_error_retries_on_next_backend_and_keeps_config(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     model = tiny_causal("llama")
-    ex = StatelessExecutor(ExecutorConfig(attention_backend="sdpa"), model)
-    want = ex.score(SEQS).scores
+    ex = StatelessExecutor(ExecutorConfig(attention_backend="sdpa", packing="packed"), model)
+    want = ex.score(SEQS).scores  # packed: one forward, so one run-time fallback event
     seen: list[FallbackEvent] = []
     ex.add_fallback_listener(seen.append)
     monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", _broken_sdpa)
@@ -108,15 +108,16 @@ def test_eager_kernel_error_has_nowhere_to_go(monkeypatch) -> None:  # type: ign
 
 def test_unisolated_packing_falls_back_to_padded(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """If packed rows leak across sequences (simulated: mask detection off), the load probe sees
-    it and the executor runs padded buckets instead, with a no_packing fallback event."""
+    it and the executor runs padded buckets instead, with a no_packing fallback event (on sdpa
+    the auto layout's unmasked buckets; a pad fraction of 1 makes them hold padding)."""
     import transformers.masking_utils as mu
 
     model = tiny_causal("llama")
     monkeypatch.setattr(mu, "find_packed_sequence_indices", lambda position_ids: None)
-    ex = StatelessExecutor(ExecutorConfig(), model)
+    ex = StatelessExecutor(ExecutorConfig(bucket_pad_fraction=1.0), model)
     assert not ex.packed
     (event,) = ex.load_fallbacks
-    assert event.reason == "no_packing" and (event.requested, event.used) == ("packed", "padded")
+    assert event.reason == "no_packing" and (event.requested, event.used) == ("packed", "unmasked")
     out = ex.score(SEQS)
     assert not out.metrics.packed and out.metrics.padded_tokens > 0
     assert out.metrics.packed_fill_tokens == 0

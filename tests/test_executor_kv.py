@@ -37,7 +37,7 @@ def _leak_cache(model: Any) -> None:
 
 def test_cache_output_is_rejected_and_counted() -> None:
     model = tiny_causal("llama")
-    ex = StatelessExecutor(ExecutorConfig(), model)
+    ex = StatelessExecutor(ExecutorConfig(packing="packed"), model)  # one forward: 13 tokens
     _leak_cache(model)
     with pytest.raises(KVCacheRejected, match="KV cache") as info:
         ex.score(SEQS)
@@ -49,7 +49,7 @@ def test_cache_output_is_rejected_and_counted() -> None:
 
 def test_cache_output_warn_and_drop(caplog: pytest.LogCaptureFixture) -> None:
     model = tiny_causal("llama")
-    ex = StatelessExecutor(ExecutorConfig(reject_kv_cache_outputs=False), model)
+    ex = StatelessExecutor(ExecutorConfig(reject_kv_cache_outputs=False, packing="packed"), model)
     clean = ex.score(SEQS)
     assert clean.metrics.kv_output_tensors == 0
     _leak_cache(model)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -128,8 +129,9 @@ def test_order_and_budget_split() -> None:
     """A small token budget forces several forwards; the output still follows input order."""
     model = tiny_causal("gpt2")
     seqs = _seqs(lengths=(40, 3, 25, 8, 33, 2, 17), seed=11)
-    small = StatelessExecutor(ExecutorConfig(max_batch_tokens=45), model).score(seqs)
-    big = StatelessExecutor(ExecutorConfig(), model).score(seqs)
+    config = ExecutorConfig(packing="packed")  # the layout these forward counts are for
+    small = StatelessExecutor(replace(config, max_batch_tokens=45), model).score(seqs)
+    big = StatelessExecutor(config, model).score(seqs)
     assert small.metrics.forwards > 1 and big.metrics.forwards == 1
     assert small.metrics.real_tokens == sum(len(s.tokens) for s in seqs)
     for s, a, b in zip(seqs, small.scores, big.scores, strict=True):
@@ -142,8 +144,9 @@ def test_several_packed_rows_per_forward(arch: str) -> None:
     """Short packed rows (tails padded as isolated pseudo-sequences) give the same numbers."""
     model = tiny_causal(arch)
     seqs = _seqs(lengths=(40, 3, 25, 8, 33, 2, 17), seed=13)
-    rows = StatelessExecutor(ExecutorConfig(packed_row_tokens=30), model).score(seqs)
-    one_row = StatelessExecutor(ExecutorConfig(), model).score(seqs)
+    config = ExecutorConfig(packing="packed")  # auto runs unmasked buckets on sdpa
+    rows = StatelessExecutor(replace(config, packed_row_tokens=30), model).score(seqs)
+    one_row = StatelessExecutor(config, model).score(seqs)
     assert rows.metrics.forwards == 1 and rows.metrics.packed
     # Row fill is reported apart from padding: padded_tokens counts padded-bucket padding only.
     assert rows.metrics.padded_tokens == 0 and one_row.metrics.padded_tokens == 0

@@ -31,7 +31,7 @@ def _seqs(seed: int = 0, eos_last: bool = True) -> list[SequenceInput]:
 def test_reward_equals_hf_pooled_logit(arch: str, packing: str) -> None:
     model = tiny_reward(arch)
     config = (
-        ExecutorConfig(mode="reward", packed_row_tokens=16)  # several packed rows per forward
+        ExecutorConfig(mode="reward", packing="packed", packed_row_tokens=16)  # several rows
         if packing == "rows"
         else ExecutorConfig(mode="reward", packing=packing)  # type: ignore[arg-type]
     )
@@ -156,7 +156,8 @@ def _count_forwards(module: torch.nn.Module) -> list[int]:
 
 
 @pytest.mark.parametrize("config", [
-    {}, {"packing": "padded"}, {"packed_row_tokens": 16}, {"max_batch_tokens": 24},
+    {}, {"packing": "padded"}, {"packing": "packed", "packed_row_tokens": 16},
+    {"max_batch_tokens": 24},
 ])  # fmt: skip
 @pytest.mark.parametrize("token_level", [False, True])
 def test_one_model_both_surfaces_runs_the_backbone_once(
@@ -199,7 +200,7 @@ def test_one_model_both_surfaces_runs_the_backbone_once(
 
 def test_two_models_still_run_one_forward_each() -> None:
     ref, rew = tiny_causal("llama"), tiny_reward("qwen2")
-    ex = StatelessExecutor(ExecutorConfig(mode="both"), ref, rew)
+    ex = StatelessExecutor(ExecutorConfig(mode="both", packing="packed"), ref, rew)
     ref_calls, rew_calls = _count_forwards(ref.model), _count_forwards(rew.model)
     out = ex.score(_seqs(seed=4))
     assert ref_calls[0] == rew_calls[0] == out.metrics.forwards == 1

@@ -130,14 +130,19 @@ def _inputs(vocab: int, k: int, seed: int = 0):
     return seqs, scored
 
 
-@pytest.mark.parametrize("packing", ["packed", "padded"])
+@pytest.mark.parametrize("packing", ["packed", "unmasked", "padded"])
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_all_outputs_match_naive_float64(packing: str, arch: str, temperature: float) -> None:
     model = tiny_gemma2() if arch == "gemma2" else tiny_causal("llama")
-    config = ExecutorConfig(packing=packing, logprob_chunk_tokens=7, attention_backend="eager")
+    config = ExecutorConfig(
+        packing=packing,  # type: ignore[arg-type]
+        logprob_chunk_tokens=7,
+        attention_backend="eager",
+        bucket_pad_fraction=1.0,  # unmasked: one bucket, its rows right-padded
+    )
     ex = StatelessExecutor(config, model)
-    assert ex.packed == (packing == "packed")
+    assert ex.packed == (packing == "packed") and ex.layout == packing
     seqs, scored = _inputs(96, k=5)
     sampling = Sampling(top_k=20, top_p=0.9, min_p=0.01)
     spec = TokenOutputs(ALL, topk=8, gather_width=5, sampling=sampling)

@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from worker.executor.packing import gather_flat, pack, pad, plan_packed, plan_padded
+from worker.executor.packing import (
+    gather_flat,
+    pack,
+    pad,
+    pad_unmasked,
+    plan_buckets,
+    plan_packed,
+    plan_padded,
+)
 from worker.executor.pooling import token_index
 
 SEQS = [np.array([5, 6, 7]), np.array([1]), np.array([9, 8, 7, 6])]
@@ -34,6 +42,32 @@ def test_pad_layout(side: str) -> None:
         assert b.position_ids.reshape(-1)[s : s + len(seq)].tolist() == list(range(len(seq)))
     with pytest.raises(ValueError):
         pad(SEQS, [0, 1, 2], side="middle")
+
+
+def test_pad_unmasked_layout() -> None:
+    """Right pads, no mask, positions counting through the pads (no restart: no packing)."""
+    b = pad_unmasked(SEQS, [0, 1, 2])
+    assert b.attention_mask is None and not b.packed
+    assert b.input_ids.tolist() == [[5, 6, 7, 0], [1, 0, 0, 0], [9, 8, 7, 6]]
+    assert b.position_ids.tolist() == [[0, 1, 2, 3]] * 3
+    assert b.starts.tolist() == [0, 4, 8] and b.last_index.tolist() == [2, 4, 11]
+    assert b.slot_tokens == 12 and b.real_tokens == 8
+
+
+def test_plan_buckets_bounds_padding_and_budget() -> None:
+    rng = np.random.default_rng(1)
+    lengths = [*rng.integers(1, 300, size=100).tolist(), 700, 120, 120, 120]
+    for fraction in (0.0, 0.1, 0.5):
+        groups = plan_buckets(lengths, 1024, fraction)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        for g in groups:
+            slots = len(g) * max(lengths[i] for i in g)
+            assert slots <= 1024 or len(g) == 1
+            assert slots - sum(lengths[i] for i in g) <= fraction * slots
+    # Naive equivalent at fraction 0: every sequence alone, except equal lengths.
+    assert sorted(map(sorted, plan_buckets([5, 9, 3, 9], 100, 0.0))) == [[0], [1, 3], [2]]
+    # fraction 1: padding is free, only the budget bounds a bucket (plan_padded).
+    assert plan_buckets(lengths, 1024, 1.0) == plan_padded(lengths, 1024)
 
 
 def test_token_index_and_gather() -> None:

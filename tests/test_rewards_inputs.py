@@ -252,11 +252,13 @@ def _naive_lm_label(model: Any, ids: list[int], good: int, bad: int) -> np.ndarr
     return logits.softmax(-1)[:, 0].numpy()
 
 
-@pytest.mark.parametrize("packing", ["packed", "padded"])
+@pytest.mark.parametrize("packing", ["packed", "unmasked", "padded"])
 @pytest.mark.parametrize("positive_index", [1, 0])
 def test_token_classification_prm_against_float64(packing: str, positive_index: int) -> None:
     model = _build("ForTokenClassification", "llama", 3, num_labels=2)
-    ex = StatelessExecutor(ExecutorConfig(mode="reward", packing=packing), reward_model=model)  # type: ignore[arg-type]
+    config = ExecutorConfig(mode="reward", packing=packing, bucket_pad_fraction=1.0)  # type: ignore[arg-type]
+    ex = StatelessExecutor(config, reward_model=model)
+    assert ex.layout == packing  # unmasked: a pad fraction of 1 makes one bucket with pads
     assert ex.info["reward_head"] == "token-classification"
     step = StepOptions(tag_id=TAG, positive_index=positive_index)
     out = ex.score([SequenceInput(s) for s in STEP_SEQS], options=ScoreOptions(step=step))

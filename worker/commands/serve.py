@@ -120,9 +120,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--attention-backend", default=env_get("ATTENTION_BACKEND", "auto"))
     m.add_argument(
         "--packing",
-        choices=["auto", "packed", "padded"],
+        choices=["auto", "packed", "unmasked", "padded"],
         default=env_get("PACKING", "auto"),
-        help="padding-free packed rows or length-sorted padded buckets (executor)",
+        help="batch layout (executor): auto = per attention backend, packed rows, unmasked "
+        "(mask-free right-padded) buckets, or padded buckets with a mask",
     )
     m.add_argument(
         "--trust-remote-code", action="store_true", default=env_bool(env_get("TRUST_REMOTE_CODE"))

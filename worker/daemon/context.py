@@ -108,5 +108,7 @@ class JobContext:
         return info
 
     def load_fallbacks(self) -> list[FallbackEvent]:
-        """Attention-backend fallbacks the scorer took while loading (packing changes excluded)."""
-        return [e for e in self.scorer.load_fallbacks if e.requested != "packed"]
+        """Attention-backend fallbacks the scorer took while loading (batch-layout changes
+        excluded)."""
+        layouts = ("packed", "unmasked")
+        return [e for e in self.scorer.load_fallbacks if e.requested not in layouts]

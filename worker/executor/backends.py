@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from worker.errors import ConfigError
+from worker.executor.config import Layout
 from worker.scorer.outputs import FallbackEvent
 
 CHAIN: tuple[str, ...] = ("flash_attention_2", "sdpa", "eager")
@@ -28,6 +29,10 @@ CHAIN: tuple[str, ...] = ("flash_attention_2", "sdpa", "eager")
 PACKABLE: frozenset[str] = frozenset(
     {"flash_attention_2", "flash_attention_3", "sdpa", "eager", "flex_attention"}
 )
+# Backends whose kernel skips the cross-sequence blocks of a packed row (flash varlen from
+# cu_seqlens, flex block masks): packing costs them nothing. sdpa and eager materialise a dense
+# [T, T] mask and compute every block of it.
+VARLEN: frozenset[str] = frozenset({"flash_attention_2", "flash_attention_3", "flex_attention"})
 _KERNEL_FILES = (
     os.path.join("integrations", "sdpa_attention.py"),
     os.path.join("integrations", "flash_attention.py"),
@@ -207,3 +212,15 @@ def next_backend(current: str) -> str | None:
         i = CHAIN.index(current)
         return CHAIN[i + 1] if i + 1 < len(CHAIN) else None
     return "sdpa"
+
+
+def layout_for(backend: str, *, packed: bool, unmasked: bool) -> Layout:
+    """The batch layout on ``backend`` given the layouts still allowed (``packed``,
+    ``unmasked``): packed rows where the kernel skips cross-sequence blocks, else unmasked
+    buckets, else packed rows with a dense mask, else masked padded buckets."""
+    packable = packed and backend in PACKABLE
+    if packable and backend in VARLEN:
+        return "packed"
+    if unmasked:
+        return "unmasked"
+    return "packed" if packable else "padded"

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from worker.errors import BadRequest, TooLong, UnsupportedMode
-from worker.executor.config import ExecutorConfig, positive_float
-from worker.executor.packing import plan_packed_forwards, plan_padded
+from worker.executor.config import ExecutorConfig, Layout, positive_float
+from worker.executor.packing import plan_buckets, plan_packed_forwards, plan_padded
 from worker.modes import LOGPROB_MODES, MODES, Mode
 from worker.scorer.inputs import PreparedSequence, SequenceInput, prepare_sequence
 from worker.scorer.options import DEFAULT_OPTIONS, ScoreOptions
@@ -75,7 +75,7 @@ class BatchResult:
     backend: str
     packed: bool
     forward_s: float
-    extra_tokens: int  # right padding (padded) or row fill (packed)
+    extra_tokens: int  # right padding (masked or unmasked bucket) or row fill (packed)
     kv_tensors: int = 0
     kv_bytes: int = 0
 
@@ -109,14 +109,19 @@ class ScoreCall:
         """Token count of every sequence, input order."""
         return [len(p.ids) for p in self.prepared]
 
-    def plan(self, config: ExecutorConfig, *, packed: bool, backend: str) -> list[list[int]]:
+    def plan(
+        self, config: ExecutorConfig, *, layout: Layout, backend: str, pad_fraction: float = 1.0
+    ) -> list[list[int]]:
         """Indices of the sequences of each forward, under ``max_batch_tokens``: packed rows
-        (several per forward, each capped by ``config.row_tokens(backend)``) or padded buckets."""
-        if packed:
+        (several per forward, each capped by ``config.row_tokens(backend)``), unmasked buckets
+        (padding within ``pad_fraction`` of their slots) or masked padded buckets."""
+        if layout == "packed":
             forwards = plan_packed_forwards(
                 self.lengths, config.max_batch_tokens, config.row_tokens(backend)
             )
             return [[i for row in fwd for i in row] for fwd in forwards]
+        if layout == "unmasked":
+            return plan_buckets(self.lengths, config.max_batch_tokens, pad_fraction)
         return plan_padded(self.lengths, config.max_batch_tokens)
 
     def add(self, group: list[int], batch: BatchResult) -> None:

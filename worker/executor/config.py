@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from worker.errors import ConfigError
 from worker.modes import MODES, Mode
@@ -17,7 +17,9 @@ from worker.scorer.inputs import is_int
 
 BACKENDS = ("auto", "flash_attention_2", "sdpa", "eager")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-PACKINGS = ("auto", "packed", "padded")
+Layout = Literal["packed", "unmasked", "padded"]
+LAYOUTS: tuple[Layout, ...] = get_args(Layout)
+PACKINGS = ("auto", *LAYOUTS)
 OUTPUT_DTYPES = ("float32", "float64")
 
 
@@ -35,6 +37,15 @@ class ExecutorConfig:
     the rows of a block (an upper bound). ``self_check`` runs a tiny probe at construction
     that compares the fast path against the model's own logits and packed rows against
     one-by-one forwards (packing falls back to padded buckets when they disagree).
+
+    ``packing`` picks the batch layout. ``auto``, per attention backend: packed rows where the
+    kernel skips cross-sequence blocks (flash/flex attention, up to the whole budget per row);
+    ``unmasked`` buckets on sdpa/eager, whose packed-row or padding masks are dense. ``packed``,
+    ``unmasked`` and ``padded`` force one layout (``padded``: length-sorted buckets with an
+    attention mask). ``unmasked``: length-sorted, right-padded buckets run with no attention mask
+    (sdpa takes its causal path; causal attention keeps the pads out of every real position);
+    ``bucket_pad_fraction`` caps the share of a bucket's slots that are padding, ``None`` = per
+    device: 0 on CPU (batching saves nothing there, padding costs its share), 0.25 elsewhere.
     ``packed_row_tokens`` caps one packed row for backends that build a dense block-diagonal mask
     (sdpa, eager: attention cost grows with the row length squared); a forward then holds several
     such rows. Flash/flex attention skip the cross-sequence blocks and pack up to the full budget.
@@ -50,7 +61,9 @@ class ExecutorConfig:
     logprob_chunk_bytes: int = 128 * 1024 * 1024
     device: str = "cpu"
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    packing: Literal["auto", "packed", "padded"] = "auto"
+    packing: Literal["auto", "packed", "unmasked", "padded"] = "auto"
+    # unmasked buckets: largest padding share of a bucket (None: 0 on CPU, 0.25 elsewhere)
+    bucket_pad_fraction: float | None = None
     packed_row_tokens: int = 2048
     self_check: bool = True
     # multi-objective reward heads: the output that is ``reward`` (all come back as ``rewards``)
@@ -86,7 +99,21 @@ class ExecutorConfig:
         if self.dtype not in DTYPES:
             raise bad("dtype", f"expected one of {DTYPES}")
         if self.packing not in PACKINGS:
-            raise bad("packing", "expected 'auto', 'packed' or 'padded'")
+            raise bad("packing", f"expected one of {PACKINGS}")
+        fraction = self.bucket_pad_fraction
+        if fraction is not None and not (
+            isinstance(fraction, numbers.Real)
+            and not isinstance(fraction, bool)
+            and 0.0 <= float(fraction) <= 1.0
+        ):
+            raise bad("bucket_pad_fraction", "expected None or a number in [0, 1]")
+
+    def pad_fraction(self, device_type: str) -> float:
+        """Padding share allowed in an unmasked bucket: ``bucket_pad_fraction``, else per device
+        (0 on CPU, 0.25 elsewhere)."""
+        if self.bucket_pad_fraction is not None:
+            return float(self.bucket_pad_fraction)
+        return 0.0 if device_type == "cpu" else 0.25
 
     def row_tokens(self, backend: str) -> int:
         """Packed row cap on ``backend``: the whole budget where the kernel skips

@@ -23,7 +23,7 @@ from torch import nn
 from worker.errors import ConfigError
 from worker.executor import backends
 from worker.executor.call import call_args
-from worker.executor.config import ExecutorConfig
+from worker.executor.config import ExecutorConfig, Layout
 from worker.executor.fallback import BatchRunner
 from worker.executor.forward import BatchForward
 from worker.executor.kvcache import KVGuard
@@ -31,7 +31,7 @@ from worker.executor.loading import load_models, load_tokenizers, resolve_device
 from worker.executor.memory import device_total_bytes, read_peak, reset_peak
 from worker.executor.pooling import RewardAdapter, backbone_of
 from worker.executor.rewards import merge_outputs, resolve_head, reward_surface
-from worker.executor.selfcheck import self_check
+from worker.executor.selfcheck import allowed_layouts
 from worker.executor.weights import WeightsConfig, WeightsRouter, refuse
 from worker.modes import Mode
 from worker.scorer.inputs import SequenceInput
@@ -104,18 +104,14 @@ class StatelessExecutor:
         self._guard = KVGuard(
             {id(m): m for model in forward.models for m in (model, backbone_of(model))}.values()
         )
-        packed = config.packing != "padded"
-        if config.self_check:
-            no_packing = self_check(
-                forward, modes=self.modes, backend=backend, packed=packed, packing=config.packing
-            )
-            if no_packing is not None:
-                log.warning("packing disabled: %s", no_packing.message)
-                self._on_load_fallback(no_packing)
-                packed = False
+        packed, unmasked, refused = allowed_layouts(forward, modes=self.modes, backend=backend)
+        for event in refused:
+            log.warning("%s layout disabled: %s", event.requested, event.message)
+            self._on_load_fallback(event)
         self._runner = BatchRunner(
-            config, forward, self._guard, backend=backend, packed=packed, notify=self._on_fallback
-        )
+            config, forward, self._guard, backend=backend, packed=packed, unmasked=unmasked,
+            notify=self._on_fallback,
+        )  # fmt: skip
         self._rewards = reward_surface(self.reward_model, head, tokenizers, forward)
         # per-job adapters and versions (docs/models.md); None: base weights only
         self._weights = (
@@ -231,8 +227,13 @@ class StatelessExecutor:
 
     @property
     def packed(self) -> bool:
-        """Whether batches are packed padding-free (else length-sorted padded buckets)."""
-        return self._runner.packed
+        """Whether batches are packed padding-free (else length-sorted buckets)."""
+        return self.layout == "packed"
+
+    @property
+    def layout(self) -> Layout:
+        """The batch layout on the active backend: ``packed``, ``unmasked`` or ``padded``."""
+        return self._runner.layout()
 
     @property
     def load_fallbacks(self) -> list[FallbackEvent]:
@@ -258,7 +259,7 @@ class StatelessExecutor:
             "attention_backend": self._runner.backend,
             "requested_backend": self.config.attention_backend,
             "fallback": last.as_dict() if last else None,
-            "packing": "packed" if self._runner.packed else "padded",
+            "packing": self._runner.layout(),
             "modes": list(self.modes),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
@@ -335,7 +336,7 @@ class StatelessExecutor:
         reset_peak(self.device)
         runner = self._runner
         for call in calls:
-            for group in call.plan(self.config, packed=runner.packed, backend=runner.backend):
+            for group in runner.plan(call):
                 runner.run_group(group, call)
         peak, total = read_peak(self.device), device_total_bytes(self.device)
         return merge_outputs([

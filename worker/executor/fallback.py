@@ -31,7 +31,7 @@ from worker.errors import (
 )
 from worker.executor import backends
 from worker.executor.call import BatchResult, ScoreCall
-from worker.executor.config import ExecutorConfig
+from worker.executor.config import ExecutorConfig, Layout
 from worker.executor.forward import BatchForward
 from worker.executor.kvcache import KVGuard
 from worker.executor.memory import free_device_memory
@@ -87,8 +87,9 @@ class BackendGate:
 class BatchRunner:
     """Runs the batches of ``score`` calls on ``forward`` (see the module docstring).
 
-    ``backend``/``packed``: the backend active between calls and whether batches are packed,
-    both settled at load. ``notify(event)`` is called on every run-time fallback.
+    ``backend``: the backend active between calls; ``packed``/``unmasked``: whether those batch
+    layouts may run (settled at load by the probe); ``layout(backend)`` picks one per backend.
+    ``notify(event)`` is called on every run-time fallback.
     """
 
     def __init__(
@@ -99,6 +100,7 @@ class BatchRunner:
         *,
         backend: str,
         packed: bool,
+        unmasked: bool = False,
         notify: Callable[[FallbackEvent], None],
     ) -> None:
         self.config = config
@@ -106,8 +108,24 @@ class BatchRunner:
         self.guard = guard
         self.backend = backend
         self.packed = packed
+        self.unmasked = unmasked
         self._notify = notify
         self._gate = BackendGate()
+
+    def layout(self, backend: str | None = None) -> Layout:
+        """The batch layout on ``backend`` (default: the active one), ``backends.layout_for``."""
+        return backends.layout_for(
+            backend or self.backend, packed=self.packed, unmasked=self.unmasked
+        )
+
+    def plan(self, call: ScoreCall) -> list[list[int]]:
+        """``call``'s forwards in the layout of the active backend."""
+        return call.plan(
+            self.config,
+            layout=self.layout(),
+            backend=self.backend,
+            pad_fraction=self.config.pad_fraction(self.forward.device.type),
+        )
 
     def run_group(self, group: list[int], call: ScoreCall) -> None:
         """Run one planned batch into ``call``; on device OOM split it in halves."""
@@ -180,7 +198,7 @@ class BatchRunner:
     def _run_batch(self, group: list[int], call: ScoreCall, backend: str) -> BatchResult:
         """One forward of ``group`` on ``backend``, timed, inside a KV-guard scope."""
         seqs = [call.prepared[i] for i in group]
-        packed = self.packed and backend in backends.PACKABLE
+        layout = self.layout(backend)
         reject = self.config.reject_kv_cache_outputs
         t0 = time.perf_counter()
         with self.guard.scope(drop=not reject) as kv:
@@ -189,7 +207,7 @@ class BatchRunner:
                 group,
                 call.mode,
                 call.temperature,
-                packed=packed,
+                layout=layout,
                 row_tokens=self.config.row_tokens(backend),
                 options=call.options,
             )
@@ -209,7 +227,7 @@ class BatchRunner:
         return BatchResult(
             scores=computed.scores,
             backend=backend,
-            packed=packed,
+            packed=layout == "packed",
             forward_s=elapsed,
             extra_tokens=max(0, computed.slot_tokens - sum(len(s.ids) for s in seqs)),
             kv_tensors=kv.tensors,

@@ -1,5 +1,6 @@
-"""One batch's forward: lay the sequences out (packed rows or a padded bucket), run each distinct
-model once with ``use_cache=False``, and read completion-only log-probs and pooled rewards.
+"""One batch's forward: lay the sequences out (packed rows, an unmasked or a padded bucket), run
+each distinct model once with ``use_cache=False``, and read completion-only log-probs and pooled
+rewards.
 
 ``BatchForward`` holds the served models and what it needs to read them (LM-head transform,
 reward adapter, device, output dtype); it keeps nothing between batches: ``compute`` returns the
@@ -15,9 +16,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.executor.config import ExecutorConfig
+from worker.executor.config import ExecutorConfig, Layout
 from worker.executor.logprobs import chunked_token_logps, logit_transform_for
-from worker.executor.packing import ForwardBatch, gather_flat, pack_rows, pad, plan_packed
+from worker.executor.packing import (
+    ForwardBatch,
+    gather_flat,
+    pack_rows,
+    pad,
+    pad_unmasked,
+    plan_packed,
+)
 from worker.executor.pooling import (
     HiddenStateRewardAdapter,
     RewardAdapter,
@@ -104,21 +112,22 @@ class BatchForward:
         mode: Mode,
         temp: float,
         *,
-        packed: bool,
+        layout: Layout,
         row_tokens: int,
         options: ScoreOptions = DEFAULT_OPTIONS,
     ) -> Computed:
         """One backbone forward per distinct model for ``seqs`` (``group``: their indices in the
-        call, carried as the batch's sequence ids); packed rows hold at most ``row_tokens``;
-        ``options.outputs``: the per-position arrays to read besides (or instead of) logps."""
+        call, carried as the batch's sequence ids) in ``layout``; packed rows hold at most
+        ``row_tokens``; ``options.outputs``: the per-position arrays to read besides (or instead
+        of) logps."""
         ids = [s.ids for s in seqs]
-        if packed:
+        if layout == "packed":
             rows = plan_packed([len(x) for x in ids], row_tokens)
             order = [j for row in rows for j in row]  # batch order -> index into seqs
             batch = pack_rows([[ids[j] for j in row] for row in rows], [group[j] for j in order])
         else:
             order = list(range(len(seqs)))
-            batch = pad(ids, group)
+            batch = pad_unmasked(ids, group) if layout == "unmasked" else pad(ids, group)
         slots = batch.slot_tokens
         batch = batch.to(self.device)
         scores = [SequenceScore() for _ in seqs]

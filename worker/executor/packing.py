@@ -1,4 +1,4 @@
-"""Batch layout: padding-free packed rows and length-sorted padded buckets.
+"""Batch layouts: padding-free packed rows, length-sorted padded buckets (masked or unmasked).
 
 Pure functions that turn ragged token sequences into the tensors one forward needs
 (``input_ids``, ``position_ids``, ``attention_mask``) plus the index maps that bring the
@@ -10,6 +10,15 @@ detects the restarts (``masking_utils.find_packed_sequence_indices``) and builds
 causal mask for sdpa / eager / flex_attention; flash-attention derives ``cu_seqlens`` from the same
 position ids. Its naive equivalent is running every sequence alone; ``tests/test_packing.py`` and
 ``tests/test_executor_math.py`` assert the two agree.
+
+Unmasked buckets (``pad_unmasked`` + ``plan_buckets``): length-sorted sequences right-padded into
+``[B, T]`` with ``attention_mask=None`` and ``position_ids`` counting straight through the pads, so
+transformers sees neither padding nor packing and sdpa runs its plain causal path (``is_causal``,
+no mask tensor). Pads sit after every real token of their row, so under causal attention no real
+position attends to one: the scored positions and the true last token are what the sequence alone
+gives. A dense mask (a block-diagonal packed row, or a padding mask) instead makes sdpa compute
+every ``[T, T]`` score. Naive equivalent: every sequence alone; the executor's load probe and
+``tests/test_executor_unmasked.py`` assert they agree.
 """
 
 from __future__ import annotations
@@ -159,6 +168,57 @@ def pad(
         seq_ids=tuple(seq_ids),
         packed=False,
     )
+
+
+def pad_unmasked(
+    seqs: Sequence[np.ndarray], seq_ids: Sequence[int], *, pad_id: int = 0
+) -> ForwardBatch:
+    """Right-pad ``seqs`` into ``[B, Lmax]`` with no attention mask (only for causal attention).
+
+    ``position_ids`` are ``0 .. Lmax - 1`` in every row, pads included: no restart, so transformers
+    detects no packed sequences and builds no mask. ``pad_id`` never matters: a pad comes after
+    every real token of its row, so causal attention keeps it out of every real position.
+    """
+    lengths = np.array([len(s) for s in seqs], dtype=np.int64)  # [B]
+    width = int(lengths.max())
+    ids = np.full((len(seqs), width), pad_id, dtype=np.int64)  # [B, T]
+    for row, seq in enumerate(seqs):
+        ids[row, : len(seq)] = seq
+    pos = np.tile(np.arange(width, dtype=np.int64), (len(seqs), 1))  # [B, T]
+    return ForwardBatch(
+        input_ids=torch.from_numpy(ids),
+        position_ids=torch.from_numpy(pos),
+        attention_mask=None,
+        starts=torch.arange(len(seqs), dtype=torch.int64) * width,
+        lengths=torch.from_numpy(lengths),
+        seq_ids=tuple(seq_ids),
+        packed=False,
+    )
+
+
+def plan_buckets(
+    lengths: Sequence[int], max_batch_tokens: int, max_pad_fraction: float
+) -> list[list[int]]:
+    """Length-sorted buckets whose padding stays within ``max_pad_fraction`` of their slots.
+
+    Longest first; a sequence joins the open bucket while ``rows * longest <= max_batch_tokens``
+    and ``padding <= max_pad_fraction * rows * longest``, else it opens the next one. Naive
+    equivalent: every sequence alone (``max_pad_fraction=0`` with distinct lengths gives exactly
+    that; equal lengths still share a forward). ``max_pad_fraction=1`` is ``plan_padded``.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    buckets: list[list[int]] = []
+    real = 0  # real tokens of the open bucket
+    for i in order:
+        if buckets:
+            slots = (len(buckets[-1]) + 1) * lengths[buckets[-1][0]]  # sorted: first is longest
+            if slots <= max_batch_tokens and slots - real - lengths[i] <= max_pad_fraction * slots:
+                buckets[-1].append(i)
+                real += lengths[i]
+                continue
+        buckets.append([i])
+        real = lengths[i]
+    return buckets
 
 
 def plan_packed(lengths: Sequence[int], max_batch_tokens: int) -> list[list[int]]:

@@ -1,12 +1,14 @@
-"""The load-time probe: does the fast path reproduce the model, and do packed rows isolate
-their sequences on this backend?
+"""The load-time probe: does the fast path reproduce the model, and do unmasked buckets and
+packed rows isolate their sequences on this backend?
 
 Three short sequences go through ``BatchForward.compute`` one by one and are compared with the
 reference model's own logits (``naive_token_logps``): a mismatch means a logit post-processing
-the executor does not reproduce, a ``ConfigError``. Then the three go packed into one row and are
-compared with the one-by-one results: a mismatch turns packing off (a load ``FallbackEvent``),
-or is a ``ConfigError`` when ``packing="packed"`` was asked for. The probe runs outside any KV
-scope, so a model that leaks a cache still loads; rejection happens on the first real batch.
+the executor does not reproduce, a ``ConfigError``. Then the three go together into one unmasked
+bucket (right pads, no attention mask) and packed into one row, each compared with the
+one-by-one results: a mismatch turns that layout off (a load ``FallbackEvent`` naming the layout
+that runs instead), or is a ``ConfigError`` when that layout was asked for (``packing``). The
+probe runs outside any KV scope, so a model that leaks a cache still loads; rejection happens on
+the first real batch.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from worker.errors import ConfigError
 from worker.executor import backends
+from worker.executor.config import Layout
 from worker.executor.forward import BatchForward
 from worker.executor.logprobs import naive_token_logps
 from worker.modes import Mode
@@ -34,40 +37,71 @@ def probe_sequences(vocab: int) -> list[PreparedSequence]:
     ]
 
 
+def allowed_layouts(
+    forward: BatchForward, *, modes: tuple[Mode, ...], backend: str
+) -> tuple[bool, bool, list[FallbackEvent]]:
+    """Whether packed rows and unmasked buckets may run, and the load fallbacks taken:
+    ``forward.config.packing`` asks, the probe (``self_check``, when enabled) confirms."""
+    packing = forward.config.packing
+    if forward.config.self_check:
+        return self_check(forward, modes=modes, backend=backend, packing=packing)
+    return packing in ("auto", "packed"), packing in ("auto", "unmasked"), []
+
+
 def self_check(
     forward: BatchForward,
     *,
     modes: tuple[Mode, ...],
     backend: str,
-    packed: bool,
     packing: str,
-) -> FallbackEvent | None:
-    """Run the probe (module docstring). Returns the packing fallback to take (``None``: keep
-    ``packed`` as it is); raises ``ConfigError`` when the model cannot be served as asked."""
+) -> tuple[bool, bool, list[FallbackEvent]]:
+    """Run the probe (module docstring). Returns whether packed rows and unmasked buckets may run
+    and the load fallbacks taken (a layout turned off); raises ``ConfigError`` when the model
+    cannot be served as asked."""
     model = forward.models[0]
     seqs = probe_sequences(forward.vocab_size)
     mode: Mode = "both" if "both" in modes else modes[0]
     row = forward.config.row_tokens(backend)
     alone = [
-        forward.compute([s], [0], mode, 1.0, packed=True, row_tokens=row).scores[0] for s in seqs
+        forward.compute([s], [0], mode, 1.0, layout="unmasked", row_tokens=row).scores[0]
+        for s in seqs
     ]
     tol = 1e-3 if next(model.parameters()).dtype == torch.float32 else 0.25
     if forward.reference_model is not None:
         _check_logits(forward, seqs, alone, tol)
-    if packed and backend in backends.PACKABLE:
-        together = forward.compute(
-            seqs, list(range(len(seqs))), mode, 1.0, packed=True, row_tokens=row
-        ).scores
-        if all(_close(a, b, tol) for a, b in zip(alone, together, strict=True)):
-            return None
-        reason = "packed rows disagree with one-by-one forwards"
-    else:
-        reason = f"backend {backend} is not known to isolate packed sequences"
-    if packing == "packed":
-        raise ConfigError(f"packing='packed' requested but {reason}")
-    if not packed:
-        return None
-    return FallbackEvent("packed", "padded", "no_packing", reason, "load")
+    allowed = {"packed": packing in ("auto", "packed"), "unmasked": packing in ("auto", "unmasked")}
+    events: list[FallbackEvent] = []
+
+    def refuse(layout: Layout, reason: str, message: str) -> None:
+        """``layout`` failed: ``ConfigError`` when it was required, else turn it off and record
+        a fallback naming the layout that runs instead."""
+        if packing == layout:
+            raise ConfigError(f"packing={layout!r} requested but {message}")
+        allowed[layout] = False
+        used = backends.layout_for(backend, packed=allowed["packed"], unmasked=allowed["unmasked"])
+        events.append(FallbackEvent(layout, used, reason, message, "load"))
+
+    group = list(range(len(seqs)))
+    if allowed["unmasked"]:
+        bucket = forward.compute(seqs, group, mode, 1.0, layout="unmasked", row_tokens=row).scores
+        if not all(_close(a, b, tol) for a, b in zip(alone, bucket, strict=True)):
+            refuse(
+                "unmasked",
+                "no_unmasked",
+                "right pads without a mask change the scores (attention not causal)",
+            )
+    if allowed["packed"]:
+        if backend in backends.PACKABLE:
+            rows = forward.compute(seqs, group, mode, 1.0, layout="packed", row_tokens=row).scores
+            if not all(_close(a, b, tol) for a, b in zip(alone, rows, strict=True)):
+                refuse("packed", "no_packing", "packed rows disagree with one-by-one forwards")
+        else:
+            refuse(
+                "packed",
+                "no_packing",
+                f"backend {backend} is not known to isolate packed sequences",
+            )
+    return allowed["packed"], allowed["unmasked"], events
 
 
 def _check_logits(
