@@ -10,7 +10,8 @@ Three sides on the ``dense`` shape of ``worker.devtools.bench`` (the same Llama-
 
 Targets (issue "Teacher outputs"): teacher vs logps time <= 1.3x and peak memory <= 1.1x;
 teacher vs naive peak memory <= 0.2x. Peak memory is measured as in ``bench`` (RSS high-water
-mark above the RSS before the call); time is the median of interleaved runs.
+mark above the RSS before the call); time is the median of interleaved runs, the order of the
+sides rotated each round.
 """
 
 from __future__ import annotations
@@ -76,10 +77,13 @@ def run_teacher(
         for name, fn in sides.items():
             peaks[name], seconds, outs[name] = peak_extra(fn)
             times[name].append(seconds)
-        for _ in range(1 if quick else 3):
-            for name, fn in sides.items():
+        names = list(sides)
+        for r in range(1 if quick else 3):
+            # rotated each round: a side timed right after the naive one (which just freed GBs)
+            # was measured up to ~15% slower, so no side always follows it
+            for name in names[r % 3 :] + names[: r % 3]:
                 t0 = time.perf_counter()
-                fn()
+                sides[name]()
                 times[name].append(time.perf_counter() - t0)
     vocab = ex.vocab_size
     ex.close()

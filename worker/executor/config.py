@@ -33,7 +33,8 @@ class ExecutorConfig:
     bounds what one block holds at its peak (the float32 logits, plus a half-precision head
     output; teacher outputs count their extra blocks), so memory does not grow with the
     vocabulary (with V = 128,256 the 128 MiB default is 261 rows for log-probs from a float32
-    head, 174 from a bf16 one, 104 with teacher outputs); ``logprob_chunk_tokens`` also caps
+    head, 174 from a bf16 one, the same with teacher outputs and no sampler, 104 with a top-k /
+    min-p sampler, 40 with a top-p sort); ``logprob_chunk_tokens`` also caps
     the rows of a block (an upper bound). ``self_check`` runs a tiny probe at construction
     that compares the fast path against the model's own logits and packed rows against
     one-by-one forwards (packing falls back to padded buckets when they disagree).

@@ -57,11 +57,13 @@ __all__ = [
 ]
 
 DEFAULT_BUDGET_BYTES = 128 * 1024 * 1024
-"""Per-block budget: with V = 128,256 that is 104 rows (40 with a top-p sort) on any device."""
+"""Per-block budget: with V = 128,256 that is 261 rows without a sampler (174 from a
+half-precision head), 104 with a top-k / min-p sampler, 40 with a top-p sort, on any device."""
 
 BASE_UNITS = 2.5
-"""``[c, V]`` float32 blocks held at once without a sort: the logits, their exp, and 0.5 of slack
-for a bool mask (0.25) or a half-precision head output before its float32 copy (0.5)."""
+"""``[c, V]`` float32 blocks held at once with a sampler that needs no sort (top-k / min-p): the
+logits, their exp, and 0.5 of slack for a bool mask (0.25) or a half-precision head output
+before its float32 copy (0.5)."""
 FAST_UNITS = 1.0
 """Without a sampler the exp is taken in place: one ``[c, V]`` float32 block (the logits, then
 their exp); plus ``HALF_HEAD_UNITS`` when the head's output is half precision (its ``[c, V]``
