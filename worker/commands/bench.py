@@ -1,6 +1,8 @@
 """``scoring-worker bench``: the benchmarks, side by side in one run, printing tables and JSON.
 
-Suites: ``executor`` (naive in-trainer scoring vs the stateless executor), ``e2e`` (the same
+Suites: ``executor`` (naive in-trainer scoring vs the stateless executor), ``floor`` (the
+executor's reference-mode time over the least work scoring needs, on SmolLM2-135M and the
+synthetic 32k/128k models), ``e2e`` (the same
 jobs through Redis and a worker, pipelined and not, vs in-process), ``small`` (1,000 small jobs
 at a fixed offered rate: jobs/s and latency against ``--max-wait-ms``), ``naive`` (end to end vs
 naive in-trainer scoring on the synthetic 128k-vocab model and SmolLM2-135M: time and peak RSS),
@@ -16,6 +18,7 @@ import importlib
 
 SUITES = {
     "executor": "worker.devtools.bench",
+    "floor": "worker.devtools.floor",
     "e2e": "worker.devtools.bench_e2e",
     "small": "worker.devtools.bench_small",
     "naive": "worker.devtools.bench_naive",
