@@ -116,10 +116,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=512, help="synthetic model only")
     p.add_argument("--layers", type=int, default=4, help="synthetic model only")
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--jobs", type=int, default=8)
-    p.add_argument("--seqs", type=int, default=4, help="sequences per job")
+    p.add_argument("--jobs", type=int, default=6)
+    p.add_argument("--seqs", type=int, default=2, help="sequences per job")
     p.add_argument("--tokens", type=int, default=256, help="tokens per sequence")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
     if "--quick" in (argv or []):  # toy sizes; explicit flags still win
