@@ -5,7 +5,8 @@ The reference is the model's own logits (softcap/scale included) in float64, ``/
 sampler support, read at each scored position. Packed and padded batches, T != 1, a
 Gemma2-style ``final_logit_softcapping`` model, prompt_len and multi-segment masks, ``both``
 mode, k = 1 and k = 96 (the whole tiny vocabulary) and k = 256 on a larger one, shared and
-per-position gather ids.
+per-position gather ids; each through whole-vocabulary blocks and through vocabulary tiles
+(``head_vocab_tile``, the CPU default), whose running top-k, tail and entropy must agree too.
 """
 
 from __future__ import annotations
@@ -130,22 +131,34 @@ def _inputs(vocab: int, k: int, seed: int = 0):
     return seqs, scored
 
 
+#: ``head_vocab_tile`` values: the CPU default (tiles of 1,024: one tile on these vocabularies),
+#: whole-vocabulary blocks (the accelerator default), and tiles of 5 (a ragged last tile).
+TILES = [None, 0, 5]
+
+
 @pytest.mark.parametrize("packing", ["packed", "unmasked", "padded"])
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_all_outputs_match_naive_float64(packing: str, arch: str, temperature: float) -> None:
+@pytest.mark.parametrize("sampler", [True, False], ids=["sampler", "tiles5"])
+def test_all_outputs_match_naive_float64(
+    packing: str, arch: str, temperature: float, sampler: bool
+) -> None:
     model = tiny_gemma2() if arch == "gemma2" else tiny_causal("llama")
     config = ExecutorConfig(
         packing=packing,  # type: ignore[arg-type]
         logprob_chunk_tokens=7,
         attention_backend="eager",
         bucket_pad_fraction=1.0,  # unmasked: one bucket, its rows right-padded
+        head_vocab_tile=5,  # a sampler's support takes whole-vocabulary blocks anyway
     )
     ex = StatelessExecutor(config, model)
     assert ex.packed == (packing == "packed") and ex.layout == packing
     seqs, scored = _inputs(96, k=5)
-    sampling = Sampling(top_k=20, top_p=0.9, min_p=0.01)
-    spec = TokenOutputs(ALL, topk=8, gather_width=5, sampling=sampling)
+    if sampler:
+        sampling = Sampling(top_k=20, top_p=0.9, min_p=0.01)
+        spec = TokenOutputs(ALL, topk=8, gather_width=5, sampling=sampling)
+    else:  # every output but the sampler's, through vocabulary tiles of 5
+        spec = TokenOutputs(ALL[:-1], topk=8, gather_width=5)
     out = ex.score(seqs, temperature=temperature, options=ScoreOptions(outputs=spec))
     for s, pos, got in zip(seqs, scored, out.scores, strict=True):
         lp = naive(model, s.tokens, pos, temperature)
@@ -163,9 +176,10 @@ def test_all_outputs_match_naive_float64(packing: str, arch: str, temperature: f
         TokenOutputs(("processed_logps", "logps"), sampling=Sampling(min_p=0.2)),
     ],
 )
-def test_each_output_alone(spec: TokenOutputs) -> None:
+@pytest.mark.parametrize("tile", TILES)
+def test_each_output_alone(spec: TokenOutputs, tile: int | None) -> None:
     model = tiny_causal("qwen2")
-    ex = StatelessExecutor(ExecutorConfig(), model)
+    ex = StatelessExecutor(ExecutorConfig(head_vocab_tile=tile), model)
     seqs, scored = _inputs(96, k=1, seed=3)
     seqs = [SequenceInput(s.tokens, prompt_len=s.prompt_len, mask=s.mask) for s in seqs]
     out = ex.score(seqs, options=ScoreOptions(outputs=spec))
@@ -173,12 +187,14 @@ def test_each_output_alone(spec: TokenOutputs) -> None:
         check(got, naive(model, s.tokens, pos, 1.0), torch.tensor(s.tokens)[pos], spec)
 
 
-def test_k_256_on_a_larger_vocabulary_with_small_byte_chunks() -> None:
+@pytest.mark.parametrize("tile", [0, 100])
+def test_k_256_on_a_larger_vocabulary_with_small_byte_chunks(tile: int) -> None:
     from tests.support.models import _build
 
     torch.manual_seed(0)
     model = _build("ForCausalLM", "llama", 0, vocab=512)
-    config = ExecutorConfig(logprob_chunk_bytes=64 * 1024)  # 12 rows of 512 x 2.5 blocks
+    # blocks: 32 rows of [512] x 1; tiles of 100 ids (k = 256 spans several): 163 rows
+    config = ExecutorConfig(logprob_chunk_bytes=64 * 1024, head_vocab_tile=tile)
     ex = StatelessExecutor(config, model)
     seqs, scored = _inputs(512, k=3, seed=7)
     spec = TokenOutputs(("logps", "topk", "entropy"), topk=256)
@@ -193,9 +209,11 @@ def _value_head() -> ValueHeadAdapter:
     return ValueHeadAdapter(torch.nn.Linear(32, 1))
 
 
-def test_both_mode_one_model_two_surfaces() -> None:
+@pytest.mark.parametrize("tile", TILES)
+def test_both_mode_one_model_two_surfaces(tile: int | None) -> None:
     model = tiny_causal("llama")
-    ex = StatelessExecutor(ExecutorConfig(mode="both"), model, reward_adapter=_value_head())
+    config = ExecutorConfig(mode="both", head_vocab_tile=tile)
+    ex = StatelessExecutor(config, model, reward_adapter=_value_head())
     seqs, scored = _inputs(96, k=4, seed=11)
     spec = TokenOutputs(("logps", "entropy", "topk", "gather"), topk=4, gather_width=4)
     bare = [SequenceInput(s.tokens, prompt_len=s.prompt_len, mask=s.mask) for s in seqs]

@@ -20,12 +20,21 @@ TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
 ADAPTERS = ("run42/step-120", "run42/step-240", "other")
 
 
-def save_lora(base: nn.Module, path: Path, seed: int, *, rank: int = 4, alpha: int = 8) -> None:
-    """A PEFT LoRA adapter of ``base`` with random nonzero A and B (seed ``seed``) at ``path``."""
+def save_lora(
+    base: nn.Module,
+    path: Path,
+    seed: int,
+    *,
+    rank: int = 4,
+    alpha: int = 8,
+    targets: tuple[str, ...] = TARGETS,
+) -> None:
+    """A PEFT LoRA adapter of ``base`` with random nonzero A and B (seed ``seed``) at ``path``,
+    on the modules named ``targets``."""
     from peft import LoraConfig, get_peft_model
 
     model = copy.deepcopy(base)
-    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(TARGETS), lora_dropout=0.0)
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0)
     peft_model = get_peft_model(model, cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -33,7 +42,9 @@ def save_lora(base: nn.Module, path: Path, seed: int, *, rank: int = 4, alpha: i
             if "lora_" in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
-    peft_model.save_pretrained(str(path))
+    # lm_head in targets: PEFT would also save the full head weight (an embedding-like layer);
+    # the worker reads LoRA A/B tensors only
+    peft_model.save_pretrained(str(path), save_embedding_layers=False)
 
 
 def write_fleet(root: Path, *, versions: int = 2) -> dict[str, Path]:

@@ -21,7 +21,9 @@ Breakdown, through public surfaces only: forward hooks on the model's backbone
 (``model.base_model``) and LM head (``get_output_embeddings()``) time those modules on both sides;
 from the executor's ``BatchMetrics``, planning = ``elapsed_s - forward_s`` (validation, batch
 planning, metrics) and reductions + copies = ``forward_s`` minus backbone and head time (gathers,
-logsumexp, per-sequence copies out).
+logsumexp, per-sequence copies out). With vocabulary tiles (the CPU default, ``tiles.py``) the
+executor multiplies by the head's weight one tile at a time without calling the head module, so
+its head matmuls are counted in reductions + copies and its head column reads 0.
 
 Timing: one warm-up call of every side (it also checks the executor's log-probs against the floor
 model's), then ``reps`` rounds in one process, the order of the sides reversed every other round.
@@ -112,12 +114,14 @@ class ModuleTimer:
         def hook(*_: Any) -> None:
             self._started[part] = time.perf_counter()
 
+        hook.idle = _observer  # type: ignore[attr-defined]
         return hook
 
     def _leave(self, part: str) -> Callable[..., None]:
         def hook(*_: Any) -> None:
             self.seconds[part] += time.perf_counter() - self._started.pop(part)
 
+        hook.idle = _observer  # type: ignore[attr-defined]
         return hook
 
     def reset(self) -> None:
@@ -128,6 +132,11 @@ class ModuleTimer:
         """Remove the hooks."""
         for handle in self._handles:
             handle.remove()
+
+
+def _observer() -> bool:
+    """The timer's hooks change no output: ``tiles.tileable`` may tile the head around them."""
+    return True
 
 
 def floor_pass(model: nn.Module, seqs: list[SequenceInput], *, reduce: bool) -> list[np.ndarray]:

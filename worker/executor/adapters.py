@@ -116,6 +116,13 @@ def _hook_for(name: str) -> Any:
             return None
         return apply_delta(delta, args[0], output)
 
+    def idle() -> bool:
+        """Whether the hook adds nothing in this context (no adapter, or none for ``name``):
+        ``tiles.tileable`` may then cut the layer into vocabulary tiles around it."""
+        adapter = _ACTIVE.get()
+        return adapter is None or name not in adapter.deltas
+
+    hook.idle = idle  # type: ignore[attr-defined]
     return hook
 
 

@@ -35,8 +35,11 @@ class ExecutorConfig:
     vocabulary (with V = 128,256 the 128 MiB default is 261 rows for log-probs from a float32
     head, 174 from a bf16 one, the same with teacher outputs and no sampler, 104 with a top-k /
     min-p sampler, 40 with a top-p sort); ``logprob_chunk_tokens`` also caps
-    the rows of a block (an upper bound). ``self_check`` runs a tiny probe at construction
-    that compares the fast path against the model's own logits and packed rows against
+    the rows of a block (an upper bound). ``head_vocab_tile`` cuts a plain ``nn.Linear`` head
+    into vocabulary tiles for log-probs (``tiles.py``: a running logsumexp over ``[rows, tile]``
+    slices that stay in cache, rows up to ``logprob_chunk_tokens``); ``None`` = per device:
+    1,024 on CPU, 0 (whole-vocabulary blocks) elsewhere. ``self_check`` runs a tiny probe at
+    construction that compares the fast path against the model's own logits and packed rows against
     one-by-one forwards (packing falls back to padded buckets when they disagree).
 
     ``packing`` picks the batch layout. ``auto``, per attention backend: packed rows where the
@@ -66,6 +69,8 @@ class ExecutorConfig:
     # unmasked buckets: largest padding share of a bucket (None: 0 on CPU, 0.25 elsewhere)
     bucket_pad_fraction: float | None = None
     packed_row_tokens: int = 2048
+    # LM-head vocabulary tiles (tiles.py): ids per tile; None: 1,024 on CPU, 0 (off) elsewhere
+    head_vocab_tile: int | None = None
     self_check: bool = True
     # multi-objective reward heads: the output that is ``reward`` (all come back as ``rewards``)
     reward_index: int = 0
@@ -108,6 +113,9 @@ class ExecutorConfig:
             and 0.0 <= float(fraction) <= 1.0
         ):
             raise bad("bucket_pad_fraction", "expected None or a number in [0, 1]")
+        tile = self.head_vocab_tile
+        if tile is not None and (not is_int(tile) or tile < 0):
+            raise bad("head_vocab_tile", "expected None or an integer >= 0 (0: no tiles)")
 
     def pad_fraction(self, device_type: str) -> float:
         """Padding share allowed in an unmasked bucket: ``bucket_pad_fraction``, else per device
@@ -115,6 +123,14 @@ class ExecutorConfig:
         if self.bucket_pad_fraction is not None:
             return float(self.bucket_pad_fraction)
         return 0.0 if device_type == "cpu" else 0.25
+
+    def vocab_tile(self, device_type: str) -> int:
+        """Vocabulary ids per LM-head tile for log-probs (0: whole-vocabulary blocks):
+        ``head_vocab_tile``, else per device (1,024 on CPU, where the tiles' reductions stay in
+        cache; 0 elsewhere, where one large matmul per block is the fast path)."""
+        if self.head_vocab_tile is not None:
+            return int(self.head_vocab_tile)
+        return 1024 if device_type == "cpu" else 0
 
     def row_tokens(self, backend: str) -> int:
         """Packed row cap on ``backend``: the whole budget where the kernel skips

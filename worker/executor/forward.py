@@ -34,6 +34,7 @@ from worker.executor.pooling import (
 )
 from worker.executor.steps import head_kind, step_scores
 from worker.executor.teacher import block_units, chunk_rows_for, chunked_token_outputs
+from worker.executor.tiles import tileable, tiled_token_logps
 from worker.modes import LOGPROB_MODES, REWARD_MODES, Mode
 from worker.scorer.inputs import PreparedSequence, is_int
 from worker.scorer.options import DEFAULT_OPTIONS, ScoreOptions
@@ -193,15 +194,27 @@ class BatchForward:
         picked, labels, sizes = self._scored_rows(hidden, batch, ordered)
         del hidden  # the LM-head chunks below need only the scored rows
         head = model.get_output_embeddings()
+        tile = self.config.vocab_tile(self.device.type) if tileable(head) else 0
         if spec == LOGPS_ONLY:
-            logps = chunked_token_logps(
-                picked,
-                head,
-                labels,
-                temperature=temp,
-                chunk_tokens=self._chunk_rows(head, 1.0 if _f32(head) else 1.5),
-                transform=self.transform,
-            )  # [N]
+            if tile:  # CPU: [rows, tile] slices reduced in cache
+                logps = tiled_token_logps(
+                    picked,
+                    head,
+                    labels,
+                    temperature=temp,
+                    chunk_tokens=self._chunk_rows(head, 1.0 if _f32(head) else 1.5, tile),
+                    tile=tile,
+                    transform=self.transform,
+                )  # [N]
+            else:
+                logps = chunked_token_logps(
+                    picked,
+                    head,
+                    labels,
+                    temperature=temp,
+                    chunk_tokens=self._chunk_rows(head, 1.0 if _f32(head) else 1.5),
+                    transform=self.transform,
+                )  # [N]
             for j, row in zip(order, torch.split(logps, sizes), strict=True):
                 scores[j].logps = self._host(row)
             return rewarded
@@ -212,6 +225,7 @@ class BatchForward:
             assert all(r is not None for r in rows)
             gather = torch.from_numpy(np.concatenate(rows)).to(self.device)  # type: ignore[arg-type]
         vocab = int(getattr(head, "out_features", 0)) or self.vocab_size
+        width = tile if tile and spec.sampling is None else vocab  # the blocks' columns
         arrays = chunked_token_outputs(
             picked,
             head,
@@ -219,7 +233,8 @@ class BatchForward:
             spec,
             transform=self.transform,
             gather_ids=gather,  # [N, K] | None
-            chunk_rows=self._chunk_rows(head, block_units(spec, vocab, not _f32(head)), vocab),
+            chunk_rows=self._chunk_rows(head, block_units(spec, vocab, not _f32(head)), width),
+            vocab_tile=tile,
         )
         split = {name: torch.split(value, sizes) for name, value in arrays.items()}
         for k, j in enumerate(order):

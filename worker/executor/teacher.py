@@ -31,6 +31,7 @@ from torch import nn
 from worker.errors import BadRequest
 from worker.executor.logprobs import LogitTransform
 from worker.executor.sampling import masked_support, processed_logps, sorted_support
+from worker.executor.tiles import tileable, tiled_token_outputs
 from worker.scorer.teacher import (
     MAX_GATHER_IDS,
     MAX_TOPK,
@@ -109,11 +110,15 @@ def chunked_token_outputs(
     gather_ids: torch.Tensor | None = None,
     budget_bytes: int = DEFAULT_BUDGET_BYTES,
     chunk_rows: int | None = None,
+    vocab_tile: int = 0,
 ) -> dict[str, torch.Tensor]:
     """The arrays ``spec`` asks for at ``N`` scored positions, one byte-budgeted block at a time.
 
     ``hidden`` ``[N, H]`` predicts ``labels`` ``[N]``; ``gather_ids`` ``[N, K]`` are per-position
-    ids (with ``spec.gather_width`` K). ``chunk_rows`` overrides the budget's rows. Returns float32
+    ids (with ``spec.gather_width`` K). ``chunk_rows`` overrides the budget's rows. With
+    ``vocab_tile``, a spec without a sampler and a plain linear head, the blocks are ``[rows,
+    vocab_tile]`` slices reduced with a running logsumexp (``tiles.tiled_token_outputs``; the
+    rows are then ``chunk_rows``, 1,024 by default). Returns float32
     arrays (int32 ``topk_ids``) on ``hidden``'s device, keyed as in the module table; ``logps``
     equals ``chunked_token_logps``. Naive equivalent: the table's formulas on
     ``log_softmax(transform(head(hidden)).float() / T)`` over all N rows at once.
@@ -128,9 +133,23 @@ def chunked_token_outputs(
     if chunk_rows is not None and chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     units = block_units(spec, vocab)
-    rows = chunk_rows or chunk_rows_for(vocab, budget_bytes, units)
     out = _allocate(spec, n, hidden.device)
     transform = transform or LogitTransform()
+    if vocab_tile and spec.sampling is None and tileable(head):
+        ids = per_row_ids if per_row_ids is not None else shared_ids  # [N, K] | [K]
+        with torch.inference_mode():
+            return tiled_token_outputs(
+                hidden,
+                head,  # type: ignore[arg-type]
+                labels,
+                spec,
+                gather_ids=ids,
+                out=out,
+                chunk_tokens=chunk_rows or chunk_rows_for(vocab_tile, budget_bytes, units),
+                tile=vocab_tile,
+                transform=transform,
+            )
+    rows = chunk_rows or chunk_rows_for(vocab, budget_bytes, units)
     with torch.inference_mode():
         # One exp block for every chunk: a fresh [c, V] per chunk costs its page faults again on
         # CPU (measured 3.4x the exp itself). The sort path frees its exp instead (SORT_UNITS);
