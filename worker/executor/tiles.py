@@ -45,6 +45,9 @@ DEFAULT_TILE = 1024
 """Vocabulary rows per tile on CPU: a ``[1024, 1024]`` float32 slice is 4 MiB, within a server
 core's share of cache; 512 and 2,048 measured within noise of it on SmolLM2 and V = 128,256."""
 
+GROUP = 16
+"""Vocabulary ids per group in ``OnlineTopK.candidates``' pre-filter."""
+
 _FLOOR = torch.finfo(torch.float32).min
 """Stand-in for a running max of ``-inf`` (a row whose logits so far are all ``-inf``), so
 ``exp(m - m')`` and ``z - m'`` never meet ``-inf - (-inf)``."""
@@ -108,18 +111,24 @@ class OnlineLogSumExp:
         self.s = torch.zeros(n, dtype=torch.float32, device=device)  # [n]
         self.t = torch.zeros(n, dtype=torch.float32, device=device) if entropy else None  # [n]
         self.scale = torch.ones(n, dtype=torch.float32, device=device)  # [n] the last rescale
+        self._e: torch.Tensor | None = None  # [n * tile] exp buffer (entropy keeps z beside it)
 
     def add_(self, z: torch.Tensor) -> torch.Tensor:
-        """Fold ``z`` ``[n, t]`` in; ``z`` is overwritten with ``exp(z - m')`` and returned."""
+        """Fold ``z`` ``[n, t]`` in (overwritten); returns ``exp(z - m')`` ``[n, t]``
+        (contiguous): ``z`` itself, or with ``entropy`` a buffer reused by the next call."""
         new_m = torch.maximum(self.m, z.amax(dim=1))  # [n] finite: _FLOOR bounds it below
         scale = (self.m - new_m).exp_()  # [n] rescales what was summed against the old max
         z.sub_(new_m[:, None])  # [n, t] z - m'; -inf stays -inf
         if self.t is not None:
-            # t' = scale * (t + (m - m') * s) + sum(e * (z - m')); -inf logits add 0, not NaN.
+            # t' = scale * (t + (m - m') * s) + sum(e * (z - m'))
             self.t.addcmul_(self.m - new_m, self.s).mul_(scale)
-            rel = z.clamp(min=_FLOOR)  # [n, t] a copy: 0 * _FLOOR is 0 where 0 * -inf is NaN
-            e = z.exp_()  # [n, t]
-            self.t += torch.bmm(e[:, None, :], rel[:, :, None]).view(-1)  # [n] sum(e * rel)
+            if self._e is None or self._e.numel() < z.numel():
+                self._e = torch.empty(z.numel(), dtype=z.dtype, device=z.device)
+            e = torch.exp(z, out=self._e[: z.numel()].view(z.shape))  # [n, t] beside z - m'
+            dot = torch.linalg.vecdot(e, z)  # [n] sum(e * (z - m'))
+            if bool(dot.isnan().any()):  # a -inf logit: 0 * -inf; it adds 0
+                dot = torch.linalg.vecdot(e, z.clamp(min=_FLOOR))
+            self.t += dot
         else:
             e = z.exp_()  # [n, t]
         self.s.mul_(scale).add_(e.sum(dim=1))
@@ -181,13 +190,26 @@ def tiled_token_logps(
     return out
 
 
+Found = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""A tile's top-k candidates, flat: rows ``[P]``, logits ``[P]`` and positions in the tile's
+flat ``[n * t]`` view ``[P]``."""
+
+
 class OnlineTopK:
     """Running top ``k`` logits over vocabulary tiles, and the mass outside them.
 
     ``values`` ``[n, k]`` (descending) and ``ids`` ``[n, k]`` are the best ``k`` logits seen so
-    far; ``tail`` ``[n]`` sums ``exp(z - m)`` (``m``, the ``OnlineLogSumExp`` max) over every
-    other token seen, directly (the tile's own remainder and the candidates a merge evicts), with
-    no ``1 - sum(top)`` cancellation.
+    far once ``finish`` ran; ``tail`` ``[n]`` sums ``exp(z - m)`` (``m``, the ``OnlineLogSumExp``
+    max) over every other token seen, directly (the tiles' remainders and the candidates a merge
+    evicts), with no ``1 - sum(top)`` cancellation.
+
+    ``torch.topk`` over a short row costs ~50x a max, so a tile is not searched with it: the
+    tile is cut into ``GROUP`` strided groups (ids ``j, j + t/G, j + 2t/G, ...``: their max is a
+    vectorised reduction over the tile's rows), only the groups whose max beats its row's k-th
+    best so far (the bar) are read, and their logits above the bar are the candidates. They wait
+    in a flat list and are merged (one top-k over each row's kept k and its candidates) once
+    they number ``n * k``: after the first tiles the bar is high, a tile brings about
+    ``k / tiles seen`` candidates a row, and most tiles cost a few maxima.
     """
 
     def __init__(self, n: int, k: int, device: torch.device) -> None:
@@ -195,24 +217,64 @@ class OnlineTopK:
         self.values = torch.full((n, k), float("-inf"), dtype=torch.float32, device=device)
         self.ids = torch.zeros(n, k, dtype=torch.long, device=device)  # [n, k]
         self.tail = torch.zeros(n, dtype=torch.float32, device=device)  # [n]
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._count = 0
 
-    def candidates(self, z: torch.Tensor) -> torch.return_types.topk:
-        """This tile's own top ``min(k, t)`` of the logits ``z`` ``[n, t]`` (before exp)."""
-        return z.topk(min(self.k, z.shape[1]), dim=1)
+    def candidates(self, z: torch.Tensor) -> Found | None:
+        """This tile's candidates in the logits ``z`` ``[n, t]`` (before exp, contiguous): a
+        superset of the tile's logits that beat the bar, or None when no row has one."""
+        n, t = z.shape
+        bar = self.values[:, -1]  # [n] the k-th best merged so far (-inf at first)
+        flat = z.view(-1)  # [n * t]
+        if t % GROUP or bool(torch.isneginf(bar).any()):  # ragged tile, or a row not yet full
+            top = z.topk(min(self.k, t), dim=1)  # [n, k']
+            rows = torch.arange(n, device=z.device)[:, None].expand_as(top.indices)
+            return rows.reshape(-1), top.values.reshape(-1), (top.indices + rows * t).reshape(-1)
+        stride = t // GROUP
+        hit = z.view(n, GROUP, stride).amax(dim=1) > bar[:, None]  # [n, t/G] group j: [:, :, j]
+        rows, cols = hit.nonzero(as_tuple=True)  # [P]
+        if not rows.numel():
+            return None
+        step = torch.arange(GROUP, device=z.device) * stride  # [G]
+        where = (rows * t + cols)[:, None] + step  # [P, G] flat positions of the groups' logits
+        values = flat[where]  # [P, G]
+        keep = (values > bar[rows][:, None]).view(-1).nonzero().squeeze(1)  # >= 1 per group
+        rows = rows.repeat_interleave(GROUP).index_select(0, keep)
+        return rows, values.view(-1).index_select(0, keep), where.view(-1).index_select(0, keep)
 
-    def add_(
-        self, top: torch.return_types.topk, e: torch.Tensor, v0: int, lse: OnlineLogSumExp
-    ) -> None:
-        """Merge the tile's ``top`` (from ``candidates``) whose ``exp(z - m')`` is ``e`` ``[n, t]``
-        (destroyed), after ``lse.add_`` folded the tile in."""
-        self.tail.mul_(lse.scale).add_(e.scatter_(1, top.indices, 0.0).sum(dim=1))
-        values = torch.cat([self.values, top.values], dim=1)  # [n, k + k']
-        ids = torch.cat([self.ids, top.indices + v0], dim=1)  # [n, k + k']
-        best = values.topk(self.k, dim=1)  # [n, k]
-        evicted = torch.ones_like(values, dtype=torch.bool).scatter_(1, best.indices, False)
-        mass = (values - lse.m[:, None]).exp_().mul_(evicted).sum(dim=1)  # [n]
-        self.tail.add_(mass)
-        self.values, self.ids = best.values, ids.gather(1, best.indices)
+    def add_(self, found: Found | None, e: torch.Tensor, v0: int, lse: OnlineLogSumExp) -> None:
+        """Take the tile's candidates ``found`` (from ``candidates``) whose ``exp(z - m')`` is
+        ``e`` ``[n, t]`` (contiguous, destroyed), after ``lse.add_`` folded the tile in."""
+        self.tail.mul_(lse.scale)
+        if found is not None:
+            rows, values, where = found
+            e.view(-1)[where] = 0.0  # the candidates' mass is counted when they leave
+            self._pending.append((rows, values, where - rows * e.shape[1] + v0))
+            self._count += values.numel()
+        self.tail.add_(e.sum(dim=1))  # the rest of the tile
+        if self._count >= self.values.numel():
+            self.finish(lse)
+
+    def finish(self, lse: OnlineLogSumExp) -> None:
+        """Merge the pending candidates into ``values`` / ``ids``; the evicted go to ``tail``."""
+        if not self._pending:
+            return
+        n, device = self.values.shape[0], self.values.device
+        rows, values, ids = (torch.cat(part) for part in zip(*self._pending, strict=True))
+        self._pending, self._count = [], 0
+        order = torch.argsort(rows, stable=True)
+        rows, values, ids = rows[order], values[order], ids[order]  # [Q] grouped by row
+        counts = torch.bincount(rows, minlength=n)  # [n]
+        slot = torch.arange(rows.numel(), device=device) - (counts.cumsum(0) - counts)[rows]
+        width = int(counts.max())
+        every = torch.full((n, self.k + width), float("-inf"), device=device)  # [n, k + w]
+        every_ids = torch.zeros(n, self.k + width, dtype=torch.long, device=device)
+        every[:, : self.k], every_ids[:, : self.k] = self.values, self.ids
+        every[rows, slot + self.k], every_ids[rows, slot + self.k] = values, ids
+        best = every.topk(self.k, dim=1)  # [n, k]
+        evicted = torch.ones_like(every, dtype=torch.bool).scatter_(1, best.indices, False)
+        self.tail.add_((every - lse.m[:, None]).exp_().mul_(evicted).sum(dim=1))
+        self.values, self.ids = best.values, every_ids.gather(1, best.indices)
 
 
 def tiled_token_outputs(
@@ -251,10 +313,12 @@ def tiled_token_outputs(
             pick_(label, z, v0, labels[lo:hi])  # the raw logits, before add_ takes the exp
             if picked is not None:
                 pick_(picked, z, v0, ids)  # type: ignore[arg-type]
-            best = top.candidates(z) if top is not None else None
+            found = top.candidates(z) if top is not None else None
             e = acc.add_(z)  # [n, t] exp(z - m')
             if top is not None:
-                top.add_(best, e, v0, acc)  # type: ignore[arg-type]
+                top.add_(found, e, v0, acc)
+        if top is not None:
+            top.finish(acc)
         lse = acc.lse()  # [n]
         if "logps" in want:
             out["logps"][lo:hi] = label - lse
