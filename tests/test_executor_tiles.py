@@ -124,7 +124,7 @@ def test_tiled_teacher_outputs_equal_float64(tile: int, vocab: int, peaked: bool
         np.testing.assert_allclose(got["topk_tail_logp"], mass.log(), rtol=1e-4, atol=ATOL)
         want_ids = per_row if ids is not None else torch.tensor(shared).expand(31, -1)
         np.testing.assert_allclose(got["gather_logps"], lp.gather(1, want_ids), atol=ATOL)
-    if peaked and vocab == 120:  # the direct tail sum keeps the tiny masses a 1 - sum(top) would lose
+    if peaked and vocab == 120:  # the direct tail sum keeps masses 1 - sum(top) would lose
         assert float(mass.min()) < 1e-5  # 1 - sum in float32 would be off by ~5% there
 
 
