@@ -113,10 +113,13 @@ class OnlineLogSumExp:
         self.scale = torch.ones(n, dtype=torch.float32, device=device)  # [n] the last rescale
         self._e: torch.Tensor | None = None  # [n * tile] exp buffer (entropy keeps z beside it)
 
-    def add_(self, z: torch.Tensor) -> torch.Tensor:
-        """Fold ``z`` ``[n, t]`` in (overwritten); returns ``exp(z - m')`` ``[n, t]``
-        (contiguous): ``z`` itself, or with ``entropy`` a buffer reused by the next call."""
-        new_m = torch.maximum(self.m, z.amax(dim=1))  # [n] finite: _FLOOR bounds it below
+    def add_(self, z: torch.Tensor, row_max: torch.Tensor | None = None) -> torch.Tensor:
+        """Fold ``z`` ``[n, t]`` in (overwritten; ``row_max``, its max per row when known);
+        returns ``exp(z - m')`` ``[n, t]`` (contiguous): ``z`` itself, or with ``entropy`` a
+        buffer reused by the next call."""
+        if row_max is None:
+            row_max = z.amax(dim=1)  # [n]
+        new_m = torch.maximum(self.m, row_max)  # [n] finite: _FLOOR bounds it below
         scale = (self.m - new_m).exp_()  # [n] rescales what was summed against the old max
         z.sub_(new_m[:, None])  # [n, t] z - m'; -inf stays -inf
         if self.t is not None:
@@ -125,9 +128,9 @@ class OnlineLogSumExp:
             if self._e is None or self._e.numel() < z.numel():
                 self._e = torch.empty(z.numel(), dtype=z.dtype, device=z.device)
             e = torch.exp(z, out=self._e[: z.numel()].view(z.shape))  # [n, t] beside z - m'
-            dot = torch.linalg.vecdot(e, z)  # [n] sum(e * (z - m'))
-            if bool(dot.isnan().any()):  # a -inf logit: 0 * -inf; it adds 0
-                dot = torch.linalg.vecdot(e, z.clamp(min=_FLOOR))
+            dot = z.mul_(e).sum(dim=1)  # [n] sum(e * (z - m')); z is spent
+            if bool(dot.isnan().any()):  # a -inf logit: 0 * -inf, which adds 0
+                dot = z.nan_to_num_(nan=0.0).sum(dim=1)
             self.t += dot
         else:
             e = z.exp_()  # [n, t]
@@ -219,28 +222,39 @@ class OnlineTopK:
         self.tail = torch.zeros(n, dtype=torch.float32, device=device)  # [n]
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._count = 0
+        self.row_max: torch.Tensor | None = None  # [n] the last tile's max, when it was read
 
     def candidates(self, z: torch.Tensor) -> Found | None:
         """This tile's candidates in the logits ``z`` ``[n, t]`` (before exp, contiguous): a
         superset of the tile's logits that beat the bar, or None when no row has one."""
         n, t = z.shape
         bar = self.values[:, -1]  # [n] the k-th best merged so far (-inf at first)
-        flat = z.view(-1)  # [n * t]
+        self.row_max = None
         if t % GROUP or bool(torch.isneginf(bar).any()):  # ragged tile, or a row not yet full
-            top = z.topk(min(self.k, t), dim=1)  # [n, k']
-            rows = torch.arange(n, device=z.device)[:, None].expand_as(top.indices)
-            return rows.reshape(-1), top.values.reshape(-1), (top.indices + rows * t).reshape(-1)
+            return self._dense(z)
         stride = t // GROUP
-        hit = z.view(n, GROUP, stride).amax(dim=1) > bar[:, None]  # [n, t/G] group j: [:, :, j]
+        gmax = z.view(n, GROUP, stride).amax(dim=1)  # [n, t/G] group j: [:, :, j]
+        self.row_max = gmax.amax(dim=1)  # [n] the tile's, for OnlineLogSumExp.add_
+        hit = gmax > bar[:, None]  # [n, t/G]
         rows, cols = hit.nonzero(as_tuple=True)  # [P]
         if not rows.numel():
             return None
+        if rows.numel() * GROUP > 4 * z.shape[0] * min(self.k, t):  # early tiles: most groups
+            return self._dense(z)  # topk is cheaper, and holds [n, k] instead of [P, G]
+        flat = z.view(-1)  # [n * t]
         step = torch.arange(GROUP, device=z.device) * stride  # [G]
         where = (rows * t + cols)[:, None] + step  # [P, G] flat positions of the groups' logits
         values = flat[where]  # [P, G]
         keep = (values > bar[rows][:, None]).view(-1).nonzero().squeeze(1)  # >= 1 per group
         rows = rows.repeat_interleave(GROUP).index_select(0, keep)
         return rows, values.view(-1).index_select(0, keep), where.view(-1).index_select(0, keep)
+
+    def _dense(self, z: torch.Tensor) -> Found:
+        """The tile's own top ``min(k, t)`` of every row, as candidates."""
+        n, t = z.shape
+        top = z.topk(min(self.k, t), dim=1)  # [n, k']
+        rows = torch.arange(n, device=z.device)[:, None].expand_as(top.indices)
+        return rows.reshape(-1), top.values.reshape(-1), (top.indices + rows * t).reshape(-1)
 
     def add_(self, found: Found | None, e: torch.Tensor, v0: int, lse: OnlineLogSumExp) -> None:
         """Take the tile's candidates ``found`` (from ``candidates``) whose ``exp(z - m')`` is
@@ -314,7 +328,7 @@ def tiled_token_outputs(
             if picked is not None:
                 pick_(picked, z, v0, ids)  # type: ignore[arg-type]
             found = top.candidates(z) if top is not None else None
-            e = acc.add_(z)  # [n, t] exp(z - m')
+            e = acc.add_(z, top.row_max if top is not None else None)  # [n, t] exp(z - m')
             if top is not None:
                 top.add_(found, e, v0, acc)
         if top is not None:
