@@ -252,7 +252,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-batch-tokens", type=int, default=8192)
     p.add_argument(
         "--packing",
-        choices=["auto", "packed", "padded"],
+        choices=["auto", "packed", "unmasked", "padded"],  # ExecutorConfig.packing
         default="padded",
         help="executor packing on both paths (padded: the cheapest CPU forward, so the queue's "
         "share of the time is largest)",
