@@ -11,6 +11,7 @@ scores and the number of token slots the forward held. No fallback, OOM or KV ha
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -196,25 +197,16 @@ class BatchForward:
         head = model.get_output_embeddings()
         tile = self.config.vocab_tile(self.device.type) if tileable(head) else 0
         if spec == LOGPS_ONLY:
-            if tile:  # CPU: [rows, tile] slices reduced in cache
-                logps = tiled_token_logps(
-                    picked,
-                    head,
-                    labels,
-                    temperature=temp,
-                    chunk_tokens=self._chunk_rows(head, 1.0 if _f32(head) else 1.5, tile),
-                    tile=tile,
-                    transform=self.transform,
-                )  # [N]
-            else:
-                logps = chunked_token_logps(
-                    picked,
-                    head,
-                    labels,
-                    temperature=temp,
-                    chunk_tokens=self._chunk_rows(head, 1.0 if _f32(head) else 1.5),
-                    transform=self.transform,
-                )  # [N]
+            # CPU: [rows, tile] slices reduced in cache; else whole-vocabulary blocks
+            by = partial(tiled_token_logps, tile=tile) if tile else chunked_token_logps
+            logps = by(
+                picked,
+                head,
+                labels,
+                temperature=temp,
+                chunk_tokens=self._chunk_rows(head, 1.0 if _f32(head) else 1.5, tile or None),
+                transform=self.transform,
+            )  # [N]
             for j, row in zip(order, torch.split(logps, sizes), strict=True):
                 scores[j].logps = self._host(row)
             return rewarded

@@ -15,6 +15,7 @@ Naive equivalent (TRL ``selective_log_softmax`` / verl ``logprobs_from_logits``)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +99,31 @@ def chunked_token_logps(
     Returns ``[N]`` float32. Naive equivalent:
     ``naive_token_logps(transform(head(hidden)), labels, temperature)``.
     """
+    return chunked_rows(
+        hidden,
+        labels,
+        lambda h, y, t: _block_logps(h, head, y, temperature, t),
+        temperature=temperature,
+        chunk_tokens=chunk_tokens,
+        transform=transform,
+    )
+
+
+BlockLogps = Callable[[torch.Tensor, torch.Tensor, LogitTransform], torch.Tensor]
+"""One chunk's log-probs: ``(hidden [n, H], labels [n], transform) -> [n]`` float32."""
+
+
+def chunked_rows(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    block: BlockLogps,
+    *,
+    temperature: float,
+    chunk_tokens: int,
+    transform: LogitTransform | None,
+) -> torch.Tensor:
+    """Checked inputs, then ``block`` over ``chunk_tokens`` rows at a time: ``[N]`` float32.
+    The loop of ``chunked_token_logps`` and ``tiles.tiled_token_logps``."""
     if hidden.shape[0] != labels.shape[0]:
         raise ValueError(f"hidden has {hidden.shape[0]} rows but labels has {labels.shape[0]}")
     if not (temperature > 0 and math.isfinite(temperature)):
@@ -106,7 +132,7 @@ def chunked_token_logps(
     out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # [N]
     for lo in range(0, hidden.shape[0], max(1, chunk_tokens)):
         hi = min(lo + chunk_tokens, hidden.shape[0])
-        out[lo:hi] = _block_logps(hidden[lo:hi], head, labels[lo:hi], temperature, transform)
+        out[lo:hi] = block(hidden[lo:hi], labels[lo:hi], transform)
     return out
 
 

@@ -21,14 +21,13 @@ Naive equivalent: ``log_softmax(transform(head(hidden)).float() / T).gather(-1, 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.executor.logprobs import LogitTransform
+from worker.executor.logprobs import LogitTransform, chunked_rows
 from worker.scorer.teacher import TokenOutputs
 
 __all__ = [
@@ -175,22 +174,23 @@ def tiled_token_logps(
 
     Naive equivalent: ``naive_token_logps(transform(head(hidden)), labels, temperature)``.
     """
-    if hidden.shape[0] != labels.shape[0]:
-        raise ValueError(f"hidden has {hidden.shape[0]} rows but labels has {labels.shape[0]}")
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    transform = transform or LogitTransform()
-    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # [N]
-    for lo in range(0, hidden.shape[0], max(1, chunk_tokens)):
-        hi = min(lo + chunk_tokens, hidden.shape[0])
-        rows, lab = hidden[lo:hi], labels[lo:hi]  # [n, H], [n]
-        acc = OnlineLogSumExp(hi - lo, hidden.device)
-        picked = torch.zeros(hi - lo, dtype=torch.float32, device=hidden.device)  # [n]
+
+    def block(rows: torch.Tensor, lab: torch.Tensor, transform: LogitTransform) -> torch.Tensor:
+        acc = OnlineLogSumExp(rows.shape[0], rows.device)
+        picked = torch.zeros(rows.shape[0], dtype=torch.float32, device=rows.device)  # [n]
         for v0, z in head_tiles(rows, head, tile, transform, temperature):
             pick_(picked, z, v0, lab)  # before add_ overwrites z
             acc.add_(z)
-        out[lo:hi] = picked - acc.lse()
-    return out
+        return picked - acc.lse()
+
+    return chunked_rows(
+        hidden,
+        labels,
+        block,
+        temperature=temperature,
+        chunk_tokens=chunk_tokens,
+        transform=transform,
+    )
 
 
 Found = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
