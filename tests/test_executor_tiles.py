@@ -57,6 +57,20 @@ def test_tiled_logps_equal_float64(tile: int, transform: LogitTransform, tempera
     np.testing.assert_allclose(got.detach().numpy(), want.numpy(), atol=ATOL)
 
 
+@pytest.mark.parametrize("transform", [LogitTransform(), LogitTransform(softcap=4.0)])
+def test_half_precision_head_tiles_equal_its_own_logits(transform: LogitTransform) -> None:
+    """A bfloat16 head: each tile's logits are made in bfloat16 and scaled to base 2 in float32
+    afterwards (not folded into the bfloat16 rows, which would round them again)."""
+    head = _head(200).to(torch.bfloat16)
+    h = (torch.randn(23, 16) * 3).to(torch.bfloat16)
+    labels = torch.randint(0, 200, (23,))
+    got = tiled_token_logps(h, head, labels, temperature=0.6, tile=64, transform=transform)
+    with torch.no_grad():
+        z = transform.apply_(head(h).double()) / 0.6  # the head's own bfloat16 logits
+    want = torch.log_softmax(z, dim=-1).gather(1, labels[:, None]).squeeze(1)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=ATOL)
+
+
 def test_minus_inf_logits_are_skipped_not_nan() -> None:
     head = _head(20, bias=True)
     with torch.no_grad():
@@ -80,7 +94,7 @@ def test_online_logsumexp_and_entropy_over_uneven_tiles() -> None:
     z = torch.randn(9, 50) * 6
     acc = OnlineLogSumExp(9, z.device, entropy=True)
     for lo, hi in ((0, 1), (1, 17), (17, 18), (18, 50)):
-        acc.add_(z[:, lo:hi].clone())
+        acc.add_(z[:, lo:hi] * tiles.LOG2E)  # base-2 logits, as head_tiles yields them
     lp = torch.log_softmax(z.double(), dim=1)
     np.testing.assert_allclose(acc.lse(), torch.logsumexp(z.double(), 1), atol=ATOL)
     np.testing.assert_allclose(acc.entropy(), -(lp.exp() * lp).sum(1), atol=ATOL)

@@ -22,9 +22,9 @@ Naive equivalent: ``log_softmax(transform(head(hidden)).float() / T).gather(-1, 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from worker.executor.logprobs import LogitTransform, chunked_rows
@@ -32,6 +32,8 @@ from worker.scorer.teacher import TokenOutputs
 
 __all__ = [
     "DEFAULT_TILE",
+    "Found",
+    "LabelPicker",
     "OnlineLogSumExp",
     "OnlineTopK",
     "head_tiles",
@@ -47,9 +49,15 @@ core's share of cache; 512 and 2,048 measured within noise of it on SmolLM2 and 
 GROUP = 16
 """Vocabulary ids per group in ``OnlineTopK.candidates``' pre-filter."""
 
+LOG2E = 1.4426950408889634
+"""``log2(e)``: tiles hold logits in base 2 (``y = z * log2(e)``, so ``exp(z) = exp2(y)``)."""
+
+LN2 = 0.6931471805599453
+"""``ln(2)``: converts base-2 results back to nats."""
+
 _FLOOR = torch.finfo(torch.float32).min
 """Stand-in for a running max of ``-inf`` (a row whose logits so far are all ``-inf``), so
-``exp(m - m')`` and ``z - m'`` never meet ``-inf - (-inf)``."""
+``exp2(m - m')`` and ``y - m'`` never meet ``-inf - (-inf)``."""
 
 
 def tileable(head: nn.Module | None) -> bool:
@@ -81,28 +89,49 @@ def head_tiles(
     transform: LogitTransform,
     temperature: float,
 ) -> Iterator[tuple[int, torch.Tensor]]:
-    """``(v0, z)`` for each tile: ``z`` ``[n, t]`` float32 holds ``transform(logits) / T`` of
-    vocabulary ids ``v0 .. v0 + t - 1`` (a fresh tensor each time, free to change in place)."""
+    """``(v0, y)`` for each tile: ``y`` ``[n, t]`` float32 holds ``transform(logits) / T`` of
+    vocabulary ids ``v0 .. v0 + t - 1`` in base 2 (times ``log2(e)``: ``exp2(y)`` is the
+    natural ``exp``, whose CPU kernel costs ~3x ``exp2``'s). ``y`` is free to change in place
+    until the next tile: it is one buffer, overwritten by each tile's matmul.
+
+    For a float32 head whose transform is a plain scale, the factor (``log2(e) / T`` and the
+    scale) multiplies the ``[n, H]`` rows once, so the tiles come out of the matmul already
+    scaled; otherwise (a softcap, a half-precision head) each tile is scaled after the
+    transform."""
     if tile < 1:
         raise ValueError(f"tile must be >= 1, got {tile}")
-    weight, bias = head.weight, head.bias  # [V, H], [V] | None
-    vocab = weight.shape[0]
+    # scoring needs no gradients, and the matmuls write into one buffer (out=)
+    weight, bias = head.weight.detach(), None if head.bias is None else head.bias.detach()
+    hidden = hidden.detach()  # weight [V, H], bias [V] | None, hidden [n, H]
+    vocab, n = weight.shape[0], hidden.shape[0]
+    factor = LOG2E / temperature
+    fold = hidden.dtype == torch.float32 and transform.softcap is None
+    if fold:
+        factor *= (transform.scale or 1.0) / (transform.divisor or 1.0)
+        hidden = hidden * factor  # [n, H]: the tiles below are y, not z
+    # One output buffer for every tile: a fresh [n, t] allocation per tile may be new pages
+    # (a page fault per 4 KiB) each time the allocator hands memory back between tiles.
+    buf = torch.empty(n * min(tile, vocab), dtype=hidden.dtype, device=hidden.device)
     for v0 in range(0, vocab, tile):
         v1 = min(vocab, v0 + tile)
-        z = F.linear(hidden, weight[v0:v1], None if bias is None else bias[v0:v1])  # [n, t]
-        z = z.float()  # no-op for a float32 head; a [n, t] copy for a half-precision one
-        transform.apply_(z)
-        if temperature != 1.0:
-            z.div_(temperature)
+        z = buf[: n * (v1 - v0)].view(n, v1 - v0)  # [n, t]
+        if bias is None:
+            torch.mm(hidden, weight[v0:v1].t(), out=z)
+        else:
+            torch.addmm(bias[v0:v1], hidden, weight[v0:v1].t(), beta=factor if fold else 1.0, out=z)
+        if not fold:
+            z = z.float()  # no-op for a float32 head; a [n, t] copy for a half-precision one
+            transform.apply_(z).mul_(factor)
         yield v0, z
 
 
 class OnlineLogSumExp:
-    """Running ``logsumexp`` over vocabulary tiles, one value per row (float32 ``[n]``).
+    """Running ``logsumexp`` over vocabulary tiles of base-2 logits ``y`` (``head_tiles``),
+    one value per row (float32 ``[n]``).
 
     ``m`` is the running max (``_FLOOR`` while a row has seen only ``-inf``), ``s`` the sum of
-    ``exp(z - m)`` so far. With ``entropy``, ``t`` also keeps ``sum(exp(z - m) * (z - m))``, so
-    that at the end ``entropy = log s - t / s`` (``-sum p log p``).
+    ``exp2(y - m)`` so far. With ``entropy``, ``t`` also keeps ``sum(exp2(y - m) * (y - m))``,
+    so that at the end ``entropy = ln 2 * (log2 s - t / s)`` (``-sum p ln p``).
     """
 
     def __init__(self, n: int, device: torch.device, entropy: bool = False) -> None:
@@ -110,41 +139,67 @@ class OnlineLogSumExp:
         self.s = torch.zeros(n, dtype=torch.float32, device=device)  # [n]
         self.t = torch.zeros(n, dtype=torch.float32, device=device) if entropy else None  # [n]
         self.scale = torch.ones(n, dtype=torch.float32, device=device)  # [n] the last rescale
-        self._e: torch.Tensor | None = None  # [n * tile] exp buffer (entropy keeps z beside it)
+        self._e: torch.Tensor | None = None  # [n * tile] exp buffer (entropy keeps y beside it)
 
-    def add_(self, z: torch.Tensor, row_max: torch.Tensor | None = None) -> torch.Tensor:
-        """Fold ``z`` ``[n, t]`` in (overwritten; ``row_max``, its max per row when known);
-        returns ``exp(z - m')`` ``[n, t]`` (contiguous): ``z`` itself, or with ``entropy`` a
+    def add_(self, y: torch.Tensor, row_max: torch.Tensor | None = None) -> torch.Tensor:
+        """Fold ``y`` ``[n, t]`` in (overwritten; ``row_max``, its max per row when known);
+        returns ``exp2(y - m')`` ``[n, t]`` (contiguous): ``y`` itself, or with ``entropy`` a
         buffer reused by the next call."""
         if row_max is None:
-            row_max = z.amax(dim=1)  # [n]
+            row_max = y.amax(dim=1)  # [n]
         new_m = torch.maximum(self.m, row_max)  # [n] finite: _FLOOR bounds it below
-        scale = (self.m - new_m).exp_()  # [n] rescales what was summed against the old max
-        z.sub_(new_m[:, None])  # [n, t] z - m'; -inf stays -inf
+        scale = torch.exp2(self.m - new_m)  # [n] rescales what was summed against the old max
+        y.sub_(new_m[:, None])  # [n, t] y - m'; -inf stays -inf
         if self.t is not None:
-            # t' = scale * (t + (m - m') * s) + sum(e * (z - m'))
+            # t' = scale * (t + (m - m') * s) + sum(e * (y - m'))
             self.t.addcmul_(self.m - new_m, self.s).mul_(scale)
-            if self._e is None or self._e.numel() < z.numel():
-                self._e = torch.empty(z.numel(), dtype=z.dtype, device=z.device)
-            e = torch.exp(z, out=self._e[: z.numel()].view(z.shape))  # [n, t] beside z - m'
-            dot = z.mul_(e).sum(dim=1)  # [n] sum(e * (z - m')); z is spent
+            if self._e is None or self._e.numel() < y.numel():
+                self._e = torch.empty(y.numel(), dtype=y.dtype, device=y.device)
+            e = torch.exp2(y, out=self._e[: y.numel()].view(y.shape))  # [n, t] beside y - m'
+            dot = y.mul_(e).sum(dim=1)  # [n] sum(e * (y - m')); y is spent
             if bool(dot.isnan().any()):  # a -inf logit: 0 * -inf, which adds 0
-                dot = z.nan_to_num_(nan=0.0).sum(dim=1)
+                dot = y.nan_to_num_(nan=0.0).sum(dim=1)
             self.t += dot
         else:
-            e = z.exp_()  # [n, t]
+            e = y.exp2_()  # [n, t]
         self.s.mul_(scale).add_(e.sum(dim=1))
         self.m, self.scale = new_m, scale
         return e
 
+    def lse2(self) -> torch.Tensor:
+        """``log2 sum exp2(y)`` of everything folded in, ``[n]`` (``-inf`` for an all ``-inf``
+        row): base-2 log-probs are ``y - lse2()``."""
+        return self.m + self.s.log2()
+
     def lse(self) -> torch.Tensor:
-        """``logsumexp`` of everything folded in, ``[n]`` (``-inf`` for an all ``-inf`` row)."""
-        return self.m + self.s.log()
+        """``logsumexp`` of the natural logits, ``[n]``."""
+        return self.lse2() * LN2
 
     def entropy(self) -> torch.Tensor:
-        """``-sum p log p`` per row, ``[n]`` (needs ``entropy=True``)."""
+        """``-sum p ln p`` per row in nats, ``[n]`` (needs ``entropy=True``)."""
         assert self.t is not None, "OnlineLogSumExp(entropy=True) keeps the entropy sum"
-        return self.s.log() - self.t / self.s
+        return (self.s.log2() - self.t / self.s) * LN2
+
+
+class LabelPicker:
+    """One logit per row, read from the tile that holds it: ``labels`` ``[n]`` are sorted once,
+    so each tile reads its few rows with one index (ids outside ``0..V-1`` are never read and
+    leave 0)."""
+
+    def __init__(self, labels: torch.Tensor, vocab: int, tile: int) -> None:
+        self.picked = torch.zeros(labels.shape[0], dtype=torch.float32, device=labels.device)
+        self._labels, self._order = labels.sort()  # [n], [n]
+        starts = torch.arange(0, vocab + tile, tile, device=labels.device).clamp_(max=vocab)
+        self._bounds = torch.searchsorted(self._labels, starts).tolist()  # per tile, then V
+        self._tile = tile
+
+    def pick_(self, y: torch.Tensor, v0: int) -> None:
+        """Copy this tile's (``v0 ..``) labelled logits from ``y`` ``[n, t]``."""
+        i = v0 // self._tile
+        lo, hi = self._bounds[i], self._bounds[i + 1]
+        if hi > lo:
+            rows = self._order[lo:hi]  # [r]
+            self.picked[rows] = y[rows, self._labels[lo:hi] - v0]
 
 
 def pick_(picked: torch.Tensor, z: torch.Tensor, v0: int, ids: torch.Tensor) -> None:
@@ -177,11 +232,11 @@ def tiled_token_logps(
 
     def block(rows: torch.Tensor, lab: torch.Tensor, transform: LogitTransform) -> torch.Tensor:
         acc = OnlineLogSumExp(rows.shape[0], rows.device)
-        picked = torch.zeros(rows.shape[0], dtype=torch.float32, device=rows.device)  # [n]
-        for v0, z in head_tiles(rows, head, tile, transform, temperature):
-            pick_(picked, z, v0, lab)  # before add_ overwrites z
-            acc.add_(z)
-        return picked - acc.lse()
+        label = LabelPicker(lab, head.weight.shape[0], tile)
+        for v0, y in head_tiles(rows, head, tile, transform, temperature):
+            label.pick_(y, v0)  # before add_ overwrites y
+            acc.add_(y)
+        return (label.picked - acc.lse2()) * LN2
 
     return chunked_rows(
         hidden,
@@ -193,83 +248,106 @@ def tiled_token_logps(
     )
 
 
-Found = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-"""A tile's top-k candidates, flat: rows ``[P]``, logits ``[P]`` and positions in the tile's
-flat ``[n * t]`` view ``[P]``."""
+@dataclass
+class Found:
+    """A tile's top-k candidates: ``dense``, the tile's own top ``k`` per row (values and
+    positions in the tile, ``[n, k']`` each), or, from the grouped filter, flat ``rows``
+    ``[P]``, ``values`` ``[P]`` and ``where`` ``[P]`` (positions in the tile's flat
+    ``[n * t]`` view)."""
+
+    dense: tuple[torch.Tensor, torch.Tensor] | None = None
+    rows: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    where: torch.Tensor | None = None
 
 
 class OnlineTopK:
     """Running top ``k`` logits over vocabulary tiles, and the mass outside them.
 
-    ``values`` ``[n, k]`` (descending) and ``ids`` ``[n, k]`` are the best ``k`` logits seen so
-    far once ``finish`` ran; ``tail`` ``[n]`` sums ``exp(z - m)`` (``m``, the ``OnlineLogSumExp``
-    max) over every other token seen, directly (the tiles' remainders and the candidates a merge
-    evicts), with no ``1 - sum(top)`` cancellation.
+    Once ``finish`` ran, ``values`` ``[n, k]`` (descending, base-2 logits as in ``head_tiles``)
+    and ``ids`` ``[n, k]`` are the best ``k`` seen; ``tail`` ``[n]`` sums ``exp2(y - m)``
+    (``m``, the ``OnlineLogSumExp`` max) over every other token seen, directly (the tiles'
+    remainders and the candidates a merge evicts), with no ``1 - sum(top)`` cancellation.
+    Between merges ``values`` are unordered and ``bar`` ``[n]`` is their minimum, the k-th best.
 
-    ``torch.topk`` over a short row costs ~50x a max, so a tile is not searched with it: the
-    tile is cut into ``GROUP`` strided groups (ids ``j, j + t/G, j + 2t/G, ...``: their max is a
-    vectorised reduction over the tile's rows), only the groups whose max beats its row's k-th
-    best so far (the bar) are read, and their logits above the bar are the candidates. They wait
-    in a flat list and are merged (one top-k over each row's kept k and its candidates) once
-    they number ``n * k``: after the first tiles the bar is high, a tile brings about
-    ``k / tiles seen`` candidates a row, and most tiles cost a few maxima.
+    ``torch.topk`` over a short row costs ~50x a max, so a tile is not searched with it once
+    every row holds ``k`` values: the tile is cut into ``GROUP`` strided groups (ids ``j,
+    j + t/G, j + 2t/G, ...``: their max is a vectorised reduction over the tile's rows), only
+    the groups whose max beats its row's bar are read, and their logits above the bar are the
+    candidates. They wait in a flat list and are merged (one unsorted top-k over each row's kept
+    ``k`` and its candidates) once they number ``n * k``: after the first tiles the bar is high,
+    a tile brings about ``k / tiles seen`` candidates a row, and most tiles cost a few maxima.
     """
 
     def __init__(self, n: int, k: int, device: torch.device) -> None:
         self.k = k
         self.values = torch.full((n, k), float("-inf"), dtype=torch.float32, device=device)
         self.ids = torch.zeros(n, k, dtype=torch.long, device=device)  # [n, k]
+        self.bar = torch.full((n,), float("-inf"), dtype=torch.float32, device=device)  # [n]
         self.tail = torch.zeros(n, dtype=torch.float32, device=device)  # [n]
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._count = 0
         self.row_max: torch.Tensor | None = None  # [n] the last tile's max, when it was read
 
-    def candidates(self, z: torch.Tensor) -> Found | None:
-        """This tile's candidates in the logits ``z`` ``[n, t]`` (before exp, contiguous): a
+    def candidates(self, y: torch.Tensor) -> Found | None:
+        """This tile's candidates in the logits ``y`` ``[n, t]`` (before exp, contiguous): a
         superset of the tile's logits that beat the bar, or None when no row has one."""
-        n, t = z.shape
-        bar = self.values[:, -1]  # [n] the k-th best merged so far (-inf at first)
+        n, t = y.shape
         self.row_max = None
-        if t % GROUP or bool(torch.isneginf(bar).any()):  # ragged tile, or a row not yet full
-            return self._dense(z)
+        if t % GROUP or bool(torch.isneginf(self.bar).any()):  # ragged, or a row not yet full
+            return self._dense(y)
         stride = t // GROUP
-        gmax = z.view(n, GROUP, stride).amax(dim=1)  # [n, t/G] group j: [:, :, j]
+        gmax = y.view(n, GROUP, stride).amax(dim=1)  # [n, t/G] group j: [:, :, j]
         self.row_max = gmax.amax(dim=1)  # [n] the tile's, for OnlineLogSumExp.add_
-        hit = gmax > bar[:, None]  # [n, t/G]
+        hit = gmax > self.bar[:, None]  # [n, t/G]
         rows, cols = hit.nonzero(as_tuple=True)  # [P]
         if not rows.numel():
             return None
-        if rows.numel() * GROUP > 4 * z.shape[0] * min(self.k, t):  # early tiles: most groups
-            return self._dense(z)  # topk is cheaper, and holds [n, k] instead of [P, G]
-        flat = z.view(-1)  # [n * t]
-        step = torch.arange(GROUP, device=z.device) * stride  # [G]
+        if rows.numel() * GROUP > 4 * n * min(self.k, t):  # early tiles: most groups
+            return self._dense(y)  # topk is cheaper, and holds [n, k] instead of [P, G]
+        flat = y.view(-1)  # [n * t]
+        step = torch.arange(GROUP, device=y.device) * stride  # [G]
         where = (rows * t + cols)[:, None] + step  # [P, G] flat positions of the groups' logits
         values = flat[where]  # [P, G]
-        keep = (values > bar[rows][:, None]).view(-1).nonzero().squeeze(1)  # >= 1 per group
-        rows = rows.repeat_interleave(GROUP).index_select(0, keep)
-        return rows, values.view(-1).index_select(0, keep), where.view(-1).index_select(0, keep)
+        keep = (values > self.bar[rows][:, None]).view(-1).nonzero().squeeze(1)  # >= 1 a group
+        return Found(
+            rows=rows.repeat_interleave(GROUP).index_select(0, keep),
+            values=values.view(-1).index_select(0, keep),
+            where=where.view(-1).index_select(0, keep),
+        )
 
-    def _dense(self, z: torch.Tensor) -> Found:
+    def _dense(self, y: torch.Tensor) -> Found:
         """The tile's own top ``min(k, t)`` of every row, as candidates."""
-        n, t = z.shape
-        top = z.topk(min(self.k, t), dim=1)  # [n, k']
-        rows = torch.arange(n, device=z.device)[:, None].expand_as(top.indices)
-        return rows.reshape(-1), top.values.reshape(-1), (top.indices + rows * t).reshape(-1)
+        top = y.topk(min(self.k, y.shape[1]), dim=1, sorted=False)  # [n, k']
+        return Found(dense=(top.values, top.indices))
 
     def add_(self, found: Found | None, e: torch.Tensor, v0: int, lse: OnlineLogSumExp) -> None:
-        """Take the tile's candidates ``found`` (from ``candidates``) whose ``exp(z - m')`` is
+        """Take the tile's candidates ``found`` (from ``candidates``) whose ``exp2(y - m')`` is
         ``e`` ``[n, t]`` (contiguous, destroyed), after ``lse.add_`` folded the tile in."""
         self.tail.mul_(lse.scale)
+        if found is not None and found.dense is not None:
+            values, where = found.dense  # [n, k']
+            e.scatter_(1, where, 0.0)  # the candidates' mass is counted when they leave
+            self.tail.add_(e.sum(dim=1))  # the rest of the tile
+            self._merge(values, where + v0, lse)
+            return
         if found is not None:
-            rows, values, where = found
-            e.view(-1)[where] = 0.0  # the candidates' mass is counted when they leave
-            self._pending.append((rows, values, where - rows * e.shape[1] + v0))
-            self._count += values.numel()
+            assert found.rows is not None and found.values is not None and found.where is not None
+            e.view(-1)[found.where] = 0.0
+            ids = found.where - found.rows * e.shape[1] + v0
+            self._pending.append((found.rows, found.values, ids))
+            self._count += found.values.numel()
         self.tail.add_(e.sum(dim=1))  # the rest of the tile
         if self._count >= self.values.numel():
-            self.finish(lse)
+            self._merge_pending(lse)
 
     def finish(self, lse: OnlineLogSumExp) -> None:
+        """Merge what is pending and order ``values`` / ``ids`` (descending)."""
+        self._merge_pending(lse)
+        self.values, order = self.values.sort(dim=1, descending=True)
+        self.ids = self.ids.gather(1, order)
+
+    def _merge_pending(self, lse: OnlineLogSumExp) -> None:
         """Merge the pending candidates into ``values`` / ``ids``; the evicted go to ``tail``."""
         if not self._pending:
             return
@@ -281,14 +359,21 @@ class OnlineTopK:
         counts = torch.bincount(rows, minlength=n)  # [n]
         slot = torch.arange(rows.numel(), device=device) - (counts.cumsum(0) - counts)[rows]
         width = int(counts.max())
-        every = torch.full((n, self.k + width), float("-inf"), device=device)  # [n, k + w]
-        every_ids = torch.zeros(n, self.k + width, dtype=torch.long, device=device)
-        every[:, : self.k], every_ids[:, : self.k] = self.values, self.ids
-        every[rows, slot + self.k], every_ids[rows, slot + self.k] = values, ids
-        best = every.topk(self.k, dim=1)  # [n, k]
+        wide = torch.full((n, width), float("-inf"), device=device)  # [n, w]
+        wide_ids = torch.zeros(n, width, dtype=torch.long, device=device)
+        wide[rows, slot], wide_ids[rows, slot] = values, ids
+        self._merge(wide, wide_ids, lse)
+
+    def _merge(self, values: torch.Tensor, ids: torch.Tensor, lse: OnlineLogSumExp) -> None:
+        """Keep the best ``k`` of ``values`` / ``ids`` and the new ``[n, w]`` ones (``-inf``
+        pads); the evicted add ``exp2(value - m)`` to ``tail``."""
+        every = torch.cat((self.values, values), dim=1)  # [n, k + w]
+        every_ids = torch.cat((self.ids, ids), dim=1)
+        best = every.topk(self.k, dim=1, sorted=False)  # [n, k]
         evicted = torch.ones_like(every, dtype=torch.bool).scatter_(1, best.indices, False)
-        self.tail.add_((every - lse.m[:, None]).exp_().mul_(evicted).sum(dim=1))
+        self.tail.add_((every - lse.m[:, None]).exp2_().mul_(evicted).sum(dim=1))
         self.values, self.ids = best.values, every_ids.gather(1, best.indices)
+        self.bar = self.values.amin(dim=1)
 
 
 def tiled_token_outputs(
@@ -318,30 +403,30 @@ def tiled_token_outputs(
         n, device = hi - lo, hidden.device
         acc = OnlineLogSumExp(n, device, entropy="entropy" in want)
         top = OnlineTopK(n, spec.topk, device) if "topk" in want else None
-        label = torch.zeros(n, dtype=torch.float32, device=device)  # [n]
+        label = LabelPicker(labels[lo:hi], head.weight.shape[0], tile)
         ids = picked = None
         if gather_ids is not None and gather_ids.numel():
             ids = gather_ids[lo:hi] if gather_ids.dim() == 2 else gather_ids.expand(n, -1)
             picked = torch.zeros(ids.shape, dtype=torch.float32, device=device)  # [n, K]
-        for v0, z in head_tiles(hidden[lo:hi], head, tile, transform, spec.temperature):
-            pick_(label, z, v0, labels[lo:hi])  # the raw logits, before add_ takes the exp
+        for v0, y in head_tiles(hidden[lo:hi], head, tile, transform, spec.temperature):
+            label.pick_(y, v0)  # the raw logits, before add_ takes the exp
             if picked is not None:
-                pick_(picked, z, v0, ids)  # type: ignore[arg-type]
-            found = top.candidates(z) if top is not None else None
-            e = acc.add_(z, top.row_max if top is not None else None)  # [n, t] exp(z - m')
+                pick_(picked, y, v0, ids)  # type: ignore[arg-type]
+            found = top.candidates(y) if top is not None else None
+            e = acc.add_(y, top.row_max if top is not None else None)  # [n, t] exp2(y - m')
             if top is not None:
                 top.add_(found, e, v0, acc)
         if top is not None:
             top.finish(acc)
-        lse = acc.lse()  # [n]
+        lse2 = acc.lse2()  # [n] base 2
         if "logps" in want:
-            out["logps"][lo:hi] = label - lse
+            out["logps"][lo:hi] = (label.picked - lse2) * LN2
         if "entropy" in want:
             out["entropy"][lo:hi] = acc.entropy()
         if top is not None:
             out["topk_ids"][lo:hi] = top.ids.to(torch.int32)
-            out["topk_logps"][lo:hi] = top.values - lse[:, None]
+            out["topk_logps"][lo:hi] = (top.values - lse2[:, None]) * LN2
             out["topk_tail_logp"][lo:hi] = top.tail.log() - acc.s.log()
         if picked is not None:
-            out["gather_logps"][lo:hi] = picked - lse[:, None]
+            out["gather_logps"][lo:hi] = (picked - lse2[:, None]) * LN2
     return out
