@@ -59,8 +59,8 @@ def test_tiled_logps_equal_float64(tile: int, transform: LogitTransform, tempera
 
 @pytest.mark.parametrize("transform", [LogitTransform(), LogitTransform(softcap=4.0)])
 def test_half_precision_head_tiles_equal_its_own_logits(transform: LogitTransform) -> None:
-    """A bfloat16 head: each tile's logits are made in bfloat16 and scaled to base 2 in float32
-    afterwards (not folded into the bfloat16 rows, which would round them again)."""
+    """A bfloat16 head: each tile's logits are made in bfloat16, then widened to float32 and
+    scaled to base 2."""
     head = _head(200).to(torch.bfloat16)
     h = (torch.randn(23, 16) * 3).to(torch.bfloat16)
     labels = torch.randint(0, 200, (23,))
