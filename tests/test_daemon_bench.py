@@ -72,3 +72,26 @@ def test_bench_naive_quick_measures_both_processes(redis_url: str, tmp_path: Pat
     # full float32 logits over a padded batch: the naive process peaks far above the worker
     assert row["naive"]["peak_rss_bytes"] > row["worker"]["peak_rss_bytes"]
     assert row["speedup"] == pytest.approx(row["naive"]["seconds"] / row["worker"]["seconds"])
+    # the arithmetic each side did, from the model's config (the gap's explanation in README)
+    flops = row["flops"]
+    assert flops["naive"] > flops["worker"] > 0
+    assert flops["worker_per_s"] == pytest.approx(flops["worker"] / row["worker"]["seconds"])
+
+
+def test_forward_flops_counts_the_floor_and_the_padded_naive_way() -> None:
+    """By hand: hidden 8, 2 layers, 2 query heads and 1 KV head of 4, MLP 16, vocab 10."""
+    from types import SimpleNamespace
+
+    from worker.devtools.bench_naive import forward_flops
+
+    config = SimpleNamespace(
+        hidden_size=8, num_hidden_layers=2, num_attention_heads=2, head_dim=4,
+        num_key_value_heads=1, intermediate_size=16, vocab_size=10,
+    )  # fmt: skip
+    seqs = [{"tokens": [1] * 3, "prompt_len": 1}, {"tokens": [1] * 5, "prompt_len": 2}]
+    linear, attend, head = 2 * 2 * (2 * 8 * 8 + 2 * 8 * 4 + 3 * 8 * 16), 4 * 2 * 8, 2 * 8 * 10
+    worker = (3 * linear + attend * 6 + 2 * head) + (5 * linear + attend * 15 + 3 * head)
+    naive = 2 * (5 * (linear + head) + attend * 25)  # one padded batch of 2, width 5
+    got = forward_flops(config, seqs, batch=2)
+    assert (got["worker"], got["naive"]) == (worker, naive)
+    assert got["ratio"] == naive / worker

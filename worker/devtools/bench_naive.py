@@ -63,6 +63,53 @@ def ragged_seqs(n: int, vocab: int, completion_max: int, seed: int = 7) -> list[
     return out
 
 
+def model_config(path: str) -> Any:
+    """The transformers config of a saved directory or a ``.gguf`` file."""
+    from transformers import AutoConfig
+
+    if path.endswith(".gguf"):
+        return AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    return AutoConfig.from_pretrained(path)
+
+
+def forward_flops(config: Any, seqs: list[dict[str, Any]], batch: int = 4) -> dict[str, float]:
+    """Multiply-add FLOPs (x2) each side performs on ``seqs``, from a Llama-style ``config``.
+
+    ``worker``: the floor, which the executor runs at: every real token through the backbone,
+    causal attention (a query at position p reads p + 1 keys; sdpa's causal kernel skips the
+    rest), the LM head over the scored rows only. ``naive``: right-padded batches of ``batch``
+    in arrival order, every padded position through the backbone and the LM head, attention
+    over the whole padded ``[T, T]`` (an explicit padding mask: no causal skipping). Norms,
+    activations, rotary and the naive side's ``log_softmax`` passes are left out (memory-bound,
+    small next to the matmuls)."""
+    hidden, layers = int(config.hidden_size), int(config.num_hidden_layers)
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    kv = int(getattr(config, "num_key_value_heads", None) or heads)
+    q_width, kv_width = heads * head_dim, kv * head_dim
+    linear = (
+        2
+        * layers
+        * (
+            2 * hidden * q_width
+            + 2 * hidden * kv_width
+            + 3 * hidden * int(config.intermediate_size)
+        )
+    )  # per token: q, o, k, v and the gated MLP
+    attend = 4 * layers * q_width  # per (query, key) pair: QK^T and AV
+    lm_head = 2 * hidden * int(config.vocab_size)
+    worker = 0.0
+    for s in seqs:
+        n = len(s["tokens"])
+        worker += n * linear + attend * n * (n + 1) / 2 + (n - int(s["prompt_len"])) * lm_head
+    naive = 0.0
+    for i in range(0, len(seqs), batch):
+        group = seqs[i : i + batch]
+        width = max(len(s["tokens"]) for s in group)
+        naive += len(group) * (width * (linear + lm_head) + attend * width * width)
+    return {"worker": worker, "naive": naive, "ratio": naive / worker}
+
+
 def vm_hwm(pid: int | str = "self") -> int:
     """Peak resident set size (``VmHWM``) of process ``pid`` in bytes (0 when unknown)."""
     try:
@@ -202,13 +249,16 @@ def compare(name: str, url: str, quick: bool, rounds: int = 1) -> dict[str, Any]
                 naive = run_naive(path, seqs, tmp)
                 worker = run_worker(url, path, seqs, tmp)
             done.append((naive["seconds"] / worker["seconds"], naive, worker))
+        flops = forward_flops(model_config(path), seqs)
     speedup, naive, worker = sorted(done, key=lambda d: d[0])[(len(done) - 1) // 2]
+    flops["naive_per_s"] = flops["naive"] / naive["seconds"]
+    flops["worker_per_s"] = flops["worker"] / worker["seconds"]
     speed_target, mem_target = TARGETS[name]
     mem = worker["peak_rss_bytes"] / max(1.0, naive["peak_rss_bytes"])
     return {
         "model": name, "sequences": n, "tokens": sum(len(s["tokens"]) for s in seqs),
         "naive": naive, "worker": worker, "speedup": speedup, "peak_rss_ratio": mem,
-        "rounds": [round(d[0], 3) for d in done],
+        "rounds": [round(d[0], 3) for d in done], "flops": flops,
         "targets": {"speedup": speed_target, "peak_rss_ratio": mem_target},
         "met": speedup >= speed_target and mem <= mem_target,
     }  # fmt: skip
@@ -236,6 +286,13 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
         if len(r.get("rounds", [])) > 1:
             per_round = ", ".join(f"{x:.2f}x" for x in r["rounds"])
             lines.append(f"{'':<10} speedup per round: {per_round} (the median round is shown)")
+        if "flops" in r:
+            f = r["flops"]
+            lines.append(
+                f"{'':<10} arithmetic: naive {f['naive'] / 1e12:.2f} TFLOP, worker (the floor) "
+                f"{f['worker'] / 1e12:.2f} TFLOP: {f['ratio']:.2f}x the work; achieved "
+                f"{f['naive_per_s'] / 1e9:.0f} / {f['worker_per_s'] / 1e9:.0f} GFLOP/s"
+            )
     return "\n".join(lines)
 
 
