@@ -282,6 +282,8 @@ class OnlineTopK:
         self.tail = torch.zeros(n, dtype=torch.float32, device=device)  # [n]
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._count = 0
+        self._full = False  # every row's bar is finite (checked at each merge, not each tile)
+        self._steps: dict[int, torch.Tensor] = {}  # stride -> [G] offsets of a group's ids
         self.row_max: torch.Tensor | None = None  # [n] the last tile's max, when it was read
 
     def candidates(self, y: torch.Tensor) -> Found | None:
@@ -289,7 +291,7 @@ class OnlineTopK:
         superset of the tile's logits that beat the bar, or None when no row has one."""
         n, t = y.shape
         self.row_max = None
-        if t % GROUP or bool(torch.isneginf(self.bar).any()):  # ragged, or a row not yet full
+        if t % GROUP or not self._full:  # ragged, or a row not yet full
             return self._dense(y)
         stride = t // GROUP
         gmax = y.view(n, GROUP, stride).amax(dim=1)  # [n, t/G] group j: [:, :, j]
@@ -301,7 +303,9 @@ class OnlineTopK:
         if rows.numel() * GROUP > 4 * n * min(self.k, t):  # early tiles: most groups
             return self._dense(y)  # topk is cheaper, and holds [n, k] instead of [P, G]
         flat = y.view(-1)  # [n * t]
-        step = torch.arange(GROUP, device=y.device) * stride  # [G]
+        step = self._steps.get(stride)
+        if step is None:
+            step = self._steps[stride] = torch.arange(GROUP, device=y.device) * stride  # [G]
         where = (rows * t + cols)[:, None] + step  # [P, G] flat positions of the groups' logits
         values = flat[where]  # [P, G]
         keep = (values > self.bar[rows][:, None]).view(-1).nonzero().squeeze(1)  # >= 1 a group
@@ -369,6 +373,7 @@ class OnlineTopK:
         self.tail.add_((every - lse.m[:, None]).exp2_().mul_(evicted).sum(dim=1))
         self.values, self.ids = best.values, every_ids.gather(1, best.indices)
         self.bar = self.values.amin(dim=1)
+        self._full = not bool(torch.isneginf(self.bar).any())
 
 
 def tiled_token_outputs(
