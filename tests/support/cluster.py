@@ -56,12 +56,24 @@ def _bindable(port: int) -> bool:
     return True
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (outgoing connections' local ports)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def cluster_ports(n: int) -> list[int]:
-    """``n`` ports whose cluster-bus ports (+10000) are free too."""
+    """``n`` ports whose cluster-bus ports (+10000) are free too, both below the ephemeral
+    range: a port checked free there could be taken as the local port of some client's
+    connection before ``redis-server`` binds it ("Address already in use")."""
     rng = random.Random()
+    top = min(45000, _ephemeral_low() - BUS_OFFSET - 1)
     ports: list[int] = []
     while len(ports) < n:
-        p = rng.randint(20000, 45000)
+        p = rng.randint(10000, max(10000 + 4 * n, top))
         if p in ports or p + BUS_OFFSET in ports:
             continue
         if _bindable(p) and _bindable(p + BUS_OFFSET):
