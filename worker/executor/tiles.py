@@ -33,7 +33,7 @@ from worker.scorer.teacher import TokenOutputs
 __all__ = [
     "DEFAULT_TILE",
     "Found",
-    "LabelPicker",
+    "IdPicker",
     "OnlineLogSumExp",
     "OnlineTopK",
     "head_tiles",
@@ -176,37 +176,28 @@ class OnlineLogSumExp:
         return (self.s.log2() - self.t / self.s) * LN2
 
 
-class LabelPicker:
-    """One logit per row, read from the tile that holds it: ``labels`` ``[n]`` are sorted once,
-    so each tile reads its few rows with one index (ids outside ``0..V-1`` are never read and
-    leave 0)."""
+class IdPicker:
+    """The logits at given vocabulary ids, each read from the tile that holds it: ``ids``
+    ``[n]`` (a label per row) or ``[n, K]`` (K ids per row) are sorted once, so each tile reads
+    its few entries with one index. ``picked`` has the shape of ``ids``; an id outside
+    ``0..V-1`` is never read and leaves 0."""
 
-    def __init__(self, labels: torch.Tensor, vocab: int, tile: int) -> None:
-        self.picked = torch.zeros(labels.shape[0], dtype=torch.float32, device=labels.device)
-        self._labels, self._order = labels.sort()  # [n], [n]
-        starts = torch.arange(0, vocab + tile, tile, device=labels.device).clamp_(max=vocab)
-        self._bounds = torch.searchsorted(self._labels, starts).tolist()  # per tile, then V
+    def __init__(self, ids: torch.Tensor, vocab: int, tile: int) -> None:
+        self.picked = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+        width = ids.shape[1] if ids.dim() == 2 else 1
+        self._ids, self._where = ids.reshape(-1).sort()  # [n * K]: ids, their flat positions
+        self._rows = self._where // width  # [n * K]
+        starts = torch.arange(0, vocab + tile, tile, device=ids.device).clamp_(max=vocab)
+        self._bounds = torch.searchsorted(self._ids, starts).tolist()  # per tile, then V
         self._tile = tile
 
     def pick_(self, y: torch.Tensor, v0: int) -> None:
-        """Copy this tile's (``v0 ..``) labelled logits from ``y`` ``[n, t]``."""
+        """Copy this tile's (``v0 ..``) entries from ``y`` ``[n, t]``."""
         i = v0 // self._tile
         lo, hi = self._bounds[i], self._bounds[i + 1]
         if hi > lo:
-            rows = self._order[lo:hi]  # [r]
-            self.picked[rows] = y[rows, self._labels[lo:hi] - v0]
-
-
-def pick_(picked: torch.Tensor, z: torch.Tensor, v0: int, ids: torch.Tensor) -> None:
-    """Copy into ``picked`` (``[n]`` or ``[n, K]``) the logits ``z`` ``[n, t]`` (ids ``v0 ..``)
-    at ``ids`` (same shape as ``picked``) that fall in this tile; the others keep their value."""
-    local = ids - v0  # [n] | [n, K]
-    inside = (local >= 0) & (local < z.shape[1])
-    if not bool(inside.any()):
-        return
-    index = local.clamp(0, z.shape[1] - 1)
-    got = z.gather(1, index if index.dim() == 2 else index[:, None])  # [n, K] | [n, 1]
-    picked.copy_(torch.where(inside, got.view_as(picked), picked))
+            got = y[self._rows[lo:hi], self._ids[lo:hi] - v0]  # [r]
+            self.picked.view(-1)[self._where[lo:hi]] = got
 
 
 def tiled_token_logps(
@@ -227,7 +218,7 @@ def tiled_token_logps(
 
     def block(rows: torch.Tensor, lab: torch.Tensor, transform: LogitTransform) -> torch.Tensor:
         acc = OnlineLogSumExp(rows.shape[0], rows.device)
-        label = LabelPicker(lab, head.weight.shape[0], tile)
+        label = IdPicker(lab, head.weight.shape[0], tile)
         for v0, y in head_tiles(rows, head, tile, transform, temperature):
             label.pick_(y, v0)  # before add_ overwrites y
             acc.add_(y)
@@ -403,15 +394,15 @@ def tiled_token_outputs(
         n, device = hi - lo, hidden.device
         acc = OnlineLogSumExp(n, device, entropy="entropy" in want)
         top = OnlineTopK(n, spec.topk, device) if "topk" in want else None
-        label = LabelPicker(labels[lo:hi], head.weight.shape[0], tile)
-        ids = picked = None
+        label = IdPicker(labels[lo:hi], head.weight.shape[0], tile)
+        picked = None
         if gather_ids is not None and gather_ids.numel():
             ids = gather_ids[lo:hi] if gather_ids.dim() == 2 else gather_ids.expand(n, -1)
-            picked = torch.zeros(ids.shape, dtype=torch.float32, device=device)  # [n, K]
+            picked = IdPicker(ids, head.weight.shape[0], tile)  # [n, K]
         for v0, y in head_tiles(hidden[lo:hi], head, tile, transform, spec.temperature):
             label.pick_(y, v0)  # the raw logits, before add_ takes the exp
             if picked is not None:
-                pick_(picked, y, v0, ids)  # type: ignore[arg-type]
+                picked.pick_(y, v0)
             found = top.candidates(y) if top is not None else None
             e = acc.add_(y, top.row_max if top is not None else None)  # [n, t] exp2(y - m')
             if top is not None:
@@ -428,5 +419,5 @@ def tiled_token_outputs(
             out["topk_logps"][lo:hi] = (top.values - lse2[:, None]) * LN2
             out["topk_tail_logp"][lo:hi] = top.tail.log() - acc.s.log()
         if picked is not None:
-            out["gather_logps"][lo:hi] = (picked - lse2[:, None]) * LN2
+            out["gather_logps"][lo:hi] = (picked.picked - lse2[:, None]) * LN2
     return out
