@@ -4,9 +4,13 @@ The running logsumexp, entropy and top-k over ``[rows, tile]`` slices must equal
 reductions over the whole vocabulary: tiles of 1 (every id its own tile), ragged last tiles,
 a tile wider than the vocabulary, a bias, a softcap and a scale, T != 1, ``-inf`` logits, and
 peaked rows whose tail outside the top k is tiny. ``tileable`` decides when the head may be cut.
+Each reduction runs twice: folded by the compiled kernel (``native.py``) and by torch ops.
 """
 
 from __future__ import annotations
+
+import os
+import shutil
 
 import numpy as np
 import pytest
@@ -15,7 +19,7 @@ from torch import nn
 
 from tests.support.models import random_tokens, tiny_causal
 from worker.errors import ConfigError
-from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor, tiles
+from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor, native, tiles
 from worker.executor.logprobs import LogitTransform, chunked_token_logps
 from worker.executor.teacher import chunked_token_outputs
 from worker.executor.tiles import OnlineLogSumExp, tileable, tiled_token_logps
@@ -23,6 +27,18 @@ from worker.scorer.options import ScoreOptions
 from worker.scorer.teacher import TokenOutputs
 
 ATOL = 1e-5
+
+
+@pytest.fixture(params=["native", "torch"])
+def native_ok(request) -> bool:
+    """Which fold the tiles take: the compiled kernel (it must build where a compiler is) or
+    torch ops."""
+    if request.param == "torch":
+        return False
+    if shutil.which(os.environ.get("CC") or "cc") is None:
+        pytest.skip("no C compiler: the native kernel cannot be built here")
+    assert native.kernel() is not None, "a compiler is here but the native kernel did not load"
+    return True
 
 
 def _head(vocab: int, hidden: int = 16, bias: bool = True, seed: int = 0) -> nn.Linear:
@@ -45,44 +61,51 @@ def _reference(head: nn.Linear, h: torch.Tensor, transform: LogitTransform, t: f
     ids=["plain", "softcap", "scale"],
 )
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_tiled_logps_equal_float64(tile: int, transform: LogitTransform, temperature: float):
+def test_tiled_logps_equal_float64(
+    tile: int, transform: LogitTransform, temperature: float, native_ok: bool
+) -> None:
     head = _head(200)
     h = torch.randn(23, 16) * 3
     labels = torch.randint(0, 200, (23,))
     got = tiled_token_logps(
-        h, head, labels, temperature=temperature, chunk_tokens=5, tile=tile, transform=transform
-    )
+        h, head, labels, temperature=temperature, chunk_tokens=5, tile=tile, transform=transform,
+        native_ok=native_ok,
+    )  # fmt: skip
     want = _reference(head, h, transform, temperature).gather(1, labels[:, None]).squeeze(1)
     assert got.dtype == torch.float32 and got.shape == (23,)
     np.testing.assert_allclose(got.detach().numpy(), want.numpy(), atol=ATOL)
 
 
 @pytest.mark.parametrize("transform", [LogitTransform(), LogitTransform(softcap=4.0)])
-def test_half_precision_head_tiles_equal_its_own_logits(transform: LogitTransform) -> None:
+def test_half_precision_head_tiles_equal_its_own_logits(
+    transform: LogitTransform, native_ok: bool
+) -> None:
     """A bfloat16 head: each tile's logits are made in bfloat16, then widened to float32 and
     scaled to base 2."""
     head = _head(200).to(torch.bfloat16)
     h = (torch.randn(23, 16) * 3).to(torch.bfloat16)
     labels = torch.randint(0, 200, (23,))
-    got = tiled_token_logps(h, head, labels, temperature=0.6, tile=64, transform=transform)
+    got = tiled_token_logps(
+        h, head, labels, temperature=0.6, tile=64, transform=transform, native_ok=native_ok
+    )
     with torch.no_grad():
         z = transform.apply_(head(h).double()) / 0.6  # the head's own bfloat16 logits
     want = torch.log_softmax(z, dim=-1).gather(1, labels[:, None]).squeeze(1)
     np.testing.assert_allclose(got.numpy(), want.numpy(), atol=ATOL)
 
 
-def test_minus_inf_logits_are_skipped_not_nan() -> None:
+def test_minus_inf_logits_are_skipped_not_nan(native_ok: bool) -> None:
     head = _head(20, bias=True)
     with torch.no_grad():
         head.bias[:8] = float("-inf")  # the first tiles of 3 are all -inf for every row
     h = torch.randn(6, 16)
     labels = torch.tensor([10, 11, 19, 12, 15, 2])
-    got = tiled_token_logps(h, head, labels, tile=3).detach()
+    got = tiled_token_logps(h, head, labels, tile=3, native_ok=native_ok).detach()
     want = chunked_token_logps(h, head, labels).detach()
     assert torch.isneginf(got[5]) and torch.isfinite(got[:5]).all()
     np.testing.assert_allclose(got[:5].numpy(), want[:5].numpy(), atol=ATOL)
     spec = TokenOutputs(("logps", "entropy", "topk"), topk=4)
-    tiled = chunked_token_outputs(h, head, labels, spec, vocab_tile=3)
+    tiled = chunked_token_outputs(h, head, labels, spec, vocab_tile=3, native_ok=native_ok)
     blocks = chunked_token_outputs(h, head, labels, spec, vocab_tile=0)
     for name, value in tiled.items():
         assert not torch.isnan(value.float()).any(), name
@@ -104,7 +127,9 @@ def test_online_logsumexp_and_entropy_over_uneven_tiles() -> None:
     ("tile", "vocab"), [(1, 120), (6, 120), (33, 120), (500, 120), (32, 120), (64, 2048)]
 )
 @pytest.mark.parametrize("peaked", [False, True])
-def test_tiled_teacher_outputs_equal_float64(tile: int, vocab: int, peaked: bool) -> None:
+def test_tiled_teacher_outputs_equal_float64(
+    tile: int, vocab: int, peaked: bool, native_ok: bool
+) -> None:
     """Top-k (values, ids where untied, the tail summed directly), entropy, shared and
     per-position gather; peaked rows put almost all mass in the top k (a tiny tail). Tiles of
     32 and 64 take the grouped candidate filter (a multiple of ``GROUP``; the last tile of 24
@@ -127,7 +152,7 @@ def test_tiled_teacher_outputs_equal_float64(tile: int, vocab: int, peaked: bool
         )
         got = chunked_token_outputs(
             h, head, labels, spec, transform=transform, gather_ids=ids, vocab_tile=tile,
-            chunk_rows=8,
+            chunk_rows=8, native_ok=native_ok,
         )  # fmt: skip
         np.testing.assert_allclose(got["logps"], lp.gather(1, labels[:, None])[:, 0], atol=ATOL)
         np.testing.assert_allclose(got["entropy"], -(lp.exp() * lp).sum(1), atol=ATOL)

@@ -38,7 +38,10 @@ class ExecutorConfig:
     the rows of a block (an upper bound). ``head_vocab_tile`` cuts a plain ``nn.Linear`` head
     into vocabulary tiles for log-probs (``tiles.py``: a running logsumexp over ``[rows, tile]``
     slices that stay in cache, rows up to ``logprob_chunk_tokens``); ``None`` = per device:
-    1,024 on CPU, 0 (whole-vocabulary blocks) elsewhere. ``self_check`` runs a tiny probe at
+    1,024 on CPU, 0 (whole-vocabulary blocks) elsewhere. ``native_head`` folds those tiles with
+    a small compiled kernel (``native.py``: built with the system C compiler on first use and
+    cached; without a compiler, or with ``SCORING_WORKER_NATIVE=0``, torch ops do it, slower).
+    ``self_check`` runs a tiny probe at
     construction that compares the fast path against the model's own logits and packed rows against
     one-by-one forwards (packing falls back to padded buckets when they disagree).
 
@@ -71,6 +74,8 @@ class ExecutorConfig:
     packed_row_tokens: int = 2048
     # LM-head vocabulary tiles (tiles.py): ids per tile; None: 1,024 on CPU, 0 (off) elsewhere
     head_vocab_tile: int | None = None
+    # fold the tiles with the compiled kernel (native.py) where it builds; False: torch ops
+    native_head: bool = True
     self_check: bool = True
     # multi-objective reward heads: the output that is ``reward`` (all come back as ``rewards``)
     reward_index: int = 0
@@ -113,6 +118,8 @@ class ExecutorConfig:
             and 0.0 <= float(fraction) <= 1.0
         ):
             raise bad("bucket_pad_fraction", "expected None or a number in [0, 1]")
+        if not isinstance(self.native_head, bool):
+            raise bad("native_head", "expected a bool")
         tile = self.head_vocab_tile
         if tile is not None and (not is_int(tile) or tile < 0):
             raise bad("head_vocab_tile", "expected None or an integer >= 0 (0: no tiles)")

@@ -198,7 +198,11 @@ class BatchForward:
         tile = self.config.vocab_tile(self.device.type) if tileable(head) else 0
         if spec == LOGPS_ONLY:
             # CPU: [rows, tile] slices reduced in cache; else whole-vocabulary blocks
-            by = partial(tiled_token_logps, tile=tile) if tile else chunked_token_logps
+            by = (
+                partial(tiled_token_logps, tile=tile, native_ok=self.config.native_head)
+                if tile
+                else chunked_token_logps
+            )
             logps = by(
                 picked,
                 head,
@@ -227,6 +231,7 @@ class BatchForward:
             gather_ids=gather,  # [N, K] | None
             chunk_rows=self._chunk_rows(head, block_units(spec, vocab, not _f32(head)), width),
             vocab_tile=tile,
+            native_ok=self.config.native_head,
         )
         split = {name: torch.split(value, sizes) for name, value in arrays.items()}
         for k, j in enumerate(order):

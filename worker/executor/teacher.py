@@ -111,6 +111,7 @@ def chunked_token_outputs(
     budget_bytes: int = DEFAULT_BUDGET_BYTES,
     chunk_rows: int | None = None,
     vocab_tile: int = 0,
+    native_ok: bool = True,
 ) -> dict[str, torch.Tensor]:
     """The arrays ``spec`` asks for at ``N`` scored positions, one byte-budgeted block at a time.
 
@@ -118,7 +119,8 @@ def chunked_token_outputs(
     ids (with ``spec.gather_width`` K). ``chunk_rows`` overrides the budget's rows. With
     ``vocab_tile``, a spec without a sampler and a plain linear head, the blocks are ``[rows,
     vocab_tile]`` slices reduced with a running logsumexp (``tiles.tiled_token_outputs``; the
-    rows are then ``chunk_rows``, 1,024 by default). Returns float32
+    rows are then ``chunk_rows``, 1,024 by default; ``native_ok`` lets the compiled kernel of
+    ``native.py`` fold them). Returns float32
     arrays (int32 ``topk_ids``) on ``hidden``'s device, keyed as in the module table; ``logps``
     equals ``chunked_token_logps``. Naive equivalent: the table's formulas on
     ``log_softmax(transform(head(hidden)).float() / T)`` over all N rows at once.
@@ -148,6 +150,7 @@ def chunked_token_outputs(
                 chunk_tokens=chunk_rows or chunk_rows_for(vocab_tile, budget_bytes, units),
                 tile=vocab_tile,
                 transform=transform,
+                native_ok=native_ok,
             )
     rows = chunk_rows or chunk_rows_for(vocab, budget_bytes, units)
     with torch.inference_mode():

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from worker.executor import native
 from worker.executor.logprobs import LogitTransform, chunked_rows
 from worker.scorer.teacher import TokenOutputs
 
@@ -34,8 +35,10 @@ __all__ = [
     "DEFAULT_TILE",
     "Found",
     "IdPicker",
+    "NativeFold",
     "OnlineLogSumExp",
     "OnlineTopK",
+    "RunningSums",
     "head_tiles",
     "tileable",
     "tiled_token_logps",
@@ -88,11 +91,13 @@ def head_tiles(
     tile: int,
     transform: LogitTransform,
     temperature: float,
+    scale: bool = True,
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """``(v0, y)`` for each tile: ``y`` ``[n, t]`` float32 holds ``transform(logits) / T`` of
     vocabulary ids ``v0 .. v0 + t - 1`` in base 2 (times ``log2(e)``: ``exp2(y)`` is the
     natural ``exp``, whose CPU kernel costs ~3x ``exp2``'s). ``y`` is free to change in place
-    until the next tile: it is one buffer, overwritten by each tile's matmul.
+    until the next tile: it is one buffer, overwritten by each tile's matmul. With ``scale``
+    False, ``y`` is ``transform(logits)`` alone (the native kernel multiplies as it reads).
 
     The factor multiplies each tile after the transform (one pass over a tile in cache). Folding
     it into the ``[n, H]`` rows before the matmul would save that pass but measured a larger
@@ -116,11 +121,37 @@ def head_tiles(
         else:
             torch.addmm(bias[v0:v1], hidden, weight[v0:v1].t(), out=z)
         z = z.float()  # no-op for a float32 head; a [n, t] copy for a half-precision one
-        transform.apply_(z).mul_(factor)
+        transform.apply_(z)
+        if scale:
+            z.mul_(factor)
         yield v0, z
 
 
-class OnlineLogSumExp:
+class RunningSums:
+    """What a running logsumexp over base-2 tiles ends with: ``m`` ``[n]``, the running max
+    (``_FLOOR`` while a row has seen only ``-inf``), ``s`` ``[n]``, the sum of ``exp2(y - m)``,
+    and with entropy ``t`` ``[n]``, the sum of ``exp2(y - m) * (y - m)``."""
+
+    m: torch.Tensor
+    s: torch.Tensor
+    t: torch.Tensor | None
+
+    def lse2(self) -> torch.Tensor:
+        """``log2 sum exp2(y)`` of everything folded in, ``[n]`` (``-inf`` for an all ``-inf``
+        row): base-2 log-probs are ``y - lse2()``."""
+        return self.m + self.s.log2()
+
+    def lse(self) -> torch.Tensor:
+        """``logsumexp`` of the natural logits, ``[n]``."""
+        return self.lse2() * LN2
+
+    def entropy(self) -> torch.Tensor:
+        """``-sum p ln p`` per row in nats, ``[n]`` (needs the entropy sum)."""
+        assert self.t is not None, "the entropy sum was not kept (entropy=True)"
+        return (self.s.log2() - self.t / self.s) * LN2
+
+
+class OnlineLogSumExp(RunningSums):
     """Running ``logsumexp`` over vocabulary tiles of base-2 logits ``y`` (``head_tiles``),
     one value per row (float32 ``[n]``).
 
@@ -161,20 +192,6 @@ class OnlineLogSumExp:
         self.m, self.scale = new_m, scale
         return e
 
-    def lse2(self) -> torch.Tensor:
-        """``log2 sum exp2(y)`` of everything folded in, ``[n]`` (``-inf`` for an all ``-inf``
-        row): base-2 log-probs are ``y - lse2()``."""
-        return self.m + self.s.log2()
-
-    def lse(self) -> torch.Tensor:
-        """``logsumexp`` of the natural logits, ``[n]``."""
-        return self.lse2() * LN2
-
-    def entropy(self) -> torch.Tensor:
-        """``-sum p ln p`` per row in nats, ``[n]`` (needs ``entropy=True``)."""
-        assert self.t is not None, "OnlineLogSumExp(entropy=True) keeps the entropy sum"
-        return (self.s.log2() - self.t / self.s) * LN2
-
 
 class IdPicker:
     """The logits at given vocabulary ids, each read from the tile that holds it: ``ids``
@@ -200,6 +217,52 @@ class IdPicker:
             self.picked.view(-1)[self._where[lo:hi]] = got
 
 
+class NativeFold(RunningSums):
+    """The running state of ``OnlineLogSumExp`` (``m``, ``s``, with ``entropy`` ``t``) and,
+    with ``k``, of ``OnlineTopK`` (``values``, ``ids``, ``tail``), folded by the compiled
+    kernel (``native.py``) one tile at a time. ``fold_`` takes a tile of ``transform(logits)``
+    not yet scaled (``head_tiles(..., scale=False)``): the kernel multiplies by ``factor``
+    (``log2(e) / T``) as it reads. The top k is a min-heap per row, unordered until
+    ``finish``; ``tail`` sums ``exp2(y - m)`` of every other token seen, as in ``OnlineTopK``.
+    """
+
+    def __init__(
+        self,
+        kernel: native.NativeTiles,
+        n: int,
+        device: torch.device,
+        factor: float,
+        entropy: bool = False,
+        k: int = 0,
+    ) -> None:
+        self.kernel, self.factor = kernel, factor
+        self.m = torch.full((n,), _FLOOR, dtype=torch.float32, device=device)  # [n]
+        self.s = torch.zeros(n, dtype=torch.float32, device=device)  # [n]
+        self.t = torch.zeros(n, dtype=torch.float32, device=device) if entropy else None
+        self.heap: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if k:
+            self.values = torch.full((n, k), float("-inf"), dtype=torch.float32, device=device)
+            self.ids = torch.zeros(n, k, dtype=torch.long, device=device)  # [n, k]
+            self.tail = torch.zeros(n, dtype=torch.float32, device=device)  # [n]
+            self.heap = (self.values, self.ids, self.tail)
+
+    def fold_(self, y: torch.Tensor, v0: int) -> None:
+        """Fold the tile ``y`` ``[n, t]`` (ids ``v0 ..``; left unchanged) into the state."""
+        self.kernel.reduce(y, v0, self.factor, self.m, self.s, self.t, self.heap)
+
+    def finish(self) -> None:
+        """Order the top ``k`` (descending)."""
+        self.values, order = self.values.sort(dim=1, descending=True)
+        self.ids = self.ids.gather(1, order)
+
+
+def _native_kernel(native_ok: bool, hidden: torch.Tensor) -> native.NativeTiles | None:
+    """The compiled kernel when it may fold these tiles: allowed, on CPU, and built here."""
+    if not native_ok or hidden.device.type != "cpu":
+        return None
+    return native.kernel()
+
+
 def tiled_token_logps(
     hidden: torch.Tensor,
     head: nn.Linear,
@@ -209,16 +272,26 @@ def tiled_token_logps(
     chunk_tokens: int = 1024,
     tile: int = DEFAULT_TILE,
     transform: LogitTransform | None = None,
+    native_ok: bool = True,
 ) -> torch.Tensor:
     """``chunked_token_logps`` with vocabulary tiles: ``[N, H]`` hidden, ``[N]`` labels ->
-    ``[N]`` float32 log-probs, ``chunk_tokens`` rows x ``tile`` vocabulary ids at a time.
+    ``[N]`` float32 log-probs, ``chunk_tokens`` rows x ``tile`` vocabulary ids at a time;
+    each tile folded by the compiled kernel (``native.py``) when ``native_ok`` and it is
+    available on this CPU, else by torch ops.
 
     Naive equivalent: ``naive_token_logps(transform(head(hidden)), labels, temperature)``.
     """
+    kernel = _native_kernel(native_ok, hidden)
 
     def block(rows: torch.Tensor, lab: torch.Tensor, transform: LogitTransform) -> torch.Tensor:
-        acc = OnlineLogSumExp(rows.shape[0], rows.device)
         label = IdPicker(lab, head.weight.shape[0], tile)
+        if kernel is not None:
+            fold = NativeFold(kernel, rows.shape[0], rows.device, LOG2E / temperature)
+            for v0, z in head_tiles(rows, head, tile, transform, temperature, scale=False):
+                label.pick_(z, v0)
+                fold.fold_(z, v0)
+            return (label.picked * fold.factor - fold.lse2()) * LN2
+        acc = OnlineLogSumExp(rows.shape[0], rows.device)
         for v0, y in head_tiles(rows, head, tile, transform, temperature):
             label.pick_(y, v0)  # before add_ overwrites y
             acc.add_(y)
@@ -378,46 +451,71 @@ def tiled_token_outputs(
     chunk_tokens: int = 1024,
     tile: int = DEFAULT_TILE,
     transform: LogitTransform | None = None,
+    native_ok: bool = True,
 ) -> dict[str, torch.Tensor]:
     """``chunked_token_outputs`` for a spec without a sampler, with vocabulary tiles.
 
     ``hidden`` ``[N, H]``, ``labels`` ``[N]``, ``gather_ids`` ``[N, K]`` or ``[K]`` (int64,
     validated), ``out`` the result arrays to fill (``teacher._allocate``). Same outputs and
-    layout; every reduction runs on ``[rows, tile]`` slices with the running logsumexp.
+    layout; every reduction runs on ``[rows, tile]`` slices with the running logsumexp, folded
+    by the compiled kernel (``native.py``) when ``native_ok`` and it is available, else by
+    torch ops (``OnlineLogSumExp``, ``OnlineTopK``).
     """
     if spec.sampling is not None:
         raise ValueError("a sampler's support needs the whole vocabulary: use the blocks")
     transform = transform or LogitTransform()
-    want = spec.outputs
+    kernel = _native_kernel(native_ok, hidden)
+    want, vocab = spec.outputs, head.weight.shape[0]
     for lo in range(0, hidden.shape[0], max(1, chunk_tokens)):
         hi = min(lo + chunk_tokens, hidden.shape[0])
         n, device = hi - lo, hidden.device
-        acc = OnlineLogSumExp(n, device, entropy="entropy" in want)
-        top = OnlineTopK(n, spec.topk, device) if "topk" in want else None
-        label = IdPicker(labels[lo:hi], head.weight.shape[0], tile)
+        label = IdPicker(labels[lo:hi], vocab, tile)
         picked = None
         if gather_ids is not None and gather_ids.numel():
             ids = gather_ids[lo:hi] if gather_ids.dim() == 2 else gather_ids.expand(n, -1)
-            picked = IdPicker(ids, head.weight.shape[0], tile)  # [n, K]
-        for v0, y in head_tiles(hidden[lo:hi], head, tile, transform, spec.temperature):
-            label.pick_(y, v0)  # the raw logits, before add_ takes the exp
-            if picked is not None:
-                picked.pick_(y, v0)
-            found = top.candidates(y) if top is not None else None
-            e = acc.add_(y, top.row_max if top is not None else None)  # [n, t] exp2(y - m')
-            if top is not None:
-                top.add_(found, e, v0, acc)
-        if top is not None:
-            top.finish(acc)
-        lse2 = acc.lse2()  # [n] base 2
+            picked = IdPicker(ids, vocab, tile)  # [n, K]
+        tiles = head_tiles(
+            hidden[lo:hi], head, tile, transform, spec.temperature, scale=kernel is None
+        )
+        factor = 1.0  # what the picked logits still need to be base 2
+        sums: RunningSums
+        if kernel is not None:
+            k = spec.topk if "topk" in want else 0
+            fold = NativeFold(kernel, n, device, LOG2E / spec.temperature, "entropy" in want, k)
+            for v0, z in tiles:
+                label.pick_(z, v0)
+                if picked is not None:
+                    picked.pick_(z, v0)
+                fold.fold_(z, v0)
+            sums, factor = fold, fold.factor
+            if k:
+                values, order = fold.values.sort(dim=1, descending=True)
+                top = (values, fold.ids.gather(1, order), fold.tail)
+        else:
+            acc = OnlineLogSumExp(n, device, entropy="entropy" in want)
+            online = OnlineTopK(n, spec.topk, device) if "topk" in want else None
+            for v0, y in tiles:
+                label.pick_(y, v0)  # the raw logits, before add_ takes the exp
+                if picked is not None:
+                    picked.pick_(y, v0)
+                found = online.candidates(y) if online is not None else None
+                e = acc.add_(y, online.row_max if online is not None else None)  # exp2(y - m')
+                if online is not None:
+                    online.add_(found, e, v0, acc)
+            sums = acc
+            if online is not None:
+                online.finish(acc)
+                top = (online.values, online.ids, online.tail)
+        lse2 = sums.lse2()  # [n] base 2
         if "logps" in want:
-            out["logps"][lo:hi] = (label.picked - lse2) * LN2
+            out["logps"][lo:hi] = (label.picked * factor - lse2) * LN2
         if "entropy" in want:
-            out["entropy"][lo:hi] = acc.entropy()
-        if top is not None:
-            out["topk_ids"][lo:hi] = top.ids.to(torch.int32)
-            out["topk_logps"][lo:hi] = (top.values - lse2[:, None]) * LN2
-            out["topk_tail_logp"][lo:hi] = top.tail.log() - acc.s.log()
+            out["entropy"][lo:hi] = sums.entropy()
+        if "topk" in want:
+            values, top_ids, tail = top
+            out["topk_ids"][lo:hi] = top_ids.to(torch.int32)
+            out["topk_logps"][lo:hi] = (values - lse2[:, None]) * LN2
+            out["topk_tail_logp"][lo:hi] = tail.log() - sums.s.log()
         if picked is not None:
-            out["gather_logps"][lo:hi] = (picked.picked - lse2[:, None]) * LN2
+            out["gather_logps"][lo:hi] = (picked.picked * factor - lse2[:, None]) * LN2
     return out
