@@ -52,3 +52,17 @@ def test_floor_exit_code_flags_disagreeing_logps(
     monkeypatch.setattr(floor, "LOGP_TOL", -1.0)
     assert floor.main(["--models", "synthetic-32k", "--quick"]) == 1
     assert "executor/floor" in capsys.readouterr().out
+
+
+def test_variants_parse_numbers_and_booleans() -> None:
+    from worker.devtools.floor import _parse_variant
+
+    assert _parse_variant("packing=packed,packed_row_tokens=1024,native_head=false") == {
+        "packing": "packed",
+        "packed_row_tokens": 1024,
+        "native_head": False,
+    }
+    assert _parse_variant("native_head=True,temperature=0.5") == {
+        "native_head": True,
+        "temperature": 0.5,
+    }

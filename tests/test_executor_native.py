@@ -16,7 +16,8 @@ import torch
 from tests.support.models import random_tokens, tiny_causal
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor, native, tiles
 from worker.executor.teacher import chunked_token_outputs
-from worker.executor.tiles import NativeFold, OnlineLogSumExp, OnlineTopK
+from worker.executor.tiles import NativeFold, OnlineLogSumExp
+from worker.executor.topk import OnlineTopK
 from worker.scorer.options import ScoreOptions
 from worker.scorer.teacher import TokenOutputs
 
@@ -228,3 +229,53 @@ def test_the_fold_is_used_when_the_kernel_is_there(monkeypatch) -> None:
     tiles.tiled_token_logps(h, head, labels, tile=100, native_ok=False)
     chunked_token_outputs(h, head, labels, spec, vocab_tile=100, native_ok=False)
     assert len(calls) == 9
+
+
+@needs_cc
+def test_a_read_only_cache_falls_back_to_the_temp_directory(fresh: Path, monkeypatch) -> None:
+    locked = fresh / "locked"
+    locked.mkdir()
+    monkeypatch.setenv("SCORING_WORKER_CACHE", str(locked))
+    monkeypatch.setattr(native.os, "access", lambda path, mode: Path(path) != locked)
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(fresh / "tmp"))
+    built = native.build()
+    assert built.parent == fresh / "tmp" / f"scoring-worker-{os.getuid()}"
+    assert not list(locked.iterdir())
+
+
+def test_the_executor_says_how_its_lm_head_runs(monkeypatch) -> None:
+    """``info["lm_head"]`` (and ``scoring_build_info``'s label): the kernel's tiles where it
+    builds, torch's tiles where it is off or missing, blocks without tiles."""
+    from worker.commands.serve import build_info
+
+    _kernel()
+    model = tiny_causal("llama")
+    paths = {}
+    for name, config in {
+        "default": ExecutorConfig(),
+        "off": ExecutorConfig(native_head=False),
+        "blocks": ExecutorConfig(head_vocab_tile=0),
+    }.items():
+        ex = StatelessExecutor(config, model)
+        paths[name] = ex.info["lm_head"]
+        ex.close()
+    assert paths == {"default": "native tiles", "off": "torch tiles", "blocks": "blocks"}
+    monkeypatch.setenv(native.ENV, "0")
+    ex = StatelessExecutor(ExecutorConfig(), model)
+    assert ex.info["lm_head"] == "torch tiles"
+
+    class Wrapped:
+        info = ex.info
+
+    assert build_info(Wrapped())["lm_head"] == "torch tiles"  # type: ignore[arg-type]
+    ex.close()
+
+
+def test_loading_the_kernel_leaves_the_floating_point_state_alone() -> None:
+    """A library linked with -ffast-math sets flush-to-zero for the whole process at load; the
+    kernel must not: subnormals stay representable for torch, numpy and Python."""
+    _kernel()
+    tiny = 5e-324  # the smallest double subnormal
+    assert tiny * 1.0 > 0.0
+    assert float(torch.tensor([1e-40], dtype=torch.float32) * 1.0) > 0.0
+    assert np.float32(1e-45) * np.float32(1.0) > 0

@@ -410,7 +410,7 @@ def build_info(scorer: Scorer) -> dict[str, Any]:
 
     info = scorer.info
     out: dict[str, Any] = {"version": __version__}
-    for k in ("model", "reward_model", "dtype", "device", "attention_backend"):
+    for k in ("model", "reward_model", "dtype", "device", "attention_backend", "lm_head"):
         out[k] = info.get(k)
     for lib in ("torch", "transformers"):  # read from package metadata: no import of torch
         try:

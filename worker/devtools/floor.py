@@ -247,11 +247,15 @@ def _contexts(
 
 
 def _parse_variant(text: str) -> dict[str, Any]:
-    """``"packing=packed,packed_row_tokens=1024"`` -> ``ExecutorConfig`` keyword arguments."""
+    """``"packing=packed,packed_row_tokens=1024"`` -> ``ExecutorConfig`` keyword arguments
+    (``true`` / ``false`` are booleans: ``native_head=false``)."""
     out: dict[str, Any] = {}
     for item in filter(None, text.split(",")):
         key, _, raw = item.partition("=")
         value: Any = raw
+        if raw.strip().lower() in ("true", "false"):
+            out[key.strip()] = raw.strip().lower() == "true"
+            continue
         for cast in (int, float):
             try:
                 value = cast(raw)

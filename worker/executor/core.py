@@ -32,6 +32,7 @@ from worker.executor.memory import device_total_bytes, read_peak, reset_peak
 from worker.executor.pooling import RewardAdapter, backbone_of
 from worker.executor.rewards import merge_outputs, resolve_head, reward_surface
 from worker.executor.selfcheck import allowed_layouts
+from worker.executor.tiles import lm_head_path
 from worker.executor.weights import WeightsConfig, WeightsRouter, refuse
 from worker.modes import Mode
 from worker.scorer.inputs import SequenceInput
@@ -249,8 +250,7 @@ class StatelessExecutor:
         """Identity of what produces the scores (goes into result metadata and logs)."""
         import transformers
 
-        model = self.reference_model or self.reward_model
-        last = self._last_fallback
+        model, last = self.reference_model or self.reward_model, self._last_fallback
         return {
             "model": self.model_name,
             "reward_model": self.reward_model_name,
@@ -260,6 +260,7 @@ class StatelessExecutor:
             "requested_backend": self.config.attention_backend,
             "fallback": last.as_dict() if last else None,
             "packing": self._runner.layout(),
+            "lm_head": lm_head_path(self.reference_model, self.config, self.device),
             "modes": list(self.modes),
             "torch": torch.__version__,
             "transformers": transformers.__version__,

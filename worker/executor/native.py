@@ -8,7 +8,8 @@ the whole fold of one row in one read while the row sits in L1, the top-k as a m
 row. It is compiled here with the system C compiler (``$CC``, else ``cc``) the first time a
 process asks for it, with ``-O3 -march=native``, into a cache directory
 (``$SCORING_WORKER_CACHE``, else ``$XDG_CACHE_HOME/scoring-worker``, else
-``~/.cache/scoring-worker``), keyed by the source, the flags, the compiler and this CPU, so
+``~/.cache/scoring-worker``; a per-user directory under the temp directory when that one cannot be
+written), keyed by the source, the flags, the compiler and this CPU, so
 later processes load it in milliseconds.
 
 When there is no compiler, the build fails, or ``SCORING_WORKER_NATIVE=0`` is set, ``kernel()``
@@ -46,9 +47,13 @@ SOURCE = Path(__file__).with_name("native_tiles.c")
 FLAGS = (
     "-O3",
     "-march=native",
-    # reassociation for the vectorised sums and max; infinities stay meaningful (-inf logits)
-    "-ffast-math",
-    "-fno-finite-math-only",
+    # the parts of -ffast-math the vectorised sums and max need; not -ffast-math itself, whose
+    # link step adds crtfastmath.o, which turns on flush-to-zero for the whole process (torch's
+    # and numpy's subnormals would read as 0), nor -ffinite-math-only (-inf logits stay -inf)
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fno-signed-zeros",
+    "-fassociative-math",
     # no fused multiply-add: z * factor rounds the same in every loop (logps-only and teacher
     # passes give bit-identical log-probs)
     "-ffp-contract=off",
@@ -132,6 +137,20 @@ def cache_dir() -> Path:
     return Path(base) / "scoring-worker"
 
 
+def _writable(directory: Path) -> Path:
+    """``directory``, or a per-user one under the temp directory when it cannot be written
+    (a read-only home, as in a container with a read-only root filesystem)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if os.access(directory, os.W_OK):
+            return directory
+    except OSError:
+        pass
+    fallback = Path(tempfile.gettempdir()) / f"scoring-worker-{os.getuid()}"
+    log.info("kernel cache %s is not writable; using %s", directory, fallback)
+    return fallback
+
+
 def _cpu_key() -> str:
     """The CPU's model and feature flags (``-march=native`` builds for exactly these)."""
     try:
@@ -158,7 +177,7 @@ def build(directory: Path | None = None) -> Path:
     key = hashlib.sha256(
         b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_key().encode()])
     ).hexdigest()[:16]
-    directory = directory or cache_dir()
+    directory = directory or _writable(cache_dir())
     target = directory / f"native_tiles-{key}.so"
     if target.exists():
         return target

@@ -2,7 +2,7 @@
  * Compiled LM-head tile reduction (worker/executor/native.py builds and loads this file).
  *
  * One call folds a [n, t] tile of transformed logits z (float32, row stride ld; vocabulary ids
- * v0 .. v0 + t - 1) into per-row running state, as tiles.OnlineLogSumExp and tiles.OnlineTopK
+ * v0 .. v0 + t - 1) into per-row running state, as tiles.OnlineLogSumExp and topk.OnlineTopK
  * do with several torch ops, in one read of each row while it sits in L1:
  *
  *   y = z * factor                (base-2 logits: factor = log2(e) / T)
