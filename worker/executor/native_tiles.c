@@ -9,7 +9,8 @@
  *   m' = max(m, max_j y_j)        (m starts at -FLT_MAX, never -inf)
  *   s' = s * 2^(m - m') + sum_j 2^(y_j - m')
  *   ent' = (ent + (m - m') s) 2^(m - m') + sum_j 2^(y_j - m') (y_j - m')      (optional)
- *   top k: a min-heap per row of the best k (value, id) seen; tail sums 2^(y - m') of every
+ *   top k: a min-heap per row of the best k (value, id) seen (only the 16 strided groups
+ *   of a row whose max beats the heap's minimum are read again); tail sums 2^(y - m') of every
  *   other token seen (those at or below the heap's minimum, and those the heap evicts), kept
  *   against the running max like s                                            (optional)
  *
@@ -32,24 +33,34 @@ static inline float exp2_neg(float x) {
     float xc = x < -126.0f ? -126.0f : x;
     float xi = rintf(xc);
     float u = (xc - xi) * 0.6931471805599453f;
-    float p = 1.0f / 5040.0f;
-    p = p * u + 1.0f / 720.0f;
-    p = p * u + 1.0f / 120.0f;
-    p = p * u + 1.0f / 24.0f;
-    p = p * u + 1.0f / 6.0f;
-    p = p * u + 0.5f;
-    p = p * u + 1.0f;
-    p = p * u + 1.0f;
+    float p = 1.0f / 5040.0f; /* Horner in explicit fused multiply-adds (the build turns off
+                                   contraction elsewhere, so that z * factor rounds alike) */
+    p = fmaf(p, u, 1.0f / 720.0f);
+    p = fmaf(p, u, 1.0f / 120.0f);
+    p = fmaf(p, u, 1.0f / 24.0f);
+    p = fmaf(p, u, 1.0f / 6.0f);
+    p = fmaf(p, u, 0.5f);
+    p = fmaf(p, u, 1.0f);
+    p = fmaf(p, u, 1.0f);
     int32_t bits = ((int32_t)xi + 127) << 23;
     float two_xi;
     memcpy(&two_xi, &bits, sizeof two_xi);
     return x < -126.0f ? 0.0f : p * two_xi;
 }
 
-static inline float max_of(const float *z, int64_t t) {
+#define LANES 16
+
+/* g[l] = max of z[c] over c % LANES == l (a strided group per lane: a vertical max, no
+   horizontal step per group); returns the row's max */
+static inline float group_max(const float *z, int64_t t, float *g) {
+    for (int l = 0; l < LANES; l++) g[l] = -INFINITY;
+    int64_t c = 0;
+    for (; c + LANES <= t; c += LANES)
+#pragma omp simd
+        for (int l = 0; l < LANES; l++) g[l] = z[c + l] > g[l] ? z[c + l] : g[l];
+    for (int l = 0; c + l < t; l++) g[l] = z[c + l] > g[l] ? z[c + l] : g[l];
     float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-    for (int64_t c = 0; c < t; c++) m = z[c] > m ? z[c] : m;
+    for (int l = 0; l < LANES; l++) m = g[l] > m ? g[l] : m;
     return m;
 }
 
@@ -80,6 +91,16 @@ static void sums_row(const float *z, int64_t t, float f, float nm, float bar, fl
     out[2] = tl;
 }
 
+/* sum 2^(v - m') over a few values (the scan's rejects, vectorised in one go) */
+static float sum_spill(const float *v, int n, float nm) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int i = 0; i < n; i++) s += exp2_neg(v[i] - nm);
+    return s;
+}
+
+#define SPILL 256
+
 /* replace the root of a min-heap of k (value, id) pairs and restore the order */
 static void heap_replace_root(float *hv, int64_t *hid, int64_t k, float v, int64_t id) {
     int64_t i = 0;
@@ -108,7 +129,8 @@ static void reduce_row(const tile_t *a, int64_t r) {
     const float *z = a->z + r * a->ld;
     const int64_t t = a->t, k = a->k;
     const float f = a->factor;
-    const float row_max = max_of(z, t) * f; /* f > 0: the max of z * f */
+    float groups[LANES];
+    const float row_max = group_max(z, t, groups) * f; /* f > 0: the max of z * f */
     const float m = a->m[r];
     const float nm = row_max > m ? row_max : m;
     const float scale = exp2f(m - nm);
@@ -126,20 +148,26 @@ static void reduce_row(const tile_t *a, int64_t r) {
     float tail = a->tail[r] * scale + sums[2];
     if (row_max > bar) {
         int64_t *hid = a->hid + r * k;
-        for (int64_t c0 = 0; c0 < t; c0 += 64) { /* blocks of 64 whose max beats the bar */
-            const int64_t c1 = c0 + 64 < t ? c0 + 64 : t;
-            if (max_of(z + c0, c1 - c0) * f <= bar) continue;
-            for (int64_t c = c0; c < c1; c++) {
+        float spill[SPILL]; /* values that leave or never enter the heap: their mass is tail */
+        int ns = 0;
+        for (int l = 0; l < LANES; l++) { /* the strided groups whose max beats the bar */
+            if (groups[l] * f <= bar) continue;
+            for (int64_t c = l; c < t; c += LANES) {
                 const float y = z[c] * f;
                 if (!(y > bar)) continue; /* counted in sums[2] */
                 if (y > hv[0]) {
-                    if (hv[0] > -INFINITY) tail += exp2f(hv[0] - nm); /* evicted */
+                    spill[ns++] = hv[0]; /* evicted (-inf while the heap fills: adds 0) */
                     heap_replace_root(hv, hid, k, y, a->v0 + c);
                 } else {
-                    tail += exp2f(y - nm); /* beat the tile's bar, not the heap's new minimum */
+                    spill[ns++] = y; /* beat the tile's bar, not the heap's new minimum */
+                }
+                if (ns == SPILL) {
+                    tail += sum_spill(spill, ns, nm);
+                    ns = 0;
                 }
             }
         }
+        tail += sum_spill(spill, ns, nm);
     }
     a->tail[r] = tail;
 }
