@@ -10,7 +10,7 @@ Three sides on the ``dense`` shape of ``worker.devtools.bench`` (the same Llama-
 
 Targets (issue "Teacher outputs"): teacher vs logps time <= 1.3x and peak memory <= 1.1x;
 teacher vs naive peak memory <= 0.2x. Peak memory is measured as in ``bench`` (RSS high-water
-mark above the RSS before the call); time is the median of interleaved runs, the order of the
+mark above the RSS before the call); time is the median of 5 interleaved rounds, the order of the
 sides rotated each round.
 """
 
@@ -78,7 +78,7 @@ def run_teacher(
             peaks[name], seconds, outs[name] = peak_extra(fn)
             times[name].append(seconds)
         names = list(sides)
-        for r in range(1 if quick else 3):
+        for r in range(1 if quick else 5):  # medians of 5: single rounds move by +-15% here
             # rotated each round: a side timed right after the naive one (which just freed GBs)
             # was measured up to ~15% slower, so no side always follows it
             for name in names[r % 3 :] + names[: r % 3]:
