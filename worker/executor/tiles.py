@@ -14,7 +14,9 @@ so no pass over the logits touches main memory and a block holds ``rows * tile``
 1,024 x 1,024) whatever the vocabulary. The matmuls add up to the same FLOPs as one. Only a plain
 ``nn.Linear`` head with no hooks is tiled (the slices must be the head's whole computation); the
 executor uses it on CPU, where it measured faster than whole-vocabulary blocks, and keeps the
-blocks on accelerators, whose one large matmul is the fast path.
+blocks on accelerators, whose one large matmul is the fast path. Each slice is folded into the
+running state by the compiled kernel of ``native.py`` (``NativeFold``: one read per row) where
+it builds, else by torch ops (``OnlineLogSumExp``, ``topk.OnlineTopK``).
 
 Naive equivalent: ``log_softmax(transform(head(hidden)).float() / T).gather(-1, labels)``.
 """
@@ -236,8 +238,9 @@ class NativeFold(RunningSums):
     with ``k``, of ``OnlineTopK`` (``values``, ``ids``, ``tail``), folded by the compiled
     kernel (``native.py``) one tile at a time. ``fold_`` takes a tile of ``transform(logits)``
     not yet scaled (``head_tiles(..., scale=False)``): the kernel multiplies by ``factor``
-    (``log2(e) / T``) as it reads. The top k is a min-heap per row, unordered until
-    ``finish``; ``tail`` sums ``exp2(y - m)`` of every other token seen, as in ``OnlineTopK``.
+    (``log2(e) / T``) as it reads. The top k is a min-heap per row (``values`` unordered: sort
+    them at the end, as ``tiled_token_outputs`` does); ``tail`` sums ``exp2(y - m)`` of every
+    other token seen, as in ``OnlineTopK``.
     """
 
     def __init__(
