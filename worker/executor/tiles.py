@@ -148,9 +148,10 @@ class RunningSums:
     (``_FLOOR`` while a row has seen only ``-inf``), ``s`` ``[n]``, the sum of ``exp2(y - m)``,
     and with entropy ``t`` ``[n]``, the sum of ``exp2(y - m) * (y - m)``."""
 
-    m: torch.Tensor
-    s: torch.Tensor
-    t: torch.Tensor | None
+    def __init__(self, n: int, device: torch.device, entropy: bool = False) -> None:
+        self.m = torch.full((n,), _FLOOR, dtype=torch.float32, device=device)  # [n]
+        self.s = torch.zeros(n, dtype=torch.float32, device=device)  # [n]
+        self.t = torch.zeros(n, dtype=torch.float32, device=device) if entropy else None  # [n]
 
     def lse2(self) -> torch.Tensor:
         """``log2 sum exp2(y)`` of everything folded in, ``[n]`` (``-inf`` for an all ``-inf``
@@ -177,9 +178,7 @@ class OnlineLogSumExp(RunningSums):
     """
 
     def __init__(self, n: int, device: torch.device, entropy: bool = False) -> None:
-        self.m = torch.full((n,), _FLOOR, dtype=torch.float32, device=device)  # [n]
-        self.s = torch.zeros(n, dtype=torch.float32, device=device)  # [n]
-        self.t = torch.zeros(n, dtype=torch.float32, device=device) if entropy else None  # [n]
+        super().__init__(n, device, entropy)
         self.scale = torch.ones(n, dtype=torch.float32, device=device)  # [n] the last rescale
         self._e: torch.Tensor | None = None  # [n * tile] exp buffer (entropy keeps y beside it)
 
@@ -252,10 +251,8 @@ class NativeFold(RunningSums):
         entropy: bool = False,
         k: int = 0,
     ) -> None:
+        super().__init__(n, device, entropy)
         self.kernel, self.factor = kernel, factor
-        self.m = torch.full((n,), _FLOOR, dtype=torch.float32, device=device)  # [n]
-        self.s = torch.zeros(n, dtype=torch.float32, device=device)  # [n]
-        self.t = torch.zeros(n, dtype=torch.float32, device=device) if entropy else None
         self.heap: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if k:
             self.values = torch.full((n, k), float("-inf"), dtype=torch.float32, device=device)
