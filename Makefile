@@ -36,7 +36,7 @@ test-faults: venv
 DURATION ?= 30m
 RATE ?= 20
 soak: venv
-	$(PY) -m worker.devtools.soak --duration $(DURATION) --rate $(RATE)
+	$(PY) -m worker.devtools.bench.soak --duration $(DURATION) --rate $(RATE)
 
 test-gpu: venv
 	$(PY) -m pytest -m gpu -v tests/test_gpu.py $(PYTEST_ARGS)
@@ -67,7 +67,7 @@ GPU_CHECK_ARGS ?=
 .PHONY: gpu-wheels gpu-check
 
 gpu-wheels:
-	$(PYTHON) -m worker.devtools.gpu_wheels --dest $(GPU_WHEELS)
+	$(PYTHON) -m worker.devtools.gpu_check.wheels --dest $(GPU_WHEELS)
 
 gpu-check:
 	$(GPU_PYTHON) -m worker.devtools.gpu_check --wheels $(GPU_WHEELS) --out $(OUT) \

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from worker.devtools import bench_adapters
+from worker.devtools.bench import adapters as bench_adapters
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import pytest
 
 from tests.support.models import tiny_causal
 from worker.commands import bench as bench_command
-from worker.devtools import floor
+from worker.devtools.bench import floor
 
 
 def test_floor_suite_prints_the_ratio_and_writes_json(
@@ -55,7 +55,7 @@ def test_floor_exit_code_flags_disagreeing_logps(
 
 
 def test_variants_parse_numbers_and_booleans() -> None:
-    from worker.devtools.floor import _parse_variant
+    from worker.devtools.bench.floor import _parse_variant
 
     assert _parse_variant("packing=packed,packed_row_tokens=1024,native_head=false") == {
         "packing": "packed",

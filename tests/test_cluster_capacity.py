@@ -1,4 +1,4 @@
-"""The capacity benchmark (worker/devtools/capacity.py):
+"""The capacity benchmark (worker/devtools/bench/capacity.py):
 projection arithmetic and one small real run."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.devtools.capacity import RunResult, format_table, main, projection
+from worker.devtools.bench.capacity import RunResult, format_table, main, projection
 
 
 def _run(workers: int, partitions: int, jps: float, drain: float, enq: float) -> RunResult:

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
 SLOW_LOAD = """
 import os, time
-import worker.executor.adapters as adapters
+import worker.executor.weights.adapters as adapters
 _load = adapters.load_lora
 def _slow(*args, **kwargs):
     print("slow adapter load starts", flush=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.devtools import bench_e2e
+from worker.devtools.bench import e2e as bench_e2e
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -61,7 +61,7 @@ def test_bench_small_jobs_table_through_the_bench_command(redis_url: str, capsys
 
 @pytest.mark.timeout(600)
 def test_bench_naive_quick_measures_both_processes(redis_url: str, tmp_path: Path) -> None:
-    from worker.devtools import bench_naive
+    from worker.devtools.bench import naive as bench_naive
 
     out = tmp_path / "naive.json"
     assert bench_naive.main(["--quick", "--redis-url", redis_url, "--json", str(out)]) == 0
@@ -82,7 +82,7 @@ def test_forward_flops_counts_the_floor_and_the_padded_naive_way() -> None:
     """By hand: hidden 8, 2 layers, 2 query heads and 1 KV head of 4, MLP 16, vocab 10."""
     from types import SimpleNamespace
 
-    from worker.devtools.bench_naive import forward_flops
+    from worker.devtools.bench.naive import forward_flops
 
     config = SimpleNamespace(
         hidden_size=8, num_hidden_layers=2, num_attention_heads=2, head_dim=4,

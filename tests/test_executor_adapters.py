@@ -19,7 +19,7 @@ from tests.support.adapters import ADAPTERS, merged_float64, naive_logps, save_l
 from tests.support.models import random_tokens, tiny_reward
 from worker.errors import BadRequest, ModelNotFound
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
-from worker.executor.residency import Residency, Resident, WeightsConfig
+from worker.executor.weights.residency import Residency, Resident, WeightsConfig
 from worker.scorer.options import ScoreOptions
 
 
@@ -278,7 +278,7 @@ def test_an_executor_without_weight_roots_holds_nothing(fleet) -> None:
 def test_apply_delta_in_place_equals_the_naive_form() -> None:
     """The hook's in-place ``addmm_`` and its out-of-place fallback both equal
     ``output + scale * (x @ a.T) @ b.T`` in float64."""
-    from worker.executor.adapters import LoraDelta, apply_delta
+    from worker.executor.weights.adapters import LoraDelta, apply_delta
 
     g = torch.Generator().manual_seed(3)
     a, b = torch.randn(4, 16, generator=g), torch.randn(24, 4, generator=g)

@@ -12,8 +12,8 @@ import torch
 
 from tests.support.models import random_tokens, tiny_causal
 from worker.commands import bench as bench_command
-from worker.devtools import bench
-from worker.devtools.bench import format_table, naive_logps, ragged_inputs
+from worker.devtools.bench import executor as bench
+from worker.devtools.bench.executor import format_table, naive_logps, ragged_inputs
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
 
 

@@ -11,8 +11,9 @@ import torch
 
 from tests.support.models import random_tokens, smollm2_gguf, tiny_causal, tiny_reward
 from worker.errors import ConfigError
-from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor, loading
-from worker.executor.loading import load_tokenizer
+from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
+from worker.executor.weights import loading
+from worker.executor.weights.loading import load_tokenizer
 
 SEQS = [SequenceInput(random_tokens(n, n), prompt_len=2) for n in (9, 14)]
 

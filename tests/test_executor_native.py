@@ -1,5 +1,5 @@
-"""The compiled LM-head tile kernel (``worker.executor.native``): its build, cache and fallback,
-and its fold against float64 and against the torch ops it replaces."""
+"""The compiled LM-head tile kernel (``worker.executor.head.native``): its build, cache and
+fallback, and its fold against float64 and against the torch ops it replaces."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ import pytest
 import torch
 
 from tests.support.models import random_tokens, tiny_causal
-from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor, native, tiles
-from worker.executor.teacher import chunked_token_outputs
-from worker.executor.tiles import NativeFold, OnlineLogSumExp
-from worker.executor.topk import OnlineTopK
+from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
+from worker.executor.head import native, tiles
+from worker.executor.head.sums import OnlineLogSumExp
+from worker.executor.head.teacher import chunked_token_outputs
+from worker.executor.head.tiles import NativeFold
+from worker.executor.head.topk import OnlineTopK
 from worker.scorer.options import ScoreOptions
 from worker.scorer.teacher import TokenOutputs
 
@@ -55,7 +57,7 @@ def test_no_compiler_falls_back_to_torch_with_one_warning(fresh: Path, monkeypat
     monkeypatch.setenv("CC", "no-such-compiler-here")
     with pytest.raises(OSError, match="no C compiler"):
         native.build()
-    with caplog.at_level(logging.WARNING, logger="worker.executor.native"):
+    with caplog.at_level(logging.WARNING, logger="worker.executor.head.native"):
         assert native.kernel() is None
         assert native.kernel() is None  # tried once per process
     assert [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()] == [

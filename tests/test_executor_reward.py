@@ -11,7 +11,7 @@ import torch
 from tests.support.models import random_tokens, tiny_backbone, tiny_causal, tiny_reward
 from worker.errors import BadRequest, ConfigError
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
-from worker.executor.pooling import ValueHeadAdapter
+from worker.executor.rewards.pooling import ValueHeadAdapter
 
 LENGTHS = (9, 21, 4, 14)
 

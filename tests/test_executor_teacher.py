@@ -18,7 +18,7 @@ import torch
 from tests.support.models import random_tokens, tiny_causal
 from worker.errors import BadRequest
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
-from worker.executor.pooling import ValueHeadAdapter
+from worker.executor.rewards.pooling import ValueHeadAdapter
 from worker.scorer import ScoreOptions
 from worker.scorer.teacher import Sampling, TokenOutputs
 

@@ -1,4 +1,4 @@
-"""Vocabulary-tiled LM head (``worker.executor.tiles``) against float64 references.
+"""Vocabulary-tiled LM head (``worker.executor.head.tiles``) against float64 references.
 
 The running logsumexp, entropy and top-k over ``[rows, tile]`` slices must equal the same
 reductions over the whole vocabulary: tiles of 1 (every id its own tile), ragged last tiles,
@@ -19,10 +19,12 @@ from torch import nn
 
 from tests.support.models import random_tokens, tiny_causal
 from worker.errors import ConfigError
-from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor, native, tiles
-from worker.executor.logprobs import LogitTransform, chunked_token_logps
-from worker.executor.teacher import chunked_token_outputs
-from worker.executor.tiles import OnlineLogSumExp, tileable, tiled_token_logps
+from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
+from worker.executor.head import native, tiles
+from worker.executor.head.logprobs import LogitTransform, chunked_token_logps
+from worker.executor.head.sums import OnlineLogSumExp
+from worker.executor.head.teacher import chunked_token_outputs
+from worker.executor.head.tiles import tileable, tiled_token_logps
 from worker.scorer.options import ScoreOptions
 from worker.scorer.teacher import TokenOutputs
 
@@ -225,7 +227,7 @@ def test_lora_on_the_head_takes_the_blocks(tmp_path, monkeypatch) -> None:
     """An adapter with a delta on ``lm_head`` must see the whole head output: its jobs go
     through the blocks (the hook is not idle), base jobs and q/v-only adapters through tiles."""
     from tests.support.adapters import merged_float64, naive_logps, save_lora
-    from worker.executor.residency import WeightsConfig
+    from worker.executor.weights.residency import WeightsConfig
 
     base = tiny_causal("llama", seed=0)
     base.save_pretrained(str(tmp_path / "base"))

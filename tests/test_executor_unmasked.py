@@ -13,7 +13,7 @@ import torch
 
 from tests.support.models import ARCHS, random_tokens, tiny_causal, tiny_reward
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
-from worker.executor.pooling import ValueHeadAdapter
+from worker.executor.rewards.pooling import ValueHeadAdapter
 
 LENGTHS = (12, 30, 5, 19, 2, 27)
 # A pad fraction of 1 puts every sequence in one bucket, so most rows do carry right pads.

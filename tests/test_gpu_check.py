@@ -16,7 +16,10 @@ from typing import Any
 
 import pytest
 
-from worker.devtools import gpu_check, gpu_report, gpu_shapes, gpu_wheels
+from worker.devtools.gpu_check import check as gpu_check
+from worker.devtools.gpu_check import report as gpu_report
+from worker.devtools.gpu_check import shapes as gpu_shapes
+from worker.devtools.gpu_check import wheels as gpu_wheels
 
 ROOT = Path(__file__).resolve().parents[1]
 

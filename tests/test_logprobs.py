@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from worker.executor.logprobs import (
+from worker.executor.head.logprobs import (
     LogitTransform,
     chunked_token_logps,
     logit_transform_for,

@@ -15,7 +15,7 @@ from worker.executor.packing import (
     plan_packed,
     plan_padded,
 )
-from worker.executor.pooling import token_index
+from worker.executor.rewards.pooling import token_index
 
 SEQS = [np.array([5, 6, 7]), np.array([1]), np.array([9, 8, 7, 6])]
 

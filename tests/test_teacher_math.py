@@ -14,9 +14,9 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from worker.errors import BadRequest
-from worker.executor.logprobs import LogitTransform, chunked_token_logps
-from worker.executor.sampling import Sampling
-from worker.executor.teacher import (
+from worker.executor.head.logprobs import LogitTransform, chunked_token_logps
+from worker.executor.head.sampling import Sampling
+from worker.executor.head.teacher import (
     BASE_UNITS,
     DEFAULT_BUDGET_BYTES,
     SORT_UNITS,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.devtools import soak
+from worker.devtools.bench import soak
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.redis]
 

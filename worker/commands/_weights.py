@@ -56,7 +56,7 @@ def weights_config(args: argparse.Namespace) -> Any:
     """The executor's ``WeightsConfig`` from the flags (``None`` when no root is set)."""
     if not (args.adapter_root or args.model_root):
         return None
-    from worker.executor.residency import WeightsConfig
+    from worker.executor.weights.residency import WeightsConfig
 
     return WeightsConfig(
         adapter_root=args.adapter_root,

@@ -17,13 +17,13 @@ import argparse
 import importlib
 
 SUITES = {
-    "executor": "worker.devtools.bench",
-    "floor": "worker.devtools.floor",
-    "e2e": "worker.devtools.bench_e2e",
-    "small": "worker.devtools.bench_small",
-    "naive": "worker.devtools.bench_naive",
-    "capacity": "worker.devtools.capacity",
-    "adapters": "worker.devtools.bench_adapters",
+    "executor": "worker.devtools.bench.executor",
+    "floor": "worker.devtools.bench.floor",
+    "e2e": "worker.devtools.bench.e2e",
+    "small": "worker.devtools.bench.small",
+    "naive": "worker.devtools.bench.naive",
+    "capacity": "worker.devtools.bench.capacity",
+    "adapters": "worker.devtools.bench.adapters",
 }
 
 

@@ -111,7 +111,7 @@ def build_tiny_model(directory: Path) -> None:
 
 def load_tokenizer(model: str, gguf_file: str | None) -> Any:
     """The model's tokenizer (GGUF files carry theirs)."""
-    from worker.executor.loading import load_tokenizer as _load
+    from worker.executor.weights.loading import load_tokenizer as _load
 
     return _load(model, gguf_file=gguf_file)
 

@@ -380,7 +380,7 @@ def reward_adapter_from_args(args: argparse.Namespace) -> Any:
     token_level = bool(getattr(args, "reward_token_scores", False))
     spec = getattr(args, "reward_adapter", None)
     if not spec:
-        from worker.executor.pooling import SequenceClassificationAdapter
+        from worker.executor.rewards.pooling import SequenceClassificationAdapter
 
         return SequenceClassificationAdapter(
             token_level=token_level,

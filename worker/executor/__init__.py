@@ -10,8 +10,11 @@ Modules, by role:
 * ``forward``: one batch's ``use_cache=False`` forward, log-probs and rewards.
 * ``selfcheck``: the load-time probe (fast path vs the model's logits, packed vs one by one).
 * ``kvcache``: KV-cache output detection and the per-forward ``KVGuard``.
-* ``logprobs``, ``packing``, ``pooling``, ``backends``, ``loading``, ``memory``: the tensor
-  functions, batch layouts, reward adapters, backend chain, model loading and memory figures.
+* ``packing``, ``backends``, ``memory``: batch layouts, the backend chain, memory figures.
+
+Sub-packages: ``head`` (the LM head: log-probs, vocabulary tiles, teacher outputs),
+``weights`` (loading, per-job adapters and versions, residency) and ``rewards`` (reward
+adapters, process-reward heads, chat templates, the reward side of a call).
 """
 
 from __future__ import annotations

@@ -26,14 +26,19 @@ from worker.executor.call import call_args
 from worker.executor.config import ExecutorConfig, Layout
 from worker.executor.fallback import BatchRunner
 from worker.executor.forward import BatchForward
+from worker.executor.head.tiles import lm_head_path
 from worker.executor.kvcache import KVGuard
-from worker.executor.loading import load_models, load_tokenizers, resolve_device, resolve_dtype
 from worker.executor.memory import device_total_bytes, read_peak, reset_peak
-from worker.executor.pooling import RewardAdapter, backbone_of
-from worker.executor.rewards import merge_outputs, resolve_head, reward_surface
+from worker.executor.rewards.pooling import RewardAdapter, backbone_of
+from worker.executor.rewards.surface import merge_outputs, resolve_head, reward_surface
 from worker.executor.selfcheck import allowed_layouts
-from worker.executor.tiles import lm_head_path
-from worker.executor.weights import WeightsConfig, WeightsRouter, refuse
+from worker.executor.weights.loading import (
+    load_models,
+    load_tokenizers,
+    resolve_device,
+    resolve_dtype,
+)
+from worker.executor.weights.router import WeightsConfig, WeightsRouter, refuse
 from worker.modes import Mode
 from worker.scorer.inputs import SequenceInput
 from worker.scorer.options import DEFAULT_OPTIONS, ScoreOptions

@@ -18,7 +18,9 @@ import numpy as np
 import torch
 
 from worker.executor.config import ExecutorConfig, Layout
-from worker.executor.logprobs import chunked_token_logps, logit_transform_for
+from worker.executor.head.logprobs import chunked_token_logps, logit_transform_for
+from worker.executor.head.teacher import block_units, chunk_rows_for, chunked_token_outputs
+from worker.executor.head.tiles import tileable, tiled_token_logps
 from worker.executor.packing import (
     ForwardBatch,
     gather_flat,
@@ -27,15 +29,13 @@ from worker.executor.packing import (
     pad_unmasked,
     plan_packed,
 )
-from worker.executor.pooling import (
+from worker.executor.rewards.pooling import (
     HiddenStateRewardAdapter,
     RewardAdapter,
     RewardOutput,
     backbone_hidden,
 )
-from worker.executor.steps import head_kind, step_scores
-from worker.executor.teacher import block_units, chunk_rows_for, chunked_token_outputs
-from worker.executor.tiles import tileable, tiled_token_logps
+from worker.executor.rewards.steps import head_kind, step_scores
 from worker.modes import LOGPROB_MODES, REWARD_MODES, Mode
 from worker.scorer.inputs import PreparedSequence, is_int
 from worker.scorer.options import DEFAULT_OPTIONS, ScoreOptions

@@ -20,7 +20,7 @@ from worker.errors import ConfigError
 from worker.executor import backends
 from worker.executor.config import Layout
 from worker.executor.forward import BatchForward
-from worker.executor.logprobs import naive_token_logps
+from worker.executor.head.logprobs import naive_token_logps
 from worker.modes import Mode
 from worker.scorer.inputs import PreparedSequence
 from worker.scorer.outputs import FallbackEvent, SequenceScore

@@ -2,7 +2,7 @@
 
 ``TokenOutputs`` (with its ``Sampling``) is the one definition of what a job may ask for beyond
 log-probs, and of its validation: built from the wire by the daemon's intake, carried on
-``ScoreOptions.outputs``, and read by the executor's math (``worker.executor.teacher``) and the
+``ScoreOptions.outputs``, and read by the executor's math (``worker.executor.head.teacher``) and the
 no-op scorer. ``result_bytes`` sizes a result before any compute; ``array_layout`` names the dtype
 and width of every array a result carries (``docs/protocol.md``). Every check raises
 ``BadRequest`` with the reason.

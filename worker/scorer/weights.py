@@ -1,6 +1,6 @@
 """What a scorer reports about per-job weights (adapters, versions): torch-free plain data.
 
-The executor's residency manager (``worker.executor.residency``) produces these; the daemon
+The executor's residency manager (``worker.executor.weights.residency``) produces these; the daemon
 turns them into result ``info`` (provenance) and metrics (``worker.daemon.weights``).
 """
 
@@ -44,7 +44,7 @@ class WeightsReport:
     ``hit``: the adapter/version was resident when the call asked for it (``None`` when the call
     named neither). ``fingerprint``: a content hash of the weights that ran (adapter files in
     full; a version's configs and safetensors headers, sizes and edges, see
-    ``worker.executor.adapters.fingerprint``).
+    ``worker.executor.weights.adapters.fingerprint``).
     """
 
     adapter: str | None

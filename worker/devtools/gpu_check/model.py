@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.devtools.gpu_shapes import SEED, Shape
+from worker.devtools.gpu_check.shapes import SEED, Shape
 from worker.executor import SequenceInput
 
 

@@ -1,7 +1,7 @@
 """Benchmark scenario ``teacher``: distillation outputs at V = 128,256, side by side.
 
-Three sides on the ``dense`` shape of ``worker.devtools.bench`` (the same Llama-shaped model, 4 x
-1,024 tokens with the last 512 scored; 2 sequences with ``--quick``), one process:
+Three sides on the ``dense`` shape of ``worker.devtools.bench.executor`` (the same Llama-shaped
+model, 4 x 1,024 tokens with the last 512 scored; 2 sequences with ``--quick``), one process:
 
 * ``logps``: the executor, log-probs alone (today's job);
 * ``teacher``: the executor asked for ``logps`` + ``entropy`` + top-64 (ids, log-probs, tail);

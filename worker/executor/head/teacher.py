@@ -16,7 +16,7 @@ output                  arrays (per position)  naive equivalent, ``lp = log_soft
                         ``topk_logps`` f32 [k] ``log1p(-topk_logps.exp().sum(-1))``
                         ``topk_tail_logp`` f32
 ``gather``              ``gather_logps`` [K]   ``lp.gather(-1, ids)`` (ids [n, K] or shared [K])
-``processed_logps``     ``processed_logps``    see ``worker.executor.sampling``
+``processed_logps``     ``processed_logps``    see ``worker.executor.head.sampling``
 ======================  =====================  ==============================================
 
 The tail is summed directly over the tokens outside the top k (no ``1 - sum`` cancellation) and is
@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from worker.errors import BadRequest
-from worker.executor.logprobs import LogitTransform
-from worker.executor.sampling import masked_support, processed_logps, sorted_support
-from worker.executor.tiles import tileable, tiled_token_outputs
+from worker.executor.head.logprobs import LogitTransform
+from worker.executor.head.sampling import masked_support, processed_logps, sorted_support
+from worker.executor.head.tiles import tileable, tiled_token_outputs
 from worker.scorer.teacher import (
     MAX_GATHER_IDS,
     MAX_TOPK,

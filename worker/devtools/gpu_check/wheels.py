@@ -1,6 +1,6 @@
 """The wheel folder that lets ``make gpu-check`` run on a GPU machine without network or venv.
 
-``python -m worker.devtools.gpu_wheels --dest .gpu-wheels`` (= ``make gpu-wheels``), on a CPU
+``python -m worker.devtools.gpu_check.wheels --dest .gpu-wheels`` (= ``make gpu-wheels``), on a CPU
 machine that reaches PyPI, downloads one wheel per distribution in ``WHEELS`` for the GPU
 machine's interpreter (CPython 3.12, manylinux x86_64) with ``pip download --no-deps``: the list is
 explicit so nothing large (torch, numpy, nvidia-*) comes along, and the folder stays a few MiB
@@ -177,9 +177,9 @@ def install_missing(wheels: Path, site: Path) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m worker.devtools.gpu_wheels --dest DIR [--check]``."""
+    """``python -m worker.devtools.gpu_check.wheels --dest DIR [--check]``."""
     parser = argparse.ArgumentParser(
-        prog="worker.devtools.gpu_wheels", description=__doc__.splitlines()[0]
+        prog="worker.devtools.gpu_check.wheels", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--dest", type=Path, default=Path(".gpu-wheels"))
     parser.add_argument("--check", action="store_true", help="only check an existing folder")

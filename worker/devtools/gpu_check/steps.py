@@ -1,5 +1,5 @@
 """The measured steps of the GPU check, one process each:
-``python -m worker.devtools.gpu_steps NAME --json PATH [--device cuda|cpu] [--tiny]``.
+``python -m worker.devtools.gpu_check.steps NAME --json PATH [--device cuda|cpu] [--tiny]``.
 
 ``gpu_check`` starts this per step with a time limit and reads ``PATH``. A step writes its figures
 there as it goes (``StepReport.put``), so a step stopped at its limit still leaves what it had
@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from worker.devtools import gpu_model as gm
-from worker.devtools import gpu_shapes as gs
-from worker.devtools.gpu_e2e import step_e2e
-from worker.devtools.gpu_record import CheckFailed, Setup, Skip, StepReport
+from worker.devtools.gpu_check import model as gm
+from worker.devtools.gpu_check import shapes as gs
+from worker.devtools.gpu_check.e2e import step_e2e
+from worker.devtools.gpu_check.record import CheckFailed, Setup, Skip, StepReport
 from worker.errors import ConfigError
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
 
@@ -288,7 +288,7 @@ def run_step(name: str, setup: Setup, path: Path) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: run the named step."""
-    parser = argparse.ArgumentParser(prog="worker.devtools.gpu_steps")
+    parser = argparse.ArgumentParser(prog="worker.devtools.gpu_check.steps")
     parser.add_argument("step", choices=sorted(STEPS))
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--device", default="cuda")

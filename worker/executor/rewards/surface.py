@@ -21,9 +21,9 @@ import numpy as np
 
 from worker.errors import BadRequest, ConfigError, TooLong
 from worker.executor.call import ScoreCall, prepare
-from worker.executor.chat import render, same_vocabulary
-from worker.executor.pooling import RewardAdapter, SequenceClassificationAdapter
-from worker.executor.steps import STEP_HEADS, HeadKind, check_token_head, head_kind
+from worker.executor.rewards.chat import render, same_vocabulary
+from worker.executor.rewards.pooling import RewardAdapter, SequenceClassificationAdapter
+from worker.executor.rewards.steps import STEP_HEADS, HeadKind, check_token_head, head_kind
 from worker.modes import REWARD_MODES, Mode
 from worker.scorer.inputs import PreparedSequence, SequenceInput, prepare_sequence
 from worker.scorer.options import ScoreOptions

@@ -1,6 +1,6 @@
 """End-to-end benchmark: the same ragged jobs through Redis and one worker vs in-process.
 
-``python -m worker.devtools.bench_e2e [--quick] [--redis-url URL] [--json PATH]`` (also
+``python -m worker.devtools.bench.e2e [--quick] [--redis-url URL] [--json PATH]`` (also
 ``scoring-worker bench --suite e2e``). Without ``--redis-url`` an embedded Valkey is started.
 
 1. A tiny Llama (the worst case for queue overhead: the forward is cheap, so any per-job cost of

@@ -9,7 +9,7 @@ Steps, each timed and limited (``STEPS``; the whole run also stops at ``--budget
    ``sys.path`` and on every subprocess's ``PYTHONPATH``;
 2. ``env``; 3. ``pytest -m gpu tests/test_gpu.py``; 4. ``bench``; 5. ``oom``; 6. ``e2e``;
    7. ``backends`` (last: flex_attention compiles, the slowest and least predictable step).
-   Steps 2 and 4-7 run as ``python -m worker.devtools.gpu_steps NAME`` processes.
+   Steps 2 and 4-7 run as ``python -m worker.devtools.gpu_check.steps NAME`` processes.
 
 A failed step is recorded (error and traceback tail) and the run goes on. Writes
 ``gpu-check.json``, ``gpu-check.md`` and ``gpu-check.log`` (every subprocess's output) into
@@ -39,9 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from worker.devtools import gpu_report, gpu_shapes, gpu_wheels
+from worker.devtools.gpu_check import report as gpu_report
+from worker.devtools.gpu_check import shapes as gpu_shapes
+from worker.devtools.gpu_check import wheels as gpu_wheels
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PYTEST_TARGET = "tests/test_gpu.py"
 _PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)")
 _PYTEST_FINAL = re.compile(r"\d+ (passed|failed|skipped|errors?|deselected).* in [\d.]+s")
@@ -99,7 +101,7 @@ def step_command(name: str, opts: Options, json_path: Path) -> list[str]:
     if name == "pytest":
         return [sys.executable, "-m", "pytest", "-m", "gpu", PYTEST_TARGET, "-q", "-rA",
                 "-p", "no:cacheprovider"]  # fmt: skip
-    cmd = [sys.executable, "-m", "worker.devtools.gpu_steps", name, "--json", str(json_path)]
+    cmd = [sys.executable, "-m", "worker.devtools.gpu_check.steps", name, "--json", str(json_path)]
     return [*cmd, "--device", opts.device, *(["--tiny"] if opts.tiny else [])]
 
 

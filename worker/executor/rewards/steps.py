@@ -24,9 +24,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from worker.errors import ConfigError
-from worker.executor.logprobs import logit_transform_for
+from worker.executor.head.logprobs import logit_transform_for
 from worker.executor.packing import ForwardBatch, gather_flat
-from worker.executor.pooling import backbone_hidden
+from worker.executor.rewards.pooling import backbone_hidden
 from worker.scorer.inputs import PreparedSequence
 from worker.scorer.steps import StepOptions
 
@@ -39,7 +39,7 @@ def head_kind(model: nn.Module, adapter: Any) -> HeadKind:
     """How a reward model is read: a process-reward head when the model is a token classifier
     or a causal LM and no custom adapter is given (``adapter`` is ``None`` or the default
     sequence-classification reader); else ``sequence`` (a reward per sequence)."""
-    from worker.executor.pooling import SequenceClassificationAdapter
+    from worker.executor.rewards.pooling import SequenceClassificationAdapter
 
     if adapter is not None and type(adapter) is not SequenceClassificationAdapter:
         return "sequence"

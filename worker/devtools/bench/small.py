@@ -1,6 +1,6 @@
 """Small jobs at a fixed offered rate: jobs/s and p50/p99 latency against ``--max-wait-ms``.
 
-``python -m worker.devtools.bench_small [--quick] [--redis-url URL]`` (also ``scoring-worker
+``python -m worker.devtools.bench.small [--quick] [--redis-url URL]`` (also ``scoring-worker
 bench --suite small``). Without ``--redis-url`` an embedded Valkey is started.
 
 1,000 one-sequence jobs of ~200 tokens (180-220, prompt a quarter) are ``XADD``-ed at a fixed

@@ -1,6 +1,6 @@
 """The support a top-k / top-p / min-p sampler keeps, reduced one ``[c, V]`` logits block at a time.
 
-``processed_logps`` in ``worker.executor.teacher`` is the sampled token's log-prob renormalised
+``processed_logps`` in ``worker.executor.head.teacher`` is the sampled token's log-prob renormalised
 over this support (vLLM's ``processed_logprobs``). Filters run in HF ``generate`` order, each on
 the distribution the previous one left (all at the job's temperature):
 

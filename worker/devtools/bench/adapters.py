@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print a table (and ``--json``)."""
     args = _parse(argv)
     from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
-    from worker.executor.residency import WeightsConfig
+    from worker.executor.weights.residency import WeightsConfig
 
     if args.model == "smollm2":
         gguf = smollm2_gguf()

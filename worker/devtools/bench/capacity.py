@@ -1,6 +1,6 @@
 """Queue capacity: how many jobs/s one Redis sustains through the worker's full path.
 
-``python -m worker.devtools.capacity [--quick] [--json PATH]``
+``python -m worker.devtools.bench.capacity [--quick] [--json PATH]``
 (also ``scoring-worker bench --suite capacity``).
 
 Every run starts its own ``redis-server`` on a free port (no persistence) so its CPU counters belong
@@ -321,7 +321,7 @@ def _ints(text: str) -> list[int]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Flags of the capacity benchmark."""
     p = argparse.ArgumentParser(
-        prog="python -m worker.devtools.capacity", description=__doc__.splitlines()[0]
+        prog="python -m worker.devtools.bench.capacity", description=__doc__.splitlines()[0]
     )
     p.add_argument("--quick", action="store_true", help="small sizes, about a minute in all")
     p.add_argument("--jobs", type=int, default=None, help="jobs preloaded per run")
