@@ -89,7 +89,7 @@ def test_enqueue_jsonl_end_to_end_and_resume(
         before = redis.Redis.from_url(redis_url).xlen(stream)
         rc = main(["enqueue", *common, "--file", str(src), "--out", str(out)])
         err = capsys.readouterr().err
-        assert "8 scored, 0 failed, 5 already done" in err
+        assert "8 scored, 0 failed; earlier runs: 5 scored, 0 failed" in err
         resubmitted = redis.Redis.from_url(redis_url).xlen(stream) - before
         assert resubmitted == 8
         final = [json.loads(x) for x in out.read_text().splitlines()]

@@ -14,17 +14,8 @@ import redis
 
 from worker import protocol
 from worker.client import ClientClosed, ScoringTimeout, TooLongError
-from worker.client.core import (
-    END,
-    Block,
-    ClientCore,
-    Command,
-    Delivered,
-    Effect,
-    NextItem,
-    Pause,
-    Steps,
-)
+from worker.client.core import ClientCore
+from worker.client.effects import END, Block, Command, Delivered, Effect, NextItem, Pause, Steps
 from worker.client.window import ScoreWindow
 
 pytestmark = pytest.mark.timeout(10)
@@ -57,7 +48,7 @@ def ok(job_id: str) -> protocol.Result:
 
 
 def test_submit_asks_for_one_xadd_and_tracks_the_job() -> None:
-    core = ClientCore(queue="q", client_id="c")
+    core = ClientCore(queue="q", client_id="c", check_workers=False)
     job = core.prepare(SEQ, job_id="j1", meta={"m": 1})
     seen: list[Effect] = []
 
@@ -75,7 +66,7 @@ def test_submit_asks_for_one_xadd_and_tracks_the_job() -> None:
 
 
 def test_a_failed_xadd_untracks_the_job() -> None:
-    core = ClientCore(client_id="c")
+    core = ClientCore(client_id="c", check_workers=False)
 
     def refuse(effect: Effect) -> Any:
         raise redis.ConnectionError("down")
@@ -86,7 +77,7 @@ def test_a_failed_xadd_untracks_the_job() -> None:
 
 
 def test_wait_blocks_until_the_result_is_ingested_and_drops_duplicates() -> None:
-    core = ClientCore(client_id="c")
+    core = ClientCore(client_id="c", check_workers=False)
     core.outstanding["j1"] = 0.0
     blocks: list[Block] = []
 
@@ -104,7 +95,7 @@ def test_wait_blocks_until_the_result_is_ingested_and_drops_duplicates() -> None
 
 
 def test_a_timed_out_score_forgets_its_job_and_its_late_result_is_dropped() -> None:
-    core = ClientCore(client_id="c")
+    core = ClientCore(client_id="c", check_workers=False)
 
     def answer(effect: Effect) -> Any:
         if isinstance(effect, Command):
@@ -120,7 +111,7 @@ def test_a_timed_out_score_forgets_its_job_and_its_late_result_is_dropped() -> N
 
 
 def test_error_results_raise_their_job_failed() -> None:
-    core = ClientCore(client_id="c")
+    core = ClientCore(client_id="c", check_workers=False)
     core.ingest([entry(protocol.error_result("j1", "too_long", "seqs[0]: too long"))])
 
     def answer(effect: Effect) -> Any:
@@ -131,7 +122,7 @@ def test_error_results_raise_their_job_failed() -> None:
 
 
 def test_closing_ends_a_wait() -> None:
-    core = ClientCore(client_id="c")
+    core = ClientCore(client_id="c", check_workers=False)
 
     def close(effect: Effect) -> Any:
         core.closed = True
@@ -141,7 +132,7 @@ def test_closing_ends_a_wait() -> None:
 
 
 def test_the_reader_backs_off_on_connection_errors_and_reads_after() -> None:
-    core = ClientCore(client_id="c", block_ms=10)
+    core = ClientCore(client_id="c", check_workers=False, block_ms=10)
     log: list[Any] = []
     replies: list[Any] = [
         redis.ConnectionError("a"),
@@ -174,7 +165,7 @@ def test_the_reader_backs_off_on_connection_errors_and_reads_after() -> None:
 
 
 def test_the_window_keeps_max_in_flight_and_forgets_what_is_left() -> None:
-    core = ClientCore(client_id="c")
+    core = ClientCore(client_id="c", check_workers=False)
     jobs = [{"seqs": SEQ, "id": f"j{i}"} for i in range(5)]
     window = ScoreWindow(
         core, jobs, max_in_flight=2, ordered=True, timeout=None, mode=None, temperature=1.0,
@@ -206,3 +197,30 @@ def test_the_window_keeps_max_in_flight_and_forgets_what_is_left() -> None:
             core, [], max_in_flight=0, ordered=True, timeout=None, mode=None, temperature=1.0,
             raise_errors=True,
         )  # fmt: skip
+
+
+def test_the_first_submit_asks_once_whether_a_worker_serves_the_queue() -> None:
+    core = ClientCore(queue="q", client_id="c")
+    seen: list[Effect] = []
+
+    def answer(effect: Effect) -> Any:
+        seen.append(effect)
+        return 0 if effect.name == "zcount" else b"5-0"  # type: ignore[union-attr]
+
+    for job_id in ("j1", "j2"):
+        drive(core.submit(core.prepare(SEQ, job_id=job_id)), answer)
+    assert [e.name for e in seen] == ["zcount", "xadd", "xadd"]  # type: ignore[union-attr]
+    assert seen[0].args[0] == "scoring:{q}:workers"  # type: ignore[union-attr]
+    assert core.workers.live == 0 and "no worker served queue 'q'" in (core.timeout_hint() or "")
+
+
+def test_a_refused_worker_count_is_no_error() -> None:
+    core = ClientCore(queue="q", client_id="c")
+
+    def answer(effect: Effect) -> Any:
+        if effect.name == "zcount":  # type: ignore[union-attr]
+            raise redis.ResponseError("NOPERM this user has no permissions to run 'zcount'")
+        return b"5-0"
+
+    assert drive(core.submit(core.prepare(SEQ, job_id="j1")), answer).entry_id == "5-0"
+    assert core.workers.live is None and core.timeout_hint() is None

@@ -376,7 +376,7 @@ def test_boolean_and_float_token_ids_are_rejected(
     r = redis.Redis.from_url(redis_url)
     with (
         ScoringClient(redis_url, queue=key_prefix) as client,
-        pytest.raises(errors.ProtocolError, match=f"token ids must be integers.*{what}"),
+        pytest.raises(BadRequestError, match=f"token ids must be integers.*{what}"),
     ):
         client.submit([(tokens, 1)])
     assert not r.exists(keys.job_streams(key_prefix)[0])

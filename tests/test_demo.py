@@ -71,7 +71,10 @@ def test_demo_default_runs_to_completion() -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.usefixtures("cleanup_keys")
 def test_demo_tiny_model_external_redis_stops_on_ctrl_c(redis_url: str, key_prefix: str) -> None:
-    """``--model tiny`` against the machine's Redis, interactive, stopped with SIGINT."""
+    """``--model tiny`` against the machine's Redis, interactive, stopped with SIGINT. The demo
+    starts with SIGINT ignored, as a background job of a non-interactive shell (or ``nohup``,
+    or some CI runners) starts its children: Python keeps an inherited SIG_IGN, so the demo
+    must install its own handler or this SIGINT is lost and the demo runs on."""
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "worker", "demo", "--model", "tiny",
@@ -81,6 +84,7 @@ def test_demo_tiny_model_external_redis_stops_on_ctrl_c(redis_url: str, key_pref
         stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )  # fmt: skip
     out = ""
     assert proc.stdout is not None
@@ -99,3 +103,33 @@ def test_demo_tiny_model_external_redis_stops_on_ctrl_c(redis_url: str, key_pref
     assert "worker stopped (exit 0)" in err
     pid = int(re.search(r"worker: pid (\d+)", out).group(1))
     assert _gone(pid)
+
+
+def test_demo_once_does_not_point_at_a_server_it_stopped(redis_url: str) -> None:
+    """``--once`` with the embedded server: no ``info`` command for a server that is gone."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker", "demo", "--model", "tiny", "--non-interactive"],
+        capture_output=True, text=True, timeout=280, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "scoring-worker info" not in proc.stdout
+    assert "press Ctrl-C" not in proc.stdout
+
+
+def test_save_models_writes_checkpoints_a_worker_serves(tmp_path: Path) -> None:
+    """``demo --save-models DIR``: two checkpoints with a tokenizer and a chat template."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker", "demo", "--save-models", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert f"--reference-model {tmp_path / 'tiny-llama'}" in proc.stdout
+    from transformers import AutoConfig, AutoTokenizer
+
+    for name, arch in (("tiny-llama", "LlamaForCausalLM"),
+                       ("tiny-reward", "LlamaForSequenceClassification")):  # fmt: skip
+        assert AutoConfig.from_pretrained(tmp_path / name).architectures == [arch]
+        tok = AutoTokenizer.from_pretrained(tmp_path / name)
+        assert tok("A", add_special_tokens=False)["input_ids"] == [ord("A") + 3]
+        text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+        assert text == "<s>user\nhi</s>\n"

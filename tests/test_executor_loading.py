@@ -45,7 +45,7 @@ def test_explicit_dtype(tmp_path: Path) -> None:
 def test_missing_model_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # re-read by loading.offline() at load time
     assert loading.offline()
-    with pytest.raises(ConfigError, match="cannot load"):
+    with pytest.raises(ConfigError, match="nothing-here: no such file or directory"):
         StatelessExecutor.from_pretrained(ExecutorConfig(), str(tmp_path / "nothing-here"))
     with pytest.raises(ConfigError, match="cannot load"):
         StatelessExecutor.from_pretrained(ExecutorConfig(), "no-such-org/no-such-model-xyz")
@@ -163,6 +163,7 @@ def test_local_dir_is_local_files_only_and_options_pass_through(
 ) -> None:
     _online(monkeypatch)
     calls = _capture_from_pretrained(monkeypatch)
+    (tmp_path / "m.gguf").write_bytes(b"")  # the named file must exist (checked before loading)
     StatelessExecutor.from_pretrained(
         ExecutorConfig(dtype="bfloat16"),
         str(tmp_path),

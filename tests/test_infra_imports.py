@@ -83,7 +83,7 @@ def test_torch_free_layers_import_with_torch_blocked() -> None:
 
 def test_the_blocker_catches_a_torch_import() -> None:
     """The check above can fail: importing the executor with torch blocked raises."""
-    code = BLOCKED.format(blocked=sorted(arch.TORCH), modules=["worker.executor"])
+    code = BLOCKED.format(blocked=sorted(arch.TORCH), modules=["worker.executor.core"])
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)  # fmt: skip
     assert proc.returncode != 0

@@ -38,8 +38,9 @@ WORKER_ACL = (
     "+hset +pexpire +zadd +zremrangebyscore"  # the heartbeat (scoring-worker info)
 )
 PRODUCER_ACL = (
-    "resetkeys %W~scoring:*:jobs ~scoring:*:replies:* resetchannels -@all "
-    "+ping +hello +client|setname +client|setinfo +xadd +xread +xdel +expire +del"
+    "resetkeys %W~scoring:*:jobs ~scoring:*:replies:* %R~scoring:*:workers resetchannels -@all "
+    "+ping +hello +client|setname +client|setinfo +xadd +xread +xdel +expire +del "
+    "+zcount"  # the first submit asks whether a worker serves the queue
 )
 NOBODY_ACL = "resetkeys ~scoring:* resetchannels -@all +ping +hello +client|setname +info +xlen"
 
@@ -179,7 +180,8 @@ def test_worker_without_permission_exits_with_one_clear_line(
     try:
         assert worker.wait_exit(45) == 2
         log = worker.log()
-        assert re.search(r"ERROR .*no permissions to run the '\S+' command", log), log
+        refused = r"error: redis refused the command: .*no permissions to run the '\S+' command"
+        assert re.search(refused, log), log
         assert "Traceback" not in log
     finally:
         worker.stop()

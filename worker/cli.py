@@ -25,9 +25,10 @@ DESCRIPTION = (
     "and measure it with 'bench'."
 )
 EPILOG = (
-    "'scoring-worker COMMAND --help' lists a command's flags with their SCORING_* environment "
-    "variables (a flag on the command line wins). Documentation: docs/cli.md and "
-    "docs/operations-worker.md in the source tree."
+    "'scoring-worker COMMAND --help' lists a command's flags with their defaults; a flag that "
+    "has a SCORING_* environment variable names it (every serve flag does; a flag on the "
+    "command line wins). Documentation: README.md and docs/ in the source tree (docs/cli.md, "
+    "docs/operations-worker.md)."
 )
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -74,9 +75,12 @@ def setup_logging(level: str = "INFO", json_logs: bool = False) -> None:
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The root parser; only ``command``'s module is imported and configured (all when None)."""
+    from worker.commands._help import HelpFormatter
     from worker.config import env_bool, env_get
 
-    parser = argparse.ArgumentParser(prog="scoring-worker", description=DESCRIPTION, epilog=EPILOG)
+    parser = argparse.ArgumentParser(
+        prog="scoring-worker", description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"scoring-worker {__version__}")
     parser.add_argument(
         "--log-level",
@@ -89,13 +93,24 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         default=env_bool(env_get("LOG_JSON")),
         help="JSON log lines (env SCORING_LOG_JSON)",
     )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=env_bool(env_get("DEBUG")),
+        help="show the traceback of an error that stops a command (env SCORING_DEBUG; "
+        "--log-level debug does too)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in COMMANDS.items():
-        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd = sub.add_parser(
+            name, help=help_text, description=help_text, formatter_class=HelpFormatter
+        )
         if command is not None and name != command:
             continue
         mod = importlib.import_module(module)
         mod.configure(cmd)
+        if len(cmd._actions) > 20:  # the flags are listed below; a usage line of 50 says little
+            cmd.usage = "%(prog)s [options]"
         cmd.set_defaults(_run=mod.run)
     return parser
 
@@ -112,10 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
-        import redis.exceptions as rexc  # a base dependency; imported only on this path
+        # Start-up and configuration errors are one or two lines, not a traceback.
+        from worker.commands._errors import report
 
-        if isinstance(exc, (rexc.NoPermissionError, rexc.AuthenticationError)):
-            # A refused ACL user or password is configuration, not a crash: one clear line.
-            logging.getLogger("worker.cli").error("redis refused the command: %s", exc)
-            return 2
-        raise
+        return report(exc, debug=args.debug or str(args.log_level).upper() == "DEBUG")

@@ -93,7 +93,14 @@ class AttentionBackendError(ScoringError):
 
 
 class ConfigError(ValueError):
-    """Invalid configuration, raised at construction time with a clear message."""
+    """Invalid configuration, raised at construction time with a clear message.
+
+    ``hint``, when given, says what to do about it (the command line prints it on a second
+    line under ``error: <message>``)."""
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.hint = hint
 
 
 class ProtocolError(BadRequest):

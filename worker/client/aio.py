@@ -23,9 +23,10 @@ from typing import Any, TypeVar
 import redis
 
 from worker.client.base import ClientBase
-from worker.client.core import END, Block, Command, Delivered, DurableAdd, Effect, Pause, Steps
+from worker.client.core import new_job_id
+from worker.client.effects import END, Block, Command, Delivered, DurableAdd, Effect, Pause, Steps
 from worker.client.errors import ClientClosed, JobFailed
-from worker.client.inputs import JobSpec, output_request
+from worker.client.inputs import JobSpec, checked_output_request
 from worker.client.results import JobHandle, ScoreResult, SeqScore, job_id_of, unwrap
 from worker.client.window import ScoreWindow
 from worker.config import DEFAULT_REDIS_URL
@@ -162,7 +163,8 @@ class AsyncScoringClient(ClientBase):
     ) -> JobHandle:
         """Enqueue one job (see ``ScoringClient.submit``, teacher outputs too)."""
         self._ensure_reader()
-        request = output_request(outputs, topk, gather_ids, sampling, float16)
+        job_id = job_id or new_job_id()
+        request = checked_output_request(job_id, meta, outputs, topk, gather_ids, sampling, float16)
         job = self._core.prepare(
             seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id, outputs=request,
             adapter=adapter, version=version, step=step,
@@ -182,6 +184,10 @@ class AsyncScoringClient(ClientBase):
         """Wait for a job's result; raises ``JobFailed`` subclasses / ``ScoringTimeout``. After a
         timeout the job is still tracked (wait again, or ``forget`` it)."""
         return unwrap(await self.raw_result(handle_or_id, timeout))
+
+    async def live_workers(self, refresh: bool = False) -> int | None:
+        """How many workers serve this queue now (see ``ScoringClient.live_workers``)."""
+        return await self._run(self._core.count_live_workers(refresh))
 
     def forget(self, handle_or_id: JobHandle | str) -> bool:
         """Give up on a job (see ``ScoringClient.forget``); a plain method, not a coroutine."""
@@ -207,10 +213,11 @@ class AsyncScoringClient(ClientBase):
     ) -> list[SeqScore]:
         """Submit one job and await its scores; forgotten on a timeout or cancellation."""
         self._ensure_reader()
-        request = output_request(outputs, topk, gather_ids, sampling, float16)
+        job_id = new_job_id()
+        request = checked_output_request(job_id, meta, outputs, topk, gather_ids, sampling, float16)
         job = self._core.prepare(
-            seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s, outputs=request,
-            adapter=adapter, version=version, step=step,
+            seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s, job_id=job_id,
+            outputs=request, adapter=adapter, version=version, step=step,
         )  # fmt: skip
         return await self._run(self._core.score(job, timeout))
 

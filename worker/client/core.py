@@ -19,18 +19,27 @@ import logging
 import time
 import uuid
 import zlib
-from collections.abc import Generator, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis
 
 from worker import errors, keys, protocol
 from worker.client.buffer import ReplyBuffer
-from worker.client.errors import ClientClosed, ScoringTimeout
+from worker.client.effects import (
+    Block,
+    Command,
+    Delivered,
+    DurableAdd,
+    Pause,
+    Steps,
+)
+from worker.client.errors import ClientClosed, ScoringTimeout, client_checks
 from worker.client.inputs import normalize_seqs
 from worker.client.resubmit import Resubmitter
 from worker.client.results import JobHandle, SeqScore, unwrap
+from worker.client.workers import WorkerCheck
 from worker.config import DEFAULT_REDIS_URL, RedisSettings
 from worker.modes import MODES
 
@@ -45,60 +54,9 @@ _MAX_BACKOFF_S = 2.0
 _SERVER_ERROR_PAUSE_S = 1.0
 
 
-@dataclass(frozen=True)
-class Command:
-    """Run ``redis.<name>(*args, **kwargs)``: its reply is sent back, its error thrown in."""
-
-    name: str
-    args: tuple[Any, ...] = ()
-    kwargs: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Block:
-    """Wait until results arrived after ``seen`` (``ClientCore.arrivals``), the client closes,
-    or ``timeout_s`` passes (None: no limit)."""
-
-    timeout_s: float | None
-    seen: int
-
-
-@dataclass(frozen=True)
-class DurableAdd:
-    """``XADD stream * fields`` then ``WAIT replicas timeout_ms`` on the same connection to the
-    stream's primary (``connections.xadd_wait``); ``(entry id, replicas that acked)`` is sent
-    back."""
-
-    stream: str
-    fields: Mapping[bytes, bytes]
-    replicas: int
-    timeout_ms: int
-
-
-@dataclass(frozen=True)
-class Pause:
-    """Sleep ``seconds``, or less if the client closes (the reader's back-off)."""
-
-    seconds: float
-
-
-@dataclass(frozen=True)
-class Delivered:
-    """New results are in the buffer: wake every ``Block``."""
-
-
-@dataclass(frozen=True)
-class NextItem:
-    """The next item of ``source`` (an iterator, or an async iterator for the asyncio client) is
-    sent back, or ``END`` when it is exhausted."""
-
-    source: Any
-
-
-END: Any = object()  # what a NextItem effect sends back when its source is exhausted
-Effect = Command | DurableAdd | Block | Pause | Delivered | NextItem
-#: An operation of the core: yields effects, returns a ``T``.
-Steps = Generator[Effect, Any, T]
+def new_job_id() -> str:
+    """A fresh job id (128 random bits, hex)."""
+    return uuid.uuid4().hex
 
 
 @dataclass(frozen=True)
@@ -136,6 +94,7 @@ class ClientCore:
         max_submits: int = 3,
         durable_replicas: int = 0,
         durable_timeout_ms: int = 1000,
+        check_workers: bool = True,
     ) -> None:
         self.client_id = client_id or uuid.uuid4().hex[:16]
         if settings is None:
@@ -173,6 +132,8 @@ class ClientCore:
         self.durable_replicas = int(durable_replicas)
         self.durable_timeout_ms = int(durable_timeout_ms)
         self.undurable = 0  # durable adds that fewer replicas than asked acknowledged in time
+        # is a worker serving the queue? asked at the first submit (check_workers=False: never)
+        self.workers = WorkerCheck(queue, enabled=check_workers)
 
     # -- jobs
 
@@ -197,30 +158,43 @@ class ClientCore:
         version: str | None = None,
         step: Any = None,
     ) -> PreparedJob:
-        """Validate and encode a job (see ``ScoringClient.submit`` for the arguments)."""
-        specs = normalize_seqs(seqs)
-        job_id = job_id or uuid.uuid4().hex
-        if expires_in_s is not None:
-            deadline_ms = int((time.time() + expires_in_s) * 1000)
-        payload = protocol.encode_job(
-            job_id,
-            mode or self.mode,
-            self.reply_stream,
-            specs,
-            temperature=temperature,
-            deadline_ms=deadline_ms,
-            meta=meta,
-            outputs=outputs,
-            adapter=adapter,
-            step=step,
-            version=version,
-        )
+        """Validate and encode a job (see ``ScoringClient.submit`` for the arguments); input
+        the worker would reject raises ``BadRequestError`` here, before anything is sent."""
+        job_id = job_id or new_job_id()
+        with client_checks(job_id, meta):
+            specs = normalize_seqs(seqs)
+            if expires_in_s is not None:
+                deadline_ms = int((time.time() + expires_in_s) * 1000)
+            payload = protocol.encode_job(
+                job_id,
+                mode or self.mode,
+                self.reply_stream,
+                specs,
+                temperature=temperature,
+                deadline_ms=deadline_ms,
+                meta=meta,
+                outputs=outputs,
+                adapter=adapter,
+                step=step,
+                version=version,
+            )
         return PreparedJob(job_id, self.stream_for(job_id), payload, len(specs))
 
+    def count_live_workers(self, refresh: bool = False) -> Steps[int | None]:
+        """How many workers serve this client's queue (``WorkerCheck.count``)."""
+        return (yield from self.workers.count(refresh))
+
+    def timeout_hint(self) -> str | None:
+        """What a ``ScoringTimeout`` says beside the job (``WorkerCheck.timeout_hint``)."""
+        return self.workers.timeout_hint()
+
     def submit(self, job: PreparedJob) -> Steps[JobHandle]:
-        """Add ``job`` to its stream; it counts as outstanding from before the ``XADD``."""
+        """Add ``job`` to its stream; it counts as outstanding from before the ``XADD``. The
+        first submit checks that a worker serves the queue (a warning when none does)."""
         if self.closed:
             raise ClientClosed("the client is closed")
+        if not self.workers.checked:
+            yield from self.workers.count()
         now = time.monotonic()
         self.outstanding[job.job_id] = now
         try:
@@ -307,7 +281,9 @@ class ClientCore:
         start = time.monotonic()
         got = yield from self.wait_any([job_id], timeout_s)
         if got is None:
-            raise ScoringTimeout(job_id, time.monotonic() - start, self.reply_stream)
+            raise ScoringTimeout(
+                job_id, time.monotonic() - start, self.reply_stream, self.timeout_hint()
+            )
         return got[1]
 
     def score(self, job: PreparedJob, timeout_s: float | None) -> Steps[list[SeqScore]]:

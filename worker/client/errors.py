@@ -9,7 +9,8 @@ class does not carry its row's code.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from worker import errors
@@ -17,20 +18,43 @@ from worker.protocol import Result
 
 
 class JobFailed(errors.ScoringError):
-    """A job came back with an error result; ``code``, ``message``, ``job_id`` say which and why."""
+    """A job came back with an error result, or was refused before it was sent (``sent`` False:
+    the client's own checks); ``code``, ``message``, ``job_id`` say which and why."""
 
     def __init__(
-        self, job_id: str, message: str, *, info: Mapping[str, Any] | None = None, meta: Any = None
+        self,
+        job_id: str,
+        message: str,
+        *,
+        info: Mapping[str, Any] | None = None,
+        meta: Any = None,
+        sent: bool = True,
     ) -> None:
-        super().__init__(f"job {job_id} failed [{self.code}]: {message}")
+        what = "failed" if sent else "was not sent"
+        super().__init__(f"job {job_id} {what} [{self.code}]: {message}")
         self.job_id = job_id
         self.reason = message
         self.info = dict(info or {})
         self.meta = meta
+        self.sent = sent
 
 
 class BadRequestError(JobFailed, errors.BadRequest):
-    """The worker rejected the job as malformed (``bad_request``)."""
+    """The job is malformed (``bad_request``): the worker rejected it, or the client's own
+    checks did before sending it (``sent`` False)."""
+
+
+@contextmanager
+def client_checks(job_id: str, meta: Any = None) -> Iterator[None]:
+    """Turn the client's own input checks (``worker.errors.BadRequest``, ``ProtocolError``) into
+    ``BadRequestError`` for ``job_id``: one error tree for producers, whether the worker or the
+    client refused the job."""
+    try:
+        yield
+    except JobFailed:
+        raise
+    except errors.BadRequest as exc:
+        raise BadRequestError(job_id, exc.message, meta=meta, sent=False) from exc
 
 
 class TooLongError(JobFailed, errors.TooLong):
@@ -88,11 +112,13 @@ def job_failed(result: Result) -> JobFailed:
 class ScoringTimeout(TimeoutError):
     """No result arrived in time; ``job_id`` and ``waited_s`` say for which job and how long."""
 
-    def __init__(self, job_id: str, waited_s: float, reply_stream: str = "") -> None:
+    def __init__(
+        self, job_id: str, waited_s: float, reply_stream: str = "", hint: str | None = None
+    ) -> None:
         where = f" on {reply_stream}" if reply_stream else ""
+        hint = hint or "is a worker serving this queue? see `scoring-worker info`"
         super().__init__(
-            f"no result for job {job_id} after waiting {waited_s:.1f} s{where} "
-            "(is a worker serving this queue? see `scoring-worker info`)"
+            f"no result for job {job_id} after waiting {waited_s:.1f} s{where} ({hint})"
         )
         self.job_id = job_id
         self.waited_s = waited_s

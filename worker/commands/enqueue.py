@@ -22,7 +22,9 @@ import contextlib
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 from worker.client import (
@@ -50,9 +52,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--mode",
         default=env_get("MODE", "reference"),
         choices=MODES,
-        help="default mode for lines without one",
+        help="default mode for lines without one (env SCORING_MODE)",
     )
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="default temperature for lines without one: log-probs of softmax(logits / T)",
+    )
     parser.add_argument(
         "--adapter", help="LoRA adapter (under the workers' --adapter-root) for lines without one"
     )
@@ -82,7 +89,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--max-in-flight",
         type=int,
         default=int(env_get("MAX_IN_FLIGHT", "64") or 64),
-        help="jobs submitted and not yet answered (backpressure; default 64)",
+        help="jobs submitted and not yet answered (backpressure; env SCORING_MAX_IN_FLIGHT; "
+        "default 64)",
     )
     parser.add_argument(
         "--timeout",
@@ -93,7 +101,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--retry-errors",
         action="store_true",
-        help="on resume, re-run ids whose earlier output line is an error",
+        help="on resume, run again the ids whose earlier output line is an error (that line "
+        "is replaced: one line per id)",
+    )
+    parser.add_argument(
+        "--wait-for-workers",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait this long for a worker to serve the queue (default: fail at once when none "
+        "does)",
     )
     parser.add_argument("--ordered", action="store_true", help="write results in input order")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -130,24 +147,58 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any] | None:
     return given or None
 
 
-def _done_ids(path: str, retry_errors: bool) -> set[str]:
-    """Ids already answered in ``path``; drops a torn last line left by a crash."""
-    if not os.path.exists(path):
-        return set()
-    with open(path, "rb+") as fh:
+@dataclass
+class Earlier:
+    """What an earlier run left in the output file: the ids it scored and the ids it failed
+    (error lines; with ``--retry-errors`` their lines were removed and they run again)."""
+
+    scored: set[str] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)
+
+    @property
+    def done(self) -> set[str]:
+        """Ids not to submit again."""
+        return self.scored | self.failed
+
+
+def _earlier(path: str, retry_errors: bool) -> Earlier:
+    """Read ``path`` (a torn last line left by a crash is dropped: that job runs again). With
+    ``retry_errors`` the file is rewritten without its error lines (atomically: a crash leaves
+    the old file or the new one), so each id keeps one line."""
+    earlier = Earlier()
+    if path == "-" or not os.path.exists(path):
+        return earlier
+    with open(path, "rb") as fh:
         data = fh.read()
-        if data and not data.endswith(b"\n"):
-            fh.truncate(data.rfind(b"\n") + 1)  # a torn write: redo that job
-            data = data[: data.rfind(b"\n") + 1]
-    done: set[str] = set()
+    if data and not data.endswith(b"\n"):
+        data = data[: data.rfind(b"\n") + 1]  # a torn write: redo that job
+    kept: list[bytes] = []
     for line in data.splitlines():
         try:
             obj = json.loads(line)
         except ValueError:
+            kept.append(line)
             continue
-        if isinstance(obj, dict) and "id" in obj and (obj.get("ok") or not retry_errors):
-            done.add(str(obj["id"]))
-    return done
+        if not isinstance(obj, dict) or "id" not in obj:
+            kept.append(line)
+            continue
+        job_id = str(obj["id"])
+        if obj.get("ok"):
+            earlier.scored.add(job_id)
+            kept.append(line)
+        elif not retry_errors:
+            earlier.failed.add(job_id)
+            kept.append(line)
+    earlier.failed -= earlier.scored  # an id scored once is scored
+    rewritten = b"".join(line + b"\n" for line in kept)
+    if rewritten != data or len(data) != os.path.getsize(path):
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as fh:
+            fh.write(rewritten)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    return earlier
 
 
 def _read_jobs(
@@ -226,23 +277,43 @@ def _line(item: ScoreResult | JobFailed) -> dict[str, Any]:
     return out
 
 
+def _wait_for_workers(client: ScoringClient, queue: str, wait_s: float) -> bool:
+    """Whether a worker serves ``queue`` (live heartbeats), waiting up to ``wait_s`` for one;
+    True when the server will not say (an ACL without ``ZCOUNT``)."""
+    deadline = time.monotonic() + wait_s
+    count = client.live_workers(refresh=True)
+    while count == 0 and time.monotonic() < deadline:
+        time.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))
+        count = client.live_workers(refresh=True)
+    return count != 0
+
+
 def run(args: argparse.Namespace) -> int:
-    """Score every line of ``--file`` not yet in ``--out``; exit 0 when all succeeded."""
-    done = _done_ids(args.out, args.retry_errors)
-    skipped = len(done)
+    """Score every line of ``--file`` not yet in ``--out``. Exit 0 when every line of the output
+    is a result; 1 when any is an error (earlier ones included) or a line could not be read; 2
+    when no worker serves the queue (unless ``--wait-for-workers`` saw one come)."""
+    earlier = _earlier(args.out, args.retry_errors)
+    done = earlier.done
     total = _count_lines(args.file)
-    bar = _progress(None if total is None else max(total - skipped, 0), args.no_progress)
+    bar = None
     bad_lines: list[dict[str, Any]] = []
     ok = failed = 0
-    src = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")  # noqa: SIM115
+    settings = redis_settings(args)
+    client = ScoringClient.from_settings(
+        settings, queue=args.queue, partitions=args.partitions, mode=args.mode
+    )
     try:
-        with (
-            src,
-            open(args.out, "a", encoding="utf-8") as out,
-            ScoringClient.from_settings(
-                redis_settings(args), queue=args.queue, partitions=args.partitions, mode=args.mode
-            ) as client,
-        ):
+        if not _wait_for_workers(client, args.queue, args.wait_for_workers):
+            waited = f" within {args.wait_for_workers:g} s" if args.wait_for_workers else ""
+            print(f"error: no worker serves queue {args.queue!r} on {settings.redacted_url}"
+                  f"{waited}: nothing was submitted", file=sys.stderr)  # fmt: skip
+            print(f"  start one (scoring-worker serve --queue {args.queue}), check the name "
+                  "(scoring-worker info --list), or wait with --wait-for-workers SECONDS",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        bar = _progress(None if total is None else max(total - len(done), 0), args.no_progress)
+        src = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")  # noqa: SIM115
+        with src, open(args.out, "a", encoding="utf-8") as out:
             results = client.score_many(
                 _read_jobs(src, done, bad_lines, (args.adapter, args.version)),
                 max_in_flight=args.max_in_flight,
@@ -273,14 +344,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
+        client.close()
         if bar is not None:
             with contextlib.suppress(Exception):
                 bar.close()
     for bad in bad_lines:
         print(f"skipped line {bad['line']}: {bad['message']}", file=sys.stderr)
-    print(
-        f"{ok} scored, {failed} failed, {skipped} already done, {len(bad_lines)} unreadable "
-        f"-> {args.out}",
-        file=sys.stderr,
-    )
-    return 0 if not failed and not bad_lines else 1
+    errors = failed + len(earlier.failed)
+    summary = f"{ok} scored, {failed} failed"
+    if earlier.done:
+        summary += f"; earlier runs: {len(earlier.scored)} scored, {len(earlier.failed)} failed"
+    summary += f"; {len(bad_lines)} unreadable -> {args.out}"
+    print(summary, file=sys.stderr)
+    if earlier.failed:
+        print(f"  {len(earlier.failed)} earlier error lines kept in {args.out}; "
+              "--retry-errors runs them again", file=sys.stderr)  # fmt: skip
+    return 0 if not errors and not bad_lines else 1

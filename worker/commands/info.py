@@ -14,7 +14,7 @@ import redis
 
 from worker.commands._options import add_queue_args, add_redis_args, redis_settings
 from worker.connections import connect
-from worker.streams.admin import queue_info
+from worker.streams.admin import known_queues, queue_exists, queue_info
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +22,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_redis_args(parser)
     add_queue_args(parser)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument(
+        "--list",
+        action="store_true",
+        help="list the queues this server holds (job streams and worker heartbeats) and exit",
+    )
 
 
 def _fmt(value: Any, suffix: str = "") -> str:
@@ -111,14 +116,27 @@ def _workers(workers: list[dict[str, Any]]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the queue state; exit 1 when Redis cannot be reached."""
-    client = connect(redis_settings(args))
+    """Print the queue state. Exit 1 when Redis cannot be read, 2 when the queue is unknown
+    (no job stream, no group, no live worker: a typo, most likely; the known queues are named)."""
+    settings = redis_settings(args)
+    client = connect(settings)
     try:
+        if args.list:
+            queues = known_queues(client)
+            print(json.dumps(queues) if args.json else "\n".join(queues) or "(no queues)")
+            return 0
         info = queue_info(client, args.queue, args.partitions, args.group)
+        queues = [] if queue_exists(info) else known_queues(client)
     except redis.RedisError as exc:
         print(f"error: cannot read {args.queue!r} from Redis: {exc}", file=sys.stderr)
         return 1
     finally:
         client.close()
+    if not queue_exists(info):
+        print(f"error: no queue {args.queue!r} on {settings.redacted_url}: no job stream, no "
+              "consumer group and no live worker", file=sys.stderr)  # fmt: skip
+        known = ", ".join(queues) if queues else "none"
+        print(f"  queues there: {known} (--queue NAME)", file=sys.stderr)
+        return 2
     print(json.dumps(info, indent=2) if args.json else render(info))
     return 0

@@ -146,8 +146,7 @@ class Worker:
         if cfg.metrics_port is not None and self.http is None:
             self.http = HealthServer(
                 self.metrics.registry, self.health, host=cfg.metrics_host, port=cfg.metrics_port
-            ).start()
-            log.info("metrics on http://%s:%d/metrics", self.http.host, self.http.port)
+            ).start()  # logs "metrics on http://HOST:PORT/metrics", once
         self.metrics.up.set(1)
         self.health.model_ready = True
         self.metrics.set_backend(str(self.scorer.info.get("attention_backend") or "none"))

@@ -19,11 +19,30 @@ adapters, process-reward heads, chat templates, the reward side of a call).
 
 from __future__ import annotations
 
-from worker.executor.config import ExecutorConfig
-from worker.executor.core import StatelessExecutor
+from typing import TYPE_CHECKING, Any
+
 from worker.modes import MODES, Mode
 from worker.scorer.inputs import SequenceInput
 from worker.scorer.outputs import BatchMetrics, FallbackEvent, ScoreOutput, SequenceScore
+
+if TYPE_CHECKING:
+    from worker.executor.config import ExecutorConfig
+    from worker.executor.core import StatelessExecutor
+
+# The torch-side names load on first use, so importing a torch-free module of this package
+# (``worker.executor.weights.source``: a model path checked before anything loads) stays quick.
+_LAZY = {"ExecutorConfig": "worker.executor.config", "StatelessExecutor": "worker.executor.core"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "MODES",

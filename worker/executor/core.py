@@ -269,7 +269,7 @@ class StatelessExecutor:
             "modes": list(self.modes),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
-            **self._rewards.info(),
+            **(self._rewards.info() if self.reward_model is not None else {}),
         }
 
     def close(self) -> None:

@@ -142,7 +142,7 @@ class HealthServer:
     def start(self) -> HealthServer:
         """Start serving; returns self."""
         self._thread.start()
-        log.info("metrics and health on http://%s:%d/metrics", self.host, self.port)
+        log.info("metrics on http://%s:%d/metrics (and /healthz, /readyz)", self.host, self.port)
         return self
 
     def stop(self) -> None:

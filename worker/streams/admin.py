@@ -106,6 +106,30 @@ def queue_info(
     }
 
 
+def known_queues(client: Any, max_keys: int = 100_000) -> list[str]:
+    """The queues this server holds a job stream or a worker index for (``SCAN MATCH
+    scoring:{*}:jobs`` and ``scoring:{*}:workers``, at most ``max_keys`` keys looked at per
+    pattern), sorted. For ``info`` when the queue asked for is not one of them."""
+    found: set[str] = set()
+    for pattern in (f"{keys.PREFIX}:{{*}}:jobs", f"{keys.PREFIX}:{{*}}:workers"):
+        for n, key in enumerate(client.scan_iter(match=pattern, count=1000)):
+            if n >= max_keys:
+                break
+            name = as_text(key)
+            tag = keys.hash_tag(name) or ""
+            queue = keys.queue_of(name) if name.endswith(":jobs") else tag
+            if queue:
+                found.add(queue)
+    return sorted(found)
+
+
+def queue_exists(info: dict[str, Any]) -> bool:
+    """Whether a ``queue_info`` result shows the queue at all: a job stream, a group or a live
+    worker (an unknown name shows none of them)."""
+    streams = info["streams"]
+    return bool(info["workers"]) or any(s["exists"] or s["group_exists"] for s in streams)
+
+
 # ----------------------------------------------------------------------------- dead letters
 
 

@@ -5,7 +5,8 @@ the ``.gguf`` file itself (``split_gguf_path`` turns the latter into the former)
 
 Offline mode is huggingface_hub's (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``; the hub library
 reads them at import, ``offline()`` also re-reads them at load time); when it is on, loading never
-touches the network (``local_files_only=True``).
+touches the network (``local_files_only=True``). Before anything loads,
+``source.check_model_source`` refuses a missing local path or an unreachable hub id at once.
 ``trust_remote_code`` stays off unless the caller asks.
 """
 
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from worker.errors import ConfigError
+from worker.executor.weights.source import check_model_source, offline
 
 log = logging.getLogger(__name__)
 
@@ -51,22 +53,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.float32
-
-
-_TRUE = {"1", "ON", "YES", "TRUE"}
-
-
-def offline() -> bool:
-    """Whether loading must stay offline: huggingface_hub's offline mode, or ``HF_HUB_OFFLINE`` /
-    ``TRANSFORMERS_OFFLINE`` set now (huggingface_hub reads them once, at import)."""
-    from huggingface_hub import is_offline_mode
-
-    if is_offline_mode():
-        return True
-    return any(
-        os.environ.get(name, "").upper() in _TRUE
-        for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    )
 
 
 def split_gguf_path(name_or_path: str, gguf_file: str | None = None) -> tuple[str, str | None]:
@@ -128,6 +114,8 @@ def load_model(
     """
     import transformers
 
+    # A missing local path fails here at once; serve also checks hub ids (offline, reachable).
+    check_model_source(name_or_path, flag=f"{kind} model", gguf_file=gguf_file, hub=False)
     name_or_path, gguf_file = split_gguf_path(name_or_path, gguf_file)
 
     cls: Any = transformers.AutoModelForCausalLM
@@ -222,6 +210,23 @@ def load_tokenizer(name_or_path: str, *, gguf_file: str | None = None) -> Any:
     return AutoTokenizer.from_pretrained(name_or_path, **kwargs)
 
 
+#: Files one of which a checkpoint folder with a tokenizer holds.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
+    "sentencepiece.bpe.model", "vocab.txt",
+)  # fmt: skip
+
+
+def has_tokenizer_files(name_or_path: str) -> bool:
+    """Whether a local checkpoint folder holds tokenizer files (a hub id or a GGUF file: True,
+    they are looked for when loading); a folder without them would make transformers guess a
+    slow tokenizer class and warn at length before failing."""
+    path = Path(name_or_path)
+    if not path.is_dir():
+        return True
+    return any((path / f).is_file() for f in TOKENIZER_FILES)
+
+
 def load_tokenizers(
     reference_model: str | None,
     reward_model: str | None,
@@ -236,6 +241,9 @@ def load_tokenizers(
 
     def one(name: str | None, gguf: str | None) -> Any:
         if not name:
+            return None
+        if gguf is None and not has_tokenizer_files(name):
+            log.info("%s has no tokenizer files: token ids only (no messages, no text)", name)
             return None
         try:
             return load_tokenizer(name, gguf_file=gguf)
