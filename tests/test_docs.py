@@ -1,0 +1,177 @@
+"""The docs run: every ``python`` and ``bash`` block of README.md and docs/*.md is executed, in
+order, against a real worker (Sybil parses the Markdown; the blocks of one page share one
+namespace, so a page reads like one script).
+
+The world the pages assume, set up here once:
+
+* a folder holding ``./models/tiny-llama`` and ``./models/tiny-reward``, as written by
+  ``scoring-worker demo --save-models ./models``, is the working directory of every block;
+* ``redis://127.0.0.1:6379/0`` in a block means this run's Redis (the machine's server on a
+  database of its own, or the embedded one), and ``127.0.0.1:9400`` the worker's metrics port;
+* a worker serves queue ``default`` with both tiny models, as
+  ``scoring-worker serve --reference-model ./models/tiny-llama --reward-model ./models/tiny-reward``
+  would.
+
+A block that cannot run here is preceded by ``<!-- skip: next "why" -->`` (the reason is
+required: ``test_every_skip_says_why``). ``bash`` blocks run with ``bash -euo pipefail`` and the
+venv's ``scoring-worker`` first on ``PATH``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from unittest import SkipTest
+
+import pytest
+import redis
+from sybil import Example, Sybil
+from sybil.parsers.markdown import CodeBlockParser, SkipParser
+
+from tests.support.daemon import WorkerProc
+from worker.devtools.embedded import free_port
+from worker.devtools.tiny import save_tiny_models
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+DOC_URL = "redis://127.0.0.1:6379/0"
+DOC_METRICS = "127.0.0.1:9400"
+DOC_DB = 14
+"""The database of the machine's Redis that the doc blocks use (flushed before they run)."""
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis]
+
+
+@dataclass
+class DocWorld:
+    """Where the blocks run: the working directory, the URL and metrics port they mean."""
+
+    workdir: Path
+    redis_url: str
+    metrics: str
+    env: dict[str, str]
+
+    def substitute(self, source: str) -> str:
+        """A block's source with the documented addresses replaced by this run's."""
+        return source.replace(DOC_URL, self.redis_url).replace(DOC_METRICS, self.metrics)
+
+
+WORLD: DocWorld | None = None
+
+
+def _run_python(example: Example) -> None:
+    assert WORLD is not None
+    source = "\n" * (example.line - 1) + WORLD.substitute(example.parsed)
+    code = compile(source, str(example.path), "exec")
+    exec(code, example.namespace)
+
+
+def _run_bash(example: Example) -> None:
+    assert WORLD is not None
+    proc = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", WORLD.substitute(example.parsed)],
+        cwd=WORLD.workdir, env=WORLD.env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"{example.path}:{example.line}: bash exited {proc.returncode}\n"
+            f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+        )
+
+
+SYBIL = Sybil(
+    parsers=[
+        CodeBlockParser(language="python", evaluator=_run_python),
+        CodeBlockParser(language="bash", evaluator=_run_bash),
+        SkipParser(),
+    ],
+    path=str(ROOT),
+)
+
+
+def _doc_redis_url(base: str) -> str:
+    """The test server's URL on the doc blocks' own database."""
+    return re.sub(r"/\d+$", "", base.rstrip("/")) + f"/{DOC_DB}"
+
+
+@pytest.fixture(scope="module")
+def world(machine_redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DocWorld]:
+    """The tiny models, a clean database and a worker serving both models on ``default``."""
+    global WORLD
+    workdir = tmp_path_factory.mktemp("docs")
+    save_tiny_models(workdir / "models")
+    url = _doc_redis_url(machine_redis_url)
+    redis.Redis.from_url(url).flushdb()
+    port = free_port()
+    bin_dir = str(Path(sys.executable).parent)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SCORING_")}
+    env.update(PATH=f"{bin_dir}:{env.get('PATH', '')}", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    worker = WorkerProc(
+        ["--redis-url", url, "--metrics-port", str(port), "--block-ms", "200",
+         "--reference-model", str(workdir / "models" / "tiny-llama"),
+         "--reward-model", str(workdir / "models" / "tiny-reward")],
+        workdir / "worker.log",
+    )  # fmt: skip
+    WORLD = DocWorld(workdir, url, f"127.0.0.1:{port}", env)
+    try:
+        worker.wait_ready(120)
+        yield WORLD
+    finally:
+        WORLD = None
+        worker.signal(15)
+        try:
+            worker.wait_exit(30)
+        finally:
+            worker.stop()
+        redis.Redis.from_url(url).flushdb()
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_the_page_runs(page: str, world: DocWorld, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every block of ``page`` runs, in order; skipped blocks say why."""
+    monkeypatch.chdir(world.workdir)
+    document = SYBIL.parse(ROOT / page)
+    for example in document.examples():
+        try:
+            example.evaluate()
+        except SkipTest:
+            continue
+    client = document.namespace.get("client")
+    if hasattr(client, "close"):
+        client.close()
+
+
+def _fences(text: str) -> Iterator[tuple[int, str, str, list[str]]]:
+    """``(line, language, the line just before the fence, the block's lines)`` of each block."""
+    lines = text.splitlines()
+    start: int | None = None
+    for i, line in enumerate(lines):
+        if not line.startswith("```"):
+            continue
+        if start is None:
+            start = i
+            continue
+        before = next((x for x in reversed(lines[:start]) if x.strip()), "")
+        yield start + 1, lines[start][3:].strip(), before, lines[start + 1 : i]
+        start = None
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_skip_says_why_and_commands_are_bash(page: str) -> None:
+    """A skipped block gives its reason (``<!-- skip: next "why" -->``); a command to type
+    (``$ ...``) stands in a ``bash`` block that runs, never in an untagged or ``text`` one."""
+    text = (ROOT / page).read_text()
+    for line, lang, before, body in _fences(text):
+        if "skip:" in before:
+            assert re.fullmatch(r'<!-- skip: next "[^"]{8,}" -->', before.strip()), (
+                f"{page}:{line}: a skip needs a reason: {before!r}"
+            )
+        if lang not in ("bash", "python"):
+            typed = [x for x in body if x.startswith("$ ")]
+            assert not typed, f"{page}:{line}: commands in a {lang or 'plain'} block: {typed}"
+    assert "skip: start" not in text, f"{page}: skip blocks one by one, each with its reason"
