@@ -1,4 +1,5 @@
-# The single entry point: `make demo`, `make test`, `make lint`, `make bench`, `make test-faults`.
+# The single entry point: `make demo`, `make test`, `make lint`, `make bench` (`bench-full`),
+# `make test-faults`.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -6,7 +7,7 @@ PIP := $(VENV)/bin/pip
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test test-quick test-faults test-gpu soak lint format bench clean
+.PHONY: venv demo test test-quick test-faults test-gpu soak lint format bench bench-full clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,8 +51,12 @@ format: venv
 	$(VENV)/bin/ruff format worker tests
 	$(VENV)/bin/ruff check --fix worker tests
 
+# The headline tables (README, docs/performance.md) in under 15 minutes; bench-full: every suite.
 bench: venv
 	$(VENV)/bin/scoring-worker bench $(BENCH_ARGS)
+
+bench-full: venv
+	$(VENV)/bin/scoring-worker bench --suite all $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache

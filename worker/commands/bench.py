@@ -2,19 +2,20 @@
 
 Suites: ``executor`` (naive in-trainer scoring vs the stateless executor), ``floor`` (the
 executor's reference-mode time over the least work scoring needs, on SmolLM2-135M and the
-synthetic 32k/128k models), ``e2e`` (the same
-jobs through Redis and a worker, pipelined and not, vs in-process), ``small`` (1,000 small jobs
-at a fixed offered rate: jobs/s and latency against ``--max-wait-ms``), ``naive`` (end to end vs
-naive in-trainer scoring on the synthetic 128k-vocab model and SmolLM2-135M: time and peak RSS),
-``capacity`` (queue throughput with the no-op scorer), ``adapters`` (jobs over 3 resident
-LoRA adapters vs one model, cold adapter loads, a full-model switch per job). Extra arguments
-after ``--`` go to the suite's own ``main``.
+synthetic 32k/128k models), ``e2e`` (the same jobs through Redis and a worker, pipelined and not,
+vs in-process), ``small`` (1,000 small jobs at a fixed offered rate: jobs/s and latency against
+``--max-wait-ms``), ``naive`` (end to end vs naive in-trainer scoring on the synthetic
+128k-vocab model and SmolLM2-135M: time and peak RSS), ``dtype`` (SmolLM2 in float32 and
+bfloat16 on the CPU), ``capacity`` (queue throughput with the no-op scorer), ``adapters`` (jobs
+over 3 resident LoRA adapters vs one model, cold adapter loads, a full-model switch per job).
+Extra arguments after ``--`` go to the suite's own ``main``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import time
 
 SUITES = {
     "executor": "worker.devtools.bench.executor",
@@ -22,9 +23,14 @@ SUITES = {
     "e2e": "worker.devtools.bench.e2e",
     "small": "worker.devtools.bench.small",
     "naive": "worker.devtools.bench.naive",
+    "dtype": "worker.devtools.bench.dtype",
     "capacity": "worker.devtools.bench.capacity",
     "adapters": "worker.devtools.bench.adapters",
 }
+
+HEADLINE = ("naive", "executor", "floor", "e2e", "small", "dtype")
+"""What ``make bench`` runs (under 15 minutes on a 2-core CPU machine): the README's figures.
+``dtype`` only where the CPU multiplies bfloat16 natively; ``--suite all`` runs every suite."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +39,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--suite",
         action="append",
         choices=[*SUITES, "all"],
-        help="which benchmark(s) to run (repeatable; default: all but capacity)",
+        help="which benchmark(s) to run (repeatable; default: the headline, "
+        f"{', '.join(HEADLINE)}; all: every suite, about 45 minutes)",
     )
     parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
     parser.add_argument(
@@ -43,9 +50,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _headline() -> list[str]:
+    from worker.executor.weights.loading import cpu_bf16_support
+
+    if cpu_bf16_support():
+        return list(HEADLINE)
+    print("dtype: left out (this CPU has no native bfloat16; --suite dtype runs it anyway)")
+    return [name for name in HEADLINE if name != "dtype"]
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the chosen suites in order; the exit code is the worst suite's."""
-    suites = args.suite or [name for name in SUITES if name != "capacity"]
+    suites = args.suite or _headline()
     if "all" in suites:
         suites = list(SUITES)
     extra = [a for a in args.suite_args if a != "--"]
@@ -54,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     worst = 0
     for name in suites:
         module = importlib.import_module(SUITES[name])
+        started = time.monotonic()
         rc = int(module.main(list(extra)) or 0)
+        print(f"[bench] {name}: {time.monotonic() - started:.0f} s, exit {rc}", flush=True)
         worst = max(worst, rc)
     return worst

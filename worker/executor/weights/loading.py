@@ -45,10 +45,30 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
+def cpu_bf16_support() -> bool | None:
+    """Whether this CPU multiplies bfloat16 natively (``amx_bf16`` or ``avx512_bf16`` among the
+    ``/proc/cpuinfo`` flags); ``None`` where the flags cannot be read (not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = next((line for line in fh if line.startswith("flags")), "").split()
+    except OSError:
+        return None
+    return bool({"amx_bf16", "avx512_bf16"} & set(flags))
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """Model dtype: explicit names as given; ``auto`` = bfloat16 on CUDA (float16 without bf16
-    support), float32 on CPU (half-precision matmuls are slow and inexact there)."""
+    support), float32 on CPU (half-precision matmuls are slow and inexact there). bfloat16 on a
+    CPU without native support (no AMX, no AVX512-BF16) is allowed but warned about: its matmuls
+    are emulated there, several times slower than float32."""
+    if dtype not in ("auto", *_DTYPES):
+        raise ConfigError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {dtype!r}")
     if dtype != "auto":
+        if device.type == "cpu" and dtype != "float32" and cpu_bf16_support() is False:
+            log.warning(
+                "dtype %s on a CPU without native bfloat16 (no amx_bf16 / avx512_bf16 flag): "
+                "its matmuls are emulated and slower than float32 here", dtype,
+            )  # fmt: skip
         return _DTYPES[dtype]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
