@@ -61,18 +61,21 @@ bench-full: venv
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache
 
-# The GPU check (README "GPU check"). `make gpu-wheels` on a machine with PyPI downloads the few
-# pure-Python wheels the GPU machine lacks; `make gpu-check OUT=dir` runs there under the system
-# python3 (no venv, no network, no Redis). DRY=1: print every step, run nothing.
+# The GPU check (docs/gpu-check.md). `make gpu-wheels` on a machine with PyPI downloads the few
+# wheels the GPU machine lacks into the git-ignored .gpu-wheels/ (copy the tree WITH it); on the
+# GPU machine `python3 -m worker.devtools.gpu_check --out DIR` (= `make gpu-check OUT=dir`) runs
+# under the system python3 (no venv, no network, no Redis, no make needed). DRY=1: print every
+# step, run nothing. GPU_WHEELS_ARGS="--also-python 3.11": also that CPython's binary wheels.
 GPU_PYTHON ?= python3
 GPU_WHEELS ?= .gpu-wheels
 OUT ?= gpu-check-out
 GPU_CHECK_ARGS ?=
+GPU_WHEELS_ARGS ?=
 
 .PHONY: gpu-wheels gpu-check
 
 gpu-wheels:
-	$(PYTHON) -m worker.devtools.gpu_check.wheels --dest $(GPU_WHEELS)
+	$(PYTHON) -m worker.devtools.gpu_check.wheels --dest $(GPU_WHEELS) $(GPU_WHEELS_ARGS)
 
 gpu-check:
 	$(GPU_PYTHON) -m worker.devtools.gpu_check --wheels $(GPU_WHEELS) --out $(OUT) \

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import uuid
@@ -9,9 +10,14 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from hypothesis import settings
 
 from worker.devtools.embedded import EmbeddedRedis, free_port
+
+# hypothesis is a test-only import: the GPU check's python3 (no `test` extra) runs the GPU tests
+# without it, so nothing here may require it.
+HAVE_HYPOTHESIS = importlib.util.find_spec("hypothesis") is not None
+if HAVE_HYPOTHESIS:
+    from hypothesis import settings
 
 MACHINE_REDIS_URL = os.environ.get("SCORING_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -26,9 +32,10 @@ log = logging.getLogger("tests.conftest")
 # "dev" (local runs) keeps exploring new examples each run. CI=true selects "ci";
 # HYPOTHESIS_PROFILE names one explicitly ("long" is "dev" for long fuzz runs, see
 # tests/test_fuzz_protocol.py).
-settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
-settings.register_profile("dev")
-settings.register_profile("long")
+if HAVE_HYPOTHESIS:
+    settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+    settings.register_profile("dev")
+    settings.register_profile("long")
 
 
 def _hypothesis_profile() -> str:
@@ -39,11 +46,14 @@ def _hypothesis_profile() -> str:
 
 
 HYPOTHESIS_PROFILE = _hypothesis_profile()
-settings.load_profile(HYPOTHESIS_PROFILE)
+if HAVE_HYPOTHESIS:
+    settings.load_profile(HYPOTHESIS_PROFILE)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
     """Which hypothesis profile runs, and how its seed is chosen (printed at session start)."""
+    if not HAVE_HYPOTHESIS:
+        return "hypothesis: not installed (the property tests cannot run here)"
     if settings.default.derandomize:
         seed = "derandomized: each test's seed is a digest of its source, the same every run"
     else:

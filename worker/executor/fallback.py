@@ -128,23 +128,38 @@ class BatchRunner:
         )
 
     def run_group(self, group: list[int], call: ScoreCall) -> None:
-        """Run one planned batch into ``call``; on device OOM split it in halves."""
-        device = self.forward.device
+        """Run one planned batch into ``call``; on device OOM split it in halves.
+
+        The OOM is only recorded inside the ``except``; the recovery runs after it. While the
+        exception is bound, its traceback keeps every frame of the failed forward alive, and with
+        them its hidden states, q/k/v and masks: halves run there would find that memory still
+        taken and split far more often than needed (PyTorch FAQ, "My out of memory exception
+        handler can't allocate memory"). Leaving the block drops the traceback; the device cache
+        is freed, then the halves run.
+        """
         try:
             call.add(group, self._run_with_fallback(group, call))
+            return
         except torch.OutOfMemoryError as exc:
-            free_device_memory(device)
-            if len(group) == 1:
-                n = len(call.prepared[group[0]].ids)
-                log.warning("sequence of %d tokens does not fit on %s", n, device)
-                error = TooLong(f"sequence of {n} tokens does not fit on {device}: {exc}"[:500])
-                call.results[group[0]] = SequenceScore(error=error)
-                return
-            call.oom_splits += 1
-            half = len(group) // 2
-            log.warning("out of memory on a batch of %d sequences; splitting", len(group))
-            self.run_group(group[:half], call)
-            self.run_group(group[half:], call)
+            message = str(exc)  # a string only: nothing that reaches the failed frames
+        self._recover(group, call, message)
+
+    def _recover(self, group: list[int], call: ScoreCall, message: str) -> None:
+        """After an OOM on ``group`` (outside its ``except``): free the device cache, then split
+        the batch in halves, or mark a lone sequence ``TooLong``."""
+        device = self.forward.device
+        free_device_memory(device)
+        if len(group) == 1:
+            n = len(call.prepared[group[0]].ids)
+            log.warning("sequence of %d tokens does not fit on %s", n, device)
+            error = TooLong(f"sequence of {n} tokens does not fit on {device}: {message}"[:500])
+            call.results[group[0]] = SequenceScore(error=error)
+            return
+        call.oom_splits += 1
+        half = len(group) // 2
+        log.warning("out of memory on a batch of %d sequences; splitting", len(group))
+        self.run_group(group[:half], call)
+        self.run_group(group[half:], call)
 
     def _run_with_fallback(self, group: list[int], call: ScoreCall) -> BatchResult:
         """Run a batch; an attention-kernel error retries it on the next backend(s)."""

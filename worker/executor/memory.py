@@ -3,6 +3,7 @@ high-water mark on CPU."""
 
 from __future__ import annotations
 
+import gc
 import os
 import resource
 
@@ -52,6 +53,8 @@ def device_total_bytes(device: torch.device) -> int | None:
 
 
 def free_device_memory(device: torch.device) -> None:
-    """Return cached CUDA blocks to the driver (after an out-of-memory error)."""
+    """After an out-of-memory error (called outside its ``except``): collect what only a
+    reference cycle still holds, then return cached CUDA blocks to the driver."""
     if device.type == "cuda":
+        gc.collect()
         torch.cuda.empty_cache()

@@ -3,19 +3,22 @@ on the check's device, jobs submitted with ``ScoringClient``; every job must be 
 log-probs an in-process ``StatelessExecutor`` computes from the same saved model.
 
 1. The benchmark's Llama shape with 2 layers (vocab kept: the LM head is most of a scoring pass)
-   is saved with ``save_pretrained`` to a temporary directory, in the device's dtype.
-2. The worker subprocess loads it (``--device``, ``--dtype``); meanwhile this process scores every
-   job in process, one ``score`` call per job.
-3. One untimed job waits out the worker's start; then every job goes through ``score_many``
-   (64 in flight) and the clock runs from the first submit to the last result: jobs/s, tokens/s.
+   is saved with ``save_pretrained`` under ``OUT/scratch/e2e-model`` (about 1.3 GB in bf16 on the
+   GPU) in the device's dtype, and removed when the step ends.
+2. The worker subprocess loads it (``--device``, ``--dtype``), its log going to
+   ``OUT/worker.log``; meanwhile this process scores every job in process, one ``score`` call per
+   job.
+3. One untimed job waits out the worker's start, polling the worker between short waits: a worker
+   that exits fails the step at once with its exit code and log tail. Then every job goes
+   through ``score_many`` (64 in flight) and the clock runs from the first submit to the last
+   result: jobs/s, tokens/s. Every wait ends inside the step's own deadline.
 """
 
 from __future__ import annotations
 
-import os
+import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +31,9 @@ from worker.devtools.gpu_check.record import CheckFailed, Setup, StepReport
 
 SEQS_PER_JOB = 4
 MAX_BATCH_TOKENS = 16384
-START_TIMEOUT_S = 180.0
+POLL_S = 1.0  # a wait on the first result between two looks at the worker process
+#: seconds of the step's deadline kept for what follows the last wait (stop the worker, record)
+RESERVE_S = 12.0
 
 
 def _jobs(shape: gs.Shape) -> list[list[dict[str, Any]]]:
@@ -69,17 +74,53 @@ def _in_process(model_dir: Path, device: str, dtype: str, jobs: list[Any]) -> li
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> int | None:
-    """SIGTERM the worker, then SIGKILL after 30 s; its exit code."""
+    """SIGTERM the worker, then SIGKILL after 8 s; its exit code."""
+    if proc.poll() is not None:
+        return proc.returncode
     proc.terminate()
     try:
-        return proc.wait(30)
+        return proc.wait(8)
     except subprocess.TimeoutExpired:
         proc.kill()
-        return proc.wait(10)
+        return proc.wait(5)
 
 
 def _tail(path: Path, limit: int = 2000) -> str:
     return path.read_text(errors="replace")[-limit:] if path.exists() else ""
+
+
+def _first_result(
+    client: Any,
+    job: list[dict[str, Any]],
+    proc: subprocess.Popen[bytes],
+    report: StepReport,
+    log_path: Path,
+) -> float:
+    """Submit ``job`` and wait for its result while the worker loads: between waits of
+    ``POLL_S`` the worker process is looked at, and a dead one fails the step at once. Seconds
+    until the answer."""
+    from worker.client import ScoringTimeout
+
+    t0 = time.perf_counter()
+    handle = client.submit(job)
+    while True:
+        code = proc.poll()
+        if code is not None:
+            raise CheckFailed(
+                f"the worker exited with code {code} before answering (OUT/worker.log): "
+                + _tail(log_path, 600)
+            )
+        left = report.remaining_s() - RESERVE_S
+        if left <= 0:
+            raise CheckFailed(
+                f"the worker did not answer its first job in {time.perf_counter() - t0:.0f} s "
+                "(the step's deadline; OUT/worker.log): " + _tail(log_path, 600)
+            )
+        try:
+            client.result(handle, timeout=min(POLL_S, left))
+            return time.perf_counter() - t0
+        except ScoringTimeout:
+            continue
 
 
 def step_e2e(setup: Setup, report: StepReport) -> None:
@@ -93,34 +134,42 @@ def step_e2e(setup: Setup, report: StepReport) -> None:
     jobs = _jobs(shape)
     tokens = sum(len(s["tokens"]) for job in jobs for s in job)
     report.put(shape=shape.as_dict(), dtype=dtype, jobs=len(jobs), real_tokens=tokens)
-    with tempfile.TemporaryDirectory(prefix="gpu-check-e2e-") as tmp:
-        model_dir, log_path = Path(tmp) / "model", Path(tmp) / "worker.log"
+    model_dir, log_path = setup.scratch / "e2e-model", setup.work / "worker.log"
+    report.put(worker_log=str(log_path))
+    try:
+        report.stage("saving the model")
         model = gm.build_model(shape, setup.device, dtype)
         model.save_pretrained(model_dir)
         del model
         if setup.cuda:
             torch.cuda.empty_cache()
-        queue = f"gpucheck{os.getpid()}"
+        report.put(saved_model_bytes=sum(f.stat().st_size for f in model_dir.rglob("*")))
+        queue = "gpucheck"
         with EmbeddedRedis() as server, open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 _serve_argv(server.url, queue, model_dir, setup.device, dtype),
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
+            report.on_deadline(lambda: _stop(proc))
             try:
+                report.stage("scoring in process while the worker loads")
                 expected = _in_process(model_dir, setup.device, dtype, jobs)
                 with ScoringClient(server.url, queue=queue) as client:
+                    report.stage("waiting for the worker's first result")
+                    report.put(first_job_s=_first_result(client, jobs[0], proc, report, log_path))
+                    report.stage("timed jobs")
+                    timeout = max(1.0, report.remaining_s() - RESERVE_S)
                     t0 = time.perf_counter()
-                    client.score(jobs[0], timeout=START_TIMEOUT_S)  # waits out the worker's load
-                    report.put(first_job_s=time.perf_counter() - t0)
-                    t0 = time.perf_counter()
-                    results = list(client.score_many(jobs, max_in_flight=64, timeout=120.0))
+                    results = list(client.score_many(jobs, max_in_flight=64, timeout=timeout))
                     elapsed = time.perf_counter() - t0
             except Exception:
                 report.put(worker_log_tail=_tail(log_path))
                 raise
             finally:
                 exit_code = _stop(proc)
+    finally:
+        shutil.rmtree(model_dir, ignore_errors=True)  # 1.3 GB on the GPU: not kept under OUT
     got = [[s.logps for s in r.seqs] for r in results if not isinstance(r, Exception)]
     report.put(answered=len(got), seconds=elapsed, jobs_per_s=len(got) / elapsed)
     report.put(tokens_per_s=tokens / elapsed, worker_exit_code=exit_code)

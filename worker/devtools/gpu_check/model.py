@@ -1,6 +1,6 @@
 """The torch side of the GPU check: random-weight Llama models, ragged RL inputs, the naive
 in-trainer loop, parameter counts and timing / peak-memory helpers. Shapes, the bf16 peak table and
-the FLOP count are data in ``gpu_shapes``.
+the FLOP count are data in ``shapes``.
 """
 
 from __future__ import annotations
@@ -62,16 +62,20 @@ def token_counts(seqs: Sequence[SequenceInput]) -> dict[str, int]:
 
 
 @torch.inference_mode()
-def naive_logps(model: torch.nn.Module, seqs: Sequence[SequenceInput], batch: int) -> list[Any]:
+def naive_logps(
+    model: torch.nn.Module, seqs: Sequence[SequenceInput], batch: int, width: int = 0
+) -> list[Any]:
     """The in-trainer baseline on the model's device, ``batch`` sequences at a time in arrival
-    order: right-pad, full logits in float32, ``log_softmax``, ``gather``, keep the completion.
-    The same computation as ``worker.devtools.bench.naive_logps`` (which runs on CPU only)."""
+    order: right-pad (to the batch's longest, or to ``width`` if longer: one shape for every
+    batch, so a compiled attention kernel compiles once), full logits in float32,
+    ``log_softmax``, ``gather``, keep the completion. The same computation as
+    ``worker.devtools.bench.naive_logps`` (which runs on CPU only)."""
     device = next(model.parameters()).device
     out: list[Any] = []
     for start in range(0, len(seqs), batch):
         group = seqs[start : start + batch]
-        width = max(len(s.tokens) for s in group)
-        ids = torch.zeros(len(group), width, dtype=torch.long)  # [B, T]
+        cols = max(width, *(len(s.tokens) for s in group))
+        ids = torch.zeros(len(group), cols, dtype=torch.long)  # [B, T]
         attn = torch.zeros_like(ids)  # [B, T]
         for i, s in enumerate(group):
             ids[i, : len(s.tokens)] = torch.as_tensor(np.asarray(s.tokens))

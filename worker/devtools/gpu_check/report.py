@@ -57,7 +57,8 @@ def summary(name: str, step: dict[str, Any]) -> str:
         return f"{f.get('device_name', 'n/a')}, torch {f.get('torch', 'n/a')}"
     if name == "pytest":
         counts = f.get("counts") or {}
-        return ", ".join(f"{n} {k}" for k, n in counts.items()) or str(f.get("summary", ""))
+        text = ", ".join(f"{n} {k}" for k, n in counts.items()) or str(f.get("summary", ""))
+        return text + (f" ({f['note']})" if f.get("note") else "")
     if name == "bench":
         sides = f.get("sides") or {}
         ex, nv = sides.get("executor", {}), sides.get("naive", {})
@@ -67,8 +68,13 @@ def summary(name: str, step: dict[str, Any]) -> str:
             f"{fmt_pct(nv.get('mfu'))}, max |Δlogp| {fmt_diff(f.get('max_abs_logp_diff'))}"
         )
     if name == "oom":
+        cap = (
+            f"a simulated {f['cap_rows']}-row LM-head cap"
+            if f.get("cap") == "simulated"
+            else f"a {fmt_bytes(f.get('cap_bytes'))} cap"
+        )
         return (
-            f"{f.get('oom_splits', 'n/a')} splits under a {fmt_bytes(f.get('cap_bytes'))} cap, "
+            f"{f.get('oom_splits', 'n/a')} splits under {cap}, "
             f"max |Δlogp| {fmt_diff(f.get('max_abs_logp_diff'))}"
         )
     if name == "e2e":
@@ -122,7 +128,8 @@ def _bench_table(doc: dict[str, Any]) -> list[str]:
         f"Speed-up {fmt_num(f.get('speedup'), 2)}x; max |Δlogp| executor vs naive "
         f"{fmt_diff(f.get('max_abs_logp_diff'))} (tolerance {f.get('tolerance')}). MFU counts "
         "the useful FLOPs (body on every token, LM head on scored tokens, causal attention) "
-        "against the device's dense bf16 peak.",
+        f"against the device's dense bf16 peak ({f.get('mfu_peak_tflops') or 'n/a'} TFLOP/s; "
+        f"{f.get('mfu_peak_source') or 'no known peak: MFU n/a'}).",
     ]
     return lines
 
@@ -161,6 +168,12 @@ def _failures(doc: dict[str, Any]) -> list[str]:
     return ["", "## Failures", *lines] if lines else []
 
 
+def _peak_note(env: dict[str, Any]) -> str:
+    if not env.get("bf16_peak_source"):
+        return ""
+    return f" as {env.get('bf16_peak_variant')}: {env['bf16_peak_source']}"
+
+
 def render(doc: dict[str, Any]) -> str:
     """The whole markdown report."""
     env = _figures(doc, "env")
@@ -172,7 +185,7 @@ def render(doc: dict[str, Any]) -> str:
         "",
         f"- device: {env.get('device_name', 'n/a')} (capability {env.get('capability', 'n/a')}, "
         f"{fmt_bytes(env.get('total_memory_bytes'))}, dense bf16 peak "
-        f"{env.get('bf16_peak_tflops') or 'n/a'} TFLOP/s)",
+        f"{env.get('bf16_peak_tflops') or 'n/a'} TFLOP/s{_peak_note(env)})",
         f"- software: python {env.get('python', 'n/a')}, torch {env.get('torch', 'n/a')}, "
         f"transformers {env.get('transformers', 'n/a')}, CUDA {env.get('cuda_runtime', 'n/a')}",
         f"- mode: --device {mode.get('device')}{' --tiny' if mode.get('tiny') else ''}, "

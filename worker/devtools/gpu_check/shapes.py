@@ -1,6 +1,6 @@
 """What the GPU check measures with, as data: model shapes, the bf16 peak of known devices, and
 the FLOP count of a scoring pass. Standard library only (the dry run prints these under a
-``python3`` without torch); the torch side is ``gpu_model``.
+``python3`` without torch); the torch side is ``model``.
 
 ``FULL`` is a 1B-class Llama (Llama-3.2-1B's shape: hidden 2,048, 16 layers, 32 heads / 8 KV,
 MLP 8,192, vocab 128,256) with random weights; ``TINY`` is a 2-layer, 1,024-vocab stand-in that
@@ -13,7 +13,8 @@ Model FLOPs of a scoring pass (``useful_flops``), the work the job needs:
 ``+ 2 * layers * hidden * sum(T**2)`` (causal attention: ``QK^T`` and ``AV``, each
 ``2 * T * T * hidden`` halved by the mask). Padding, and the naive loop's LM head on prompt
 positions, are waste and are not counted. MFU = useful FLOPs / seconds / the device's dense bf16
-peak (``bf16_peak_tflops``; ``None`` for a device not in the table, and on CPU).
+peak of the exact variant (``device_peak``: SXM, NVL and PCIe cards differ by up to 30%; ``None``
+for a device not in the table, and on CPU), named with its datasheet in the report.
 """
 
 from __future__ import annotations
@@ -22,15 +23,43 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 SEED = 1234
-#: Dense bf16 tensor-core peak (TFLOP/s, no sparsity) by the words in the device name; first match.
-BF16_PEAK_TFLOPS: tuple[tuple[tuple[str, ...], float], ...] = (
-    (("H200",), 989.4),
-    (("H100", "PCIe"), 756.0),
-    (("H100",), 989.4),
-    (("A100",), 312.0),
-    (("L40S",), 362.0),
-    (("L4",), 121.0),
-    (("A10G",), 125.0),
+
+
+@dataclass(frozen=True)
+class DevicePeak:
+    """The dense bf16 tensor-core peak of one device variant (no sparsity), and where it is from.
+
+    ``words``: all of them must be words of ``torch.cuda.get_device_name()`` (case and ``-``
+    ignored); ``variant``: the form factor the figure is for; ``source``: the vendor datasheet,
+    whose headline figure is usually *with* sparsity (then halved here, as the note says).
+    """
+
+    words: tuple[str, ...]
+    variant: str
+    tflops: float
+    source: str
+
+
+_H100 = "NVIDIA H100 Tensor Core GPU datasheet"
+_H200 = "NVIDIA H200 Tensor Core GPU datasheet"
+_B200 = "4.5 PFLOPS per GPU with sparsity, halved"
+_A10 = "250 with sparsity, halved"
+#: Known devices, most specific first (the first whose words all appear wins). CUDA names seen:
+#: "NVIDIA H100 80GB HBM3" (SXM5), "NVIDIA H100 NVL", "NVIDIA H100 PCIe", "NVIDIA H200" (SXM),
+#: "NVIDIA H200 NVL", "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe", "NVIDIA L40S",
+#: "NVIDIA B200".
+DEVICE_PEAKS: tuple[DevicePeak, ...] = (
+    DevicePeak(("H100", "NVL"), "H100 NVL", 835.5, f"{_H100}: 1,671 with sparsity, halved"),
+    DevicePeak(("H100", "PCIe"), "H100 PCIe", 756.5, f"{_H100}: 1,513 with sparsity, halved"),
+    DevicePeak(("H100",), "H100 SXM", 989.4, f"{_H100}: 1,979 with sparsity, halved"),
+    DevicePeak(("GH200",), "GH200", 989.4, "NVIDIA GH200 datasheet: 1,979 with sparsity, halved"),
+    DevicePeak(("H200", "NVL"), "H200 NVL", 835.5, f"{_H200}: 1,671 with sparsity, halved"),
+    DevicePeak(("H200",), "H200 SXM", 989.4, f"{_H200}: 1,979 with sparsity, halved"),
+    DevicePeak(("B200",), "B200 (HGX)", 2250.0, f"NVIDIA HGX B200 datasheet: {_B200}"),
+    DevicePeak(("A100",), "A100 (SXM4 and PCIe)", 312.0, "NVIDIA A100 datasheet: 312 dense"),
+    DevicePeak(("L40S",), "L40S", 362.05, "NVIDIA L40S datasheet: 733 with sparsity, halved"),
+    DevicePeak(("L4",), "L4", 121.0, "NVIDIA L4 datasheet: 242 with sparsity, halved"),
+    DevicePeak(("A10G",), "A10G", 125.0, f"NVIDIA A10 datasheet (A10G taken as an A10): {_A10}"),
 )
 
 
@@ -102,13 +131,19 @@ def useful_flops(params: dict[str, int], shape: Shape, counts: dict[str, int]) -
     return float(dense + attention)
 
 
-def bf16_peak_tflops(device_name: str) -> float | None:
-    """Dense bf16 peak of a known device (``BF16_PEAK_TFLOPS``), else ``None``."""
+def device_peak(device_name: str) -> DevicePeak | None:
+    """The ``DEVICE_PEAKS`` row of a CUDA device name, or ``None`` for a device not listed."""
     words = {w.lower() for w in device_name.replace("-", " ").split()}
-    for pattern, tflops in BF16_PEAK_TFLOPS:
-        if all(p.lower() in words for p in pattern):
-            return tflops
+    for peak in DEVICE_PEAKS:
+        if all(w.lower() in words for w in peak.words):
+            return peak
     return None
+
+
+def bf16_peak_tflops(device_name: str) -> float | None:
+    """Dense bf16 peak of a known device (``device_peak``), else ``None``."""
+    peak = device_peak(device_name)
+    return None if peak is None else peak.tflops
 
 
 def mfu(flops: float, seconds: float, peak_tflops: float | None) -> float | None:
