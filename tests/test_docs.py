@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -131,6 +132,9 @@ def world(machine_redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> I
     global WORLD
     workdir = tmp_path_factory.mktemp("docs")
     save_tiny_models(workdir / "models")
+    # the worker loads a copy: a block that writes ./models again (``demo --save-models``) must
+    # not rewrite files the worker may have memory-mapped
+    served = shutil.copytree(workdir / "models", tmp_path_factory.mktemp("served") / "models")
     url = _claim_doc_redis_url(machine_redis_url, f"{os.getpid()}-{workdir.name}")
     port = free_port()
     bin_dir = str(Path(sys.executable).parent)
@@ -141,8 +145,8 @@ def world(machine_redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> I
     )  # fmt: skip
     worker = WorkerProc(
         ["--redis-url", url, "--metrics-port", str(port), "--block-ms", "200",
-         "--reference-model", str(workdir / "models" / "tiny-llama"),
-         "--reward-model", str(workdir / "models" / "tiny-reward")],
+         "--reference-model", str(served / "tiny-llama"),
+         "--reward-model", str(served / "tiny-reward")],
         workdir / "worker.log",
     )  # fmt: skip
     WORLD = DocWorld(workdir, url, f"127.0.0.1:{port}", env)
