@@ -5,7 +5,9 @@ namespace, so a page reads like one script).
 The world the pages assume, set up here once:
 
 * a folder holding ``./models/tiny-llama`` and ``./models/tiny-reward``, as written by
-  ``scoring-worker demo --save-models ./models``, is the working directory of every block;
+  ``scoring-worker demo --save-models ./models``, and ``./docs`` (this repository's, so
+  ``python docs/examples/distill.py`` runs as from a clone) is the working directory of every
+  block;
 * ``redis://127.0.0.1:6379/0`` in a block means this run's Redis (the machine's server on a
   database of its own, or the embedded one), and ``127.0.0.1:9400`` the worker's metrics port;
 * a worker serves queue ``default`` with both tiny models, as
@@ -135,6 +137,7 @@ def world(machine_redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> I
     # the worker loads a copy: a block that writes ./models again (``demo --save-models``) must
     # not rewrite files the worker may have memory-mapped
     served = shutil.copytree(workdir / "models", tmp_path_factory.mktemp("served") / "models")
+    (workdir / "docs").symlink_to(ROOT / "docs", target_is_directory=True)
     url = _claim_doc_redis_url(machine_redis_url, f"{os.getpid()}-{workdir.name}")
     port = free_port()
     bin_dir = str(Path(sys.executable).parent)
