@@ -5,7 +5,9 @@ namespace, so a page reads like one script).
 The world the pages assume, set up here once:
 
 * a folder holding ``./models/tiny-llama`` and ``./models/tiny-reward``, as written by
-  ``scoring-worker demo --save-models ./models``, is the working directory of every block;
+  ``scoring-worker demo --save-models ./models``, and ``./docs`` (this repository's, so
+  ``python docs/examples/distill.py`` runs as from a clone) is the working directory of every
+  block;
 * ``redis://127.0.0.1:6379/0`` in a block means this run's Redis (the machine's server on a
   database of its own, or the embedded one), and ``127.0.0.1:9400`` the worker's metrics port;
 * a worker serves queue ``default`` with both tiny models, as
@@ -13,14 +15,22 @@ The world the pages assume, set up here once:
   would.
 
 A block that cannot run here is preceded by ``<!-- skip: next "why" -->`` (the reason is
-required: ``test_every_skip_says_why``). ``bash`` blocks run with ``bash -euo pipefail`` and the
-venv's ``scoring-worker`` first on ``PATH``.
+required: ``test_every_skip_says_why``). ``bash`` (and ``sh``) blocks run with
+``bash -euo pipefail``, the venv's ``scoring-worker`` and ``python`` first on ``PATH``,
+``SCORING_REDIS_URL`` set to this run's Redis (a command that relies on the default URL means it
+too) and ``SCORING_METRICS_PORT=0`` (a worker a block starts takes a free port, never the
+docs' worker's). A command a reader types is never in a block that does not run: not after
+``$ `` in a ``console``, ``text`` or untagged block, nor as the first line of an untagged one.
+
+Two runs at once (two worktrees, one machine) never share a database: each takes the first of
+``DOC_DBS`` whose lock it can set.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -41,8 +51,16 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 DOC_URL = "redis://127.0.0.1:6379/0"
 DOC_METRICS = "127.0.0.1:9400"
-DOC_DB = 14
-"""The database of the machine's Redis that the doc blocks use (flushed before they run)."""
+DOC_DBS = (14, 15, 13)
+"""Databases of the machine's Redis the doc blocks may use: a run takes the first one whose lock
+it sets, and flushes it before and after."""
+DOC_LOCK = "scoring-docs:lock"
+SHELL_LANGUAGES = ("bash", "sh")
+COMMAND_WORDS = (
+    "scoring-worker", "python", "pip", "make", "redis-cli", "redis-server", "docker", "kubectl",
+    "curl", "helm",
+)  # fmt: skip
+"""How a shell command starts: such a first line in an untagged block is a command to type."""
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
@@ -66,7 +84,8 @@ WORLD: DocWorld | None = None
 
 def _run_python(example: Example) -> None:
     assert WORLD is not None
-    source = "\n" * (example.line - 1) + WORLD.substitute(example.parsed)
+    # as sybil's own evaluator pads: a traceback names the block's lines of the page
+    source = "\n" * (example.line + example.parsed.line_offset) + WORLD.substitute(example.parsed)
     code = compile(source, str(example.path), "exec")
     exec(code, example.namespace)
 
@@ -87,16 +106,26 @@ def _run_bash(example: Example) -> None:
 SYBIL = Sybil(
     parsers=[
         CodeBlockParser(language="python", evaluator=_run_python),
-        CodeBlockParser(language="bash", evaluator=_run_bash),
+        *(CodeBlockParser(language=lang, evaluator=_run_bash) for lang in SHELL_LANGUAGES),
         SkipParser(),
     ],
     path=str(ROOT),
 )
 
 
-def _doc_redis_url(base: str) -> str:
-    """The test server's URL on the doc blocks' own database."""
-    return re.sub(r"/\d+$", "", base.rstrip("/")) + f"/{DOC_DB}"
+def _claim_doc_redis_url(base: str, token: str) -> str:
+    """The test server's URL on a database of the doc blocks' own, locked for this run (the lock
+    expires after an hour should a run die without releasing it)."""
+    root = re.sub(r"/\d+$", "", base.rstrip("/"))
+    for db in DOC_DBS:
+        url = f"{root}/{db}"
+        server = redis.Redis.from_url(url)
+        if server.set(DOC_LOCK, token, nx=True, ex=3600):
+            for key in server.scan_iter(count=1000):
+                if key != DOC_LOCK.encode():
+                    server.delete(key)
+            return url
+    raise AssertionError(f"databases {DOC_DBS} of {root} are all taken by other doc runs")
 
 
 @pytest.fixture(scope="module")
@@ -105,16 +134,22 @@ def world(machine_redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> I
     global WORLD
     workdir = tmp_path_factory.mktemp("docs")
     save_tiny_models(workdir / "models")
-    url = _doc_redis_url(machine_redis_url)
-    redis.Redis.from_url(url).flushdb()
+    # the worker loads a copy: a block that writes ./models again (``demo --save-models``) must
+    # not rewrite files the worker may have memory-mapped
+    served = shutil.copytree(workdir / "models", tmp_path_factory.mktemp("served") / "models")
+    (workdir / "docs").symlink_to(ROOT / "docs", target_is_directory=True)
+    url = _claim_doc_redis_url(machine_redis_url, f"{os.getpid()}-{workdir.name}")
     port = free_port()
     bin_dir = str(Path(sys.executable).parent)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SCORING_")}
-    env.update(PATH=f"{bin_dir}:{env.get('PATH', '')}", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env.update(
+        PATH=f"{bin_dir}:{env.get('PATH', '')}", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
+        SCORING_REDIS_URL=url, SCORING_METRICS_PORT="0",
+    )  # fmt: skip
     worker = WorkerProc(
         ["--redis-url", url, "--metrics-port", str(port), "--block-ms", "200",
-         "--reference-model", str(workdir / "models" / "tiny-llama"),
-         "--reward-model", str(workdir / "models" / "tiny-reward")],
+         "--reference-model", str(served / "tiny-llama"),
+         "--reward-model", str(served / "tiny-reward")],
         workdir / "worker.log",
     )  # fmt: skip
     WORLD = DocWorld(workdir, url, f"127.0.0.1:{port}", env)
@@ -171,7 +206,13 @@ def test_every_skip_says_why_and_commands_are_bash(page: str) -> None:
             assert re.fullmatch(r'<!-- skip: next "[^"]{8,}" -->', before.strip()), (
                 f"{page}:{line}: a skip needs a reason: {before!r}"
             )
-        if lang not in ("bash", "python"):
-            typed = [x for x in body if x.startswith("$ ")]
-            assert not typed, f"{page}:{line}: commands in a {lang or 'plain'} block: {typed}"
+        if lang in ("python", *SHELL_LANGUAGES):
+            continue
+        typed = [x for x in body if x.startswith("$ ")]
+        assert not typed, f"{page}:{line}: commands in a {lang or 'plain'} block: {typed}"
+        first = next((x.strip() for x in body if x.strip()), "")
+        if not lang and first.split(" ", 1)[0] in COMMAND_WORDS:
+            raise AssertionError(
+                f"{page}:{line}: a command in an untagged block (make it bash): {first!r}"
+            )
     assert "skip: start" not in text, f"{page}: skip blocks one by one, each with its reason"

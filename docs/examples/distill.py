@@ -1,9 +1,10 @@
 """On-policy distillation against a scoring worker: one request for the teacher's per-token
 outputs, three KL losses from them (see docs/distillation.md).
 
-Runnable as it stands against any worker serving a reference model (``--vocab`` its vocabulary):
+Runnable as it stands against any worker serving a reference model on the queue (``--vocab`` its
+vocabulary; 259 for the tiny models of ``scoring-worker demo --save-models``):
 
-    python docs/examples/distill.py --redis-url redis://127.0.0.1:6379/0 --queue scoring --vocab 96
+    python docs/examples/distill.py --redis-url redis://127.0.0.1:6379/0 --queue default --vocab 259
 
 The "student" here is a random numpy model so the file needs no torch: in a trainer, its log-probs
 come from the policy's forward (with gradients) and the losses below are written in torch the same
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     """Parse the flags, run one step, print and return the mean losses."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    parser.add_argument("--queue", default="scoring")
+    parser.add_argument("--queue", default="default", help="the workers' --queue")
     parser.add_argument("--vocab", type=int, required=True, help="the teacher's vocabulary size")
     args = parser.parse_args(argv)
     with ScoringClient(args.redis_url, queue=args.queue) as client:
