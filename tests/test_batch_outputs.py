@@ -122,7 +122,8 @@ def test_score_many_takes_teacher_outputs_and_step_per_job_or_for_every_job(
 
 
 def _run_enqueue(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    rc = main(["enqueue", "--no-progress", *args])
+    # the in-process worker may not have written its first heartbeat yet: wait for it
+    rc = main(["enqueue", "--no-progress", "--wait-for-workers", "30", *args])
     return rc, capsys.readouterr().err
 
 

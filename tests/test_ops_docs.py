@@ -22,6 +22,7 @@ DOCS = ROOT / "docs"
 OPERATIONS = DOCS / "operations.md"
 SCALING = DOCS / "scaling.md"
 README = ROOT / "README.md"
+PERFORMANCE = DOCS / "performance.md"
 OPS_DOCS = [OPERATIONS, DOCS / "operations-worker.md", SCALING, README]
 OPS_FILES = sorted(p for p in (ROOT / "ops").rglob("*") if p.is_file())
 
@@ -154,13 +155,13 @@ def _capacity_rows(text: str, heading: str) -> dict[str, tuple[str, str]]:
     return out
 
 
-def test_scaling_doc_quotes_the_readme_capacity_figures() -> None:
-    readme, scaling = _text(README), _text(SCALING)
-    expected = _capacity_rows(readme, "**Queue capacity**")
+def test_scaling_doc_quotes_the_performance_capacity_figures() -> None:
+    perf, scaling = _text(PERFORMANCE), _text(SCALING)
+    expected = _capacity_rows(perf, "## Queue capacity")
     assert expected and len(expected) == 3
     assert _capacity_rows(scaling, "## Capacity") == expected
     for figure in ("37-54 µs", "8-10 µs", "19,000 jobs/s"):
-        assert figure in readme, figure
+        assert figure in perf, figure
         assert figure in scaling[scaling.index("## Capacity") :], figure
     best = max(int(v.replace(",", "")) for row in expected.values() for v in row[:1])
     assert f"measured basis ({best:,} jobs/s x P)" in scaling
