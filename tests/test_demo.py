@@ -98,7 +98,12 @@ def test_demo_tiny_model_external_redis_stops_on_ctrl_c(redis_url: str, key_pref
     assert "scores are meaningless" in out
     assert len(_rows(out)) == sum(len(c) for _, c in SAMPLES)
     proc.send_signal(signal.SIGINT)
-    _rest, err = proc.communicate(timeout=60)
+    try:
+        _rest, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # it ignored SIGINT: stop it (and its worker) before failing
+        proc.communicate(timeout=60)
+        raise
     assert proc.returncode == 0, err
     assert "worker stopped (exit 0)" in err
     pid = int(re.search(r"worker: pid (\d+)", out).group(1))
