@@ -7,7 +7,9 @@ jobs through Redis and a worker, pipelined and not, vs in-process), ``small`` (1
 at a fixed offered rate: jobs/s and latency against ``--max-wait-ms``), ``naive`` (end to end vs
 naive in-trainer scoring on the synthetic 128k-vocab model and SmolLM2-135M: time and peak RSS),
 ``capacity`` (queue throughput with the no-op scorer), ``adapters`` (jobs over 3 resident
-LoRA adapters vs one model, cold adapter loads, a full-model switch per job). Extra arguments
+LoRA adapters vs one model, cold adapter loads, a full-model switch per job), ``gateway`` (the
+HTTP gateway vs ``score_many``: one-sample requests on the no-op scorer, SmolLM2 log-prob
+requests). Extra arguments
 after ``--`` go to the suite's own ``main``.
 """
 
@@ -24,6 +26,7 @@ SUITES = {
     "naive": "worker.devtools.bench.naive",
     "capacity": "worker.devtools.bench.capacity",
     "adapters": "worker.devtools.bench.adapters",
+    "gateway": "worker.devtools.bench.gateway",
 }
 
 

@@ -1,0 +1,59 @@
+"""What every route module shares: the JSON response (vLLM's and SGLang's clients read
+``-Infinity`` and ``NaN`` as Python's ``json`` writes them), the request's core, the
+scoring-only checks, and the model field types."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Annotated, Any
+
+from pydantic import Field, StrictInt
+from starlette.requests import Request
+from starlette.responses import Response
+
+from worker.gateway.core import GatewayCore
+from worker.gateway.errors import GatewayError
+
+#: A token id as it travels (int32, >= 0; the worker checks it against its vocabulary).
+TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
+
+
+class Json(Response):
+    """``application/json`` written by ``json.dumps`` (``-Infinity`` and ``NaN`` allowed, as
+    vLLM's server writes a masked token's log-prob)."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
+
+
+def core_of(request: Request) -> GatewayCore:
+    """The gateway core the app holds."""
+    core: GatewayCore = request.app.state.core
+    return core
+
+
+def temperature(value: float | None) -> float:
+    """The scoring temperature: absent or 0 (greedy: no scaling) is 1.0; else it must be > 0."""
+    if value is None or value == 0:
+        return 1.0
+    if value < 0:
+        raise GatewayError("bad_request", f"temperature must be >= 0, got {value}")
+    return float(value)
+
+
+def scoring_only(max_tokens: int | None, what: str = "max_tokens", limit: int = 1) -> None:
+    """400 for a request that asks to generate (this gateway only scores)."""
+    if max_tokens is not None and max_tokens > limit:
+        raise GatewayError(
+            "bad_request",
+            f"{what}={max_tokens}: this gateway scores prompts and generates nothing; send "
+            f"{what} <= {limit} (the answer carries no generated text)",
+        )
+
+
+def request_id(prefix: str) -> str:
+    """A response id like vLLM's (``cmpl-<hex>``)."""
+    return f"{prefix}-{secrets.token_hex(16)}"
