@@ -47,7 +47,7 @@ class GatewayCore:
         self.coalescer: Coalescer | None = None
         self._alive: tuple[float, str | None] = (-1e9, None)  # (checked at, a live consumer)
         self._checking: asyncio.Future[str | None] | None = None  # the one check under way
-        self._model: tuple[float, str | None] = (-1e9, None)
+        self._served: str | None = None  # the model a live worker reported last
 
     async def start(self) -> None:
         """Create the client and the coalescer (in the running loop)."""
@@ -109,14 +109,18 @@ class GatewayCore:
         return consumer
 
     async def _find_worker(self) -> str | None:
+        """One live consumer (and the model it serves, for ``model_name``)."""
         now = time.monotonic()
         assert self.client is not None
-        found = await self.client.redis.zrangebyscore(
+        redis = self.client.redis
+        found = await redis.zrangebyscore(
             keys.workers_index(self.queue), time.time(), "+inf", start=0, num=1
         )
-        consumer = found[0].decode() if found and isinstance(found[0], bytes) else None
-        if found and consumer is None:
-            consumer = str(found[0])
+        consumer = _text(found[0]) if found else None
+        if consumer is not None:
+            model = await redis.hget(keys.worker_heartbeat(self.queue, consumer), "model")
+            if model:
+                self._served = _text(model)
         self._alive = (now, consumer)
         return consumer
 
@@ -132,22 +136,12 @@ class GatewayCore:
     # -- models and weights
 
     async def model_name(self) -> str:
-        """The served model's name: ``--model-name``, else what a live worker reports."""
+        """The served model's name: ``--model-name``, else what a live worker reports (read
+        with the liveness check, so at most one lookup at a time)."""
         if self.config.model_name:
             return self.config.model_name
-        checked, name = self._model
-        now = time.monotonic()
-        if name is None or now - checked >= self.config.worker_check_s:
-            consumer = await self.live_worker()
-            if consumer is not None:
-                assert self.client is not None
-                raw = await self.client.redis.hget(
-                    keys.worker_heartbeat(self.queue, consumer), "model"
-                )
-                if raw:
-                    name = raw.decode() if isinstance(raw, bytes) else str(raw)
-            self._model = (now, name)
-        return name or FALLBACK_MODEL
+        await self.live_worker()
+        return self._served or FALLBACK_MODEL
 
     async def weights(self, model: str | None) -> tuple[str | None, str | None]:
         """``(adapter, version)`` a request's ``model`` names: the served name (or none) is the
@@ -160,3 +154,7 @@ class GatewayCore:
         if model.startswith(ADAPTER_PREFIX):
             return model[len(ADAPTER_PREFIX) :] or None, None
         return model, None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
