@@ -8,7 +8,8 @@ docstring naming the peer's client file it answers: ``openrlhf`` (``/get_reward`
 ``/v1/models``, ``/metrics``). Below them: ``core`` (requests into jobs on the asyncio client,
 coalesced by ``worker.client.coalesce``), ``logprobs`` (vLLM's and SGLang's prompt log-prob
 entries), ``http`` (what the routes share), ``errors`` (the code -> HTTP status table),
-``middleware`` (auth, limits, metrics), ``metrics``, ``config``, ``app`` (the ASGI app).
+``middleware`` (auth, limits, metrics), ``metrics``, ``config``, ``app`` (the ASGI app: dispatch,
+lifespan, errors).
 
 Imports the client side only (never torch, the worker's streams, scorer, executor or daemon).
 """

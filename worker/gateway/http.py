@@ -1,14 +1,24 @@
-"""What every route module shares: the JSON response (vLLM's and SGLang's clients read
-``-Infinity`` and ``NaN`` as Python's ``json`` writes them), the request's core, the
-scoring-only checks, and the model field types."""
+"""What every route module shares: the ``Router`` each module declares its routes on, the JSON
+response (vLLM's and SGLang's clients read ``-Infinity`` and ``NaN`` as Python's ``json`` writes
+them), the request's core, the scoring-only checks, and the model field types.
+
+A route is ``@router.post(path)`` over ``async def handler(body: SomeModel, request)``: the body
+is parsed and validated as ``SomeModel`` (pydantic, ``model_validate_json``) before the handler
+runs, so a malformed body is a 400 before any work; ``@router.get(path)`` handlers take the
+request alone. Dispatch is a dictionary lookup (``worker.gateway.app``): no per-request framework
+machinery beyond Starlette's ``Request`` and ``Response``.
+"""
 
 from __future__ import annotations
 
 import json
 import secrets
+import typing
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import Field, StrictInt
+from pydantic import BaseModel, Field, StrictInt
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -17,6 +27,46 @@ from worker.gateway.errors import GatewayError
 
 #: A token id as it travels (int32, >= 0; the worker checks it against its vocabulary).
 TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
+
+
+Handler = Callable[..., Awaitable[Response]]
+
+
+@dataclass(frozen=True)
+class Route:
+    """One route: its method, path, body model (None: no body) and handler."""
+
+    method: str
+    path: str
+    model: type[BaseModel] | None
+    handler: Handler
+
+
+class Router:
+    """The routes of one peer format's module."""
+
+    def __init__(self) -> None:
+        self.routes: list[Route] = []
+
+    def post(self, path: str) -> Callable[[Handler], Handler]:
+        """Declare ``POST path``; the handler's first parameter's annotation is the body model."""
+
+        def add(handler: Handler) -> Handler:
+            hints = typing.get_type_hints(handler)
+            first = next(iter(hints.values()))
+            self.routes.append(Route("POST", path, first, handler))
+            return handler
+
+        return add
+
+    def get(self, path: str) -> Callable[[Handler], Handler]:
+        """Declare ``GET path`` (the handler takes the request)."""
+
+        def add(handler: Handler) -> Handler:
+            self.routes.append(Route("GET", path, None, handler))
+            return handler
+
+        return add
 
 
 class Json(Response):

@@ -129,6 +129,19 @@ class MetricsMiddleware:
         self.app = app
         self.metrics = metrics
         self.routes = routes
+        self._children: dict[tuple[str, int], tuple[Any, Any]] = {}  # (route, status) -> metrics
+
+    def _of(self, route: str, status: int) -> tuple[Any, Any]:
+        """The request counter and latency histogram children (looked up once per pair)."""
+        found = self._children.get((route, status))
+        if found is None:
+            m = self.metrics
+            found = (
+                m.requests.labels(route=route, status=str(status)),
+                m.latency.labels(route=route),
+            )
+            self._children[(route, status)] = found
+        return found
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -153,5 +166,6 @@ class MetricsMiddleware:
             await self.app(scope, receive, watched)
         finally:
             m.in_flight.dec()
-            m.requests.labels(route=route, status=str(status)).inc()
-            m.latency.labels(route=route).observe(time.perf_counter() - started)
+            requests, latency = self._of(route, status)
+            requests.inc()
+            latency.observe(time.perf_counter() - started)

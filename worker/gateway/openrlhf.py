@@ -16,15 +16,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 from starlette.requests import Request
 
 from worker.client.coalesce import BatchKey
-from worker.gateway.http import Json, core_of
+from worker.gateway.http import Json, Router, core_of
 
-router = APIRouter()
-ROUTES = ("/get_reward",)
+router = Router()
 
 
 class RewardRequest(BaseModel):

@@ -23,17 +23,15 @@ import math
 import time
 from typing import Any
 
-from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, StrictStr
 from starlette.requests import Request
 
 from worker.client.coalesce import BatchKey
 from worker.client.results import SeqScore
 from worker.gateway.errors import GatewayError
-from worker.gateway.http import Json, TokenId, core_of, request_id
+from worker.gateway.http import Json, Router, TokenId, core_of, request_id
 
-router = APIRouter()
-ROUTES = ("/classify", "/v1/classify")
+router = Router()
 
 
 class ClassifyRequest(BaseModel):

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import time
 
-from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import Response
 
 from worker.gateway.errors import GatewayError
-from worker.gateway.http import Json, core_of
+from worker.gateway.http import Json, Router, core_of
 
-router = APIRouter()
-ROUTES = ("/health", "/health/", "/v1/models", "/metrics")
+router = Router()
 
 
 @router.get("/health")

@@ -23,17 +23,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 from starlette.requests import Request
 
 from worker.client.coalesce import BatchKey
 from worker.gateway.errors import GatewayError
-from worker.gateway.http import Json, TokenId, core_of, request_id, temperature
+from worker.gateway.http import Json, Router, TokenId, core_of, request_id, temperature
 from worker.gateway.logprobs import sglang_input_logprobs
 
-router = APIRouter()
-ROUTES = ("/generate",)
+router = Router()
 
 
 class SamplingParams(BaseModel):

@@ -14,15 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, StrictStr
 from starlette.requests import Request
 
 from worker.client.coalesce import BatchKey
-from worker.gateway.http import Json, core_of
+from worker.gateway.http import Json, Router, core_of
 
-router = APIRouter()
-ROUTES = ("/reward",)
+router = Router()
 
 
 class SlimeRequest(BaseModel):

@@ -28,18 +28,24 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 from starlette.requests import Request
 
 from worker.client.coalesce import BatchKey
 from worker.client.results import SeqScore
 from worker.gateway.errors import GatewayError
-from worker.gateway.http import Json, TokenId, core_of, request_id, scoring_only, temperature
+from worker.gateway.http import (
+    Json,
+    Router,
+    TokenId,
+    core_of,
+    request_id,
+    scoring_only,
+    temperature,
+)
 from worker.gateway.logprobs import vllm_prompt_logprobs
 
-router = APIRouter()
-ROUTES = ("/v1/completions", "/inference/v1/generate")
+router = Router()
 
 
 class CompletionRequest(BaseModel):
