@@ -192,6 +192,8 @@ class Procs:
             self.queue,
             "--port",
             str(port),
+            "--timeout-s",
+            "1800",
         )
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:  # up once /health answers and a worker beats
@@ -210,7 +212,11 @@ class Procs:
         for p in self.procs:
             p.terminate()
         for p in self.procs:
-            p.wait(60)
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:  # a worker mid-batch past its drain: stop it
+                p.kill()
+                p.wait(30)
 
 
 def overhead(url: str, n: int, concurrency: int, tmp: Path) -> dict[str, Any]:
