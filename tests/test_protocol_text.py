@@ -80,6 +80,7 @@ def smol_tokenizer() -> Any:
     return load_tokenizer(str(directory), gguf_file=name)
 
 
+@pytest.mark.slow  # SmolLM2's tokenizer from its GGUF, a reward model over its 49k vocabulary
 def test_executor_tokenizes_text_as_given_and_scores_it_like_tokens(smol_tokenizer: Any) -> None:
     model = tiny_reward("llama", vocab=len(smol_tokenizer))
     ex = StatelessExecutor(
