@@ -70,6 +70,13 @@ def _assert_valid_job(job: Job, limits: Limits) -> None:
     for s in job.seqs:
         assert isinstance(s.tokens, array) and s.tokens.typecode == "i"
         n = len(s.tokens)
+        if s.text is not None:  # text in: a non-empty str the worker tokenizes
+            assert isinstance(s.text, str) and s.text and s.messages is None
+            assert job.mode in ("reward", "both")
+        if n == 0:  # a text-only (or messages-only) reward sequence: nothing else on it
+            assert job.mode == "reward" and (s.text is not None or s.messages is not None)
+            assert s.prompt_len is None and s.mask is None
+            continue
         assert n >= 2
         assert (s.prompt_len is None) != (s.mask is None)
         if s.prompt_len is not None:
@@ -220,6 +227,10 @@ def near_valid_bodies(draw: st.DrawFn) -> dict[str, Any]:
     for _ in range(draw(st.integers(0, 4))):
         tokens = draw(token_values())
         seq: dict[str, Any] = {"tokens": tokens}
+        if draw(st.integers(0, 4)) == 0:  # text in, with or without tokens (or broken)
+            seq["text"] = draw(st.text(max_size=20) | _leaf)
+            if draw(st.booleans()):
+                del seq["tokens"]
         choice = draw(st.integers(0, 3))
         if choice in (0, 2):
             seq["prompt_len"] = draw(st.integers(min_value=-2, max_value=16) | _leaf)
@@ -238,11 +249,16 @@ def near_valid_bodies(draw: st.DrawFn) -> dict[str, Any]:
 @st.composite
 def valid_jobs(draw: st.DrawFn) -> tuple[bytes, dict[str, Any]]:
     """A valid payload (from ``encode_job``) and the fields it was built from."""
-    seqs = []
+    seqs: list[dict[str, Any]] = []
+    mode = draw(st.sampled_from(MODES))
     for _ in range(draw(st.integers(1, 4))):
         tokens = draw(
             st.lists(st.integers(min_value=0, max_value=2**31 - 1), min_size=2, max_size=24)
         )
+        text = draw(st.none() | st.text(min_size=1, max_size=40)) if mode != "reference" else None
+        if text is not None and mode == "reward" and draw(st.booleans()):
+            seqs.append({"text": text})  # text in: the worker tokenizes it
+            continue
         if draw(st.booleans()):
             seqs.append({"tokens": tokens, "prompt_len": draw(st.integers(1, len(tokens) - 1))})
         else:
@@ -251,9 +267,11 @@ def valid_jobs(draw: st.DrawFn) -> tuple[bytes, dict[str, Any]]:
             if 1 not in mask:
                 mask[-1] = 1
             seqs.append({"tokens": tokens, "mask": mask})
+        if text is not None:
+            seqs[-1]["text"] = text
     fields = {
         "job_id": draw(st.text(min_size=1, max_size=MAX_ID_CHARS)),
-        "mode": draw(st.sampled_from(MODES)),
+        "mode": mode,
         "reply_to": draw(st.text(min_size=1, max_size=64)),
         "seqs": seqs,
         "temperature": draw(st.floats(min_value=1e-3, max_value=100.0)),
@@ -347,7 +365,8 @@ def test_valid_jobs_round_trip_exactly(job_and_fields: tuple[bytes, dict[str, An
     assert job.temperature == f["temperature"] and job.deadline_ms == f["deadline_ms"]
     assert same_value(job.meta, f["meta"]), (job.meta, f["meta"])  # NaN in meta echoes as NaN
     for spec, seq in zip(job.seqs, f["seqs"], strict=True):
-        assert list(spec.tokens) == seq["tokens"]
+        assert spec.text == seq.get("text")
+        assert list(spec.tokens) == seq.get("tokens", [])
         assert spec.prompt_len == seq.get("prompt_len")
         assert spec.mask == (bytes(seq["mask"]) if "mask" in seq else None)
     env = protocol.peek_envelope(payload)

@@ -22,7 +22,8 @@ DESCRIPTION = (
     "scores, one stateless forward pass per batch, on GPU or CPU. Run workers with 'serve'; "
     "submit rollouts and read the scores back with 'enqueue'; inspect and repair the queue with "
     "'info' and 'dlq'; probe a worker with 'check'; try everything on this machine with 'demo' "
-    "and measure it with 'bench'."
+    "and measure it with 'bench'; put trainers' HTTP reward and log-prob APIs in front of a "
+    "queue with 'gateway'."
 )
 EPILOG = (
     "'scoring-worker COMMAND --help' lists a command's flags with their defaults; a flag that "
@@ -39,6 +40,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "check": ("worker.commands.check", "exit 0 when a worker's health endpoint / Redis is fine"),
     "demo": ("worker.commands.demo", "run the whole system on this machine with sample rollouts"),
     "bench": ("worker.commands.bench", "benchmark the executor (and the queue) side by side"),
+    "gateway": ("worker.commands.gateway", "serve trainers' reward and log-prob HTTP APIs"),
 }
 
 

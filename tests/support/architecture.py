@@ -41,6 +41,7 @@ ROOT = "root"
 
 EVERYTHING = frozenset(
     {"protocol", "client", "streams", "scorer", "executor", "daemon", "observability"}
+    | {"gateway", "integrations"}
     | {"commands", "devtools", ROOT}
     | KERNEL
 )
@@ -86,6 +87,10 @@ RULES: dict[str, Rule] = {
               why="drives a Scorer; never builds one"),
         _rule("observability", {"errors"}, {"redis", "msgpack", *TORCH},
               why="plain numbers in, metrics and health out"),
+        _rule("gateway", {"client", "protocol", *KERNEL}, TORCH,
+              why="an HTTP front over the asyncio client: a producer"),
+        _rule("integrations", {"client", *KERNEL}, TORCH,
+              why="drop-in reward functions imported by trainers: producers"),
         _rule("commands", EVERYTHING, why="the command line wires everything"),
         _rule("devtools", EVERYTHING, why="developer tools, not the runtime"),
         _rule("kernel", KERNEL, third_party_only=frozenset({"redis"}),

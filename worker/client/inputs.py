@@ -27,17 +27,20 @@ def _prompt_len(value: Any, index: int) -> int:
         ) from exc
 
 
+_REWARD_KEYS = ("messages", "text", "step_positions")
+
+
 def normalize_seq(seq: Any, index: int = 0) -> protocol.SeqSpec:
     """One sequence from a dict (``tokens`` + ``prompt_len`` or ``mask``), a ``(tokens,
     prompt_len)`` tuple or a ``SeqSpec``; tokens may be a list, numpy array or torch tensor."""
     if isinstance(seq, protocol.SeqSpec):
         return seq
-    if isinstance(seq, Mapping) and (
-        seq.get("messages") is not None or seq.get("step_positions") is not None
-    ):  # reward inputs: a conversation for the reward model's template, step positions
+    if isinstance(seq, Mapping) and any(seq.get(k) is not None for k in _REWARD_KEYS):
+        # reward inputs: a conversation for the reward model's template, a templated text the
+        # worker tokenizes, step positions
         if seq.get("tokens") is None:
             return protocol.reward_seq(seq, index)
-        rest = {k: v for k, v in seq.items() if k not in ("messages", "step_positions")}
+        rest = {k: v for k, v in seq.items() if k not in _REWARD_KEYS}
         return protocol.with_reward_inputs(normalize_seq(rest, index), seq, index)
     if isinstance(seq, Mapping):
         if "tokens" not in seq:

@@ -35,6 +35,7 @@ TEACHER_ARRAYS = (
     "topk_tail_logp",
     "gather_logps",
     "processed_logps",
+    "rank",
 )
 
 
@@ -90,6 +91,7 @@ class SeqScore:
     topk_tail_logp: Any = None
     gather_logps: Any = None
     processed_logps: Any = None
+    rank: Any = None  # [n] int32, 1-based (vLLM's prompt-token rank)
 
     @property
     def num_tokens(self) -> int:

@@ -61,6 +61,7 @@ def seq_inputs(job: Job) -> list[SequenceInput]:
             SequenceInput(
                 tokens=tokens, prompt_len=s.prompt_len, mask=s.mask, gather_ids=gather,
                 messages=s.messages,  # reward inputs: rendered by the scorer's prepare
+                text=s.text,  # tokenized by the scorer's prepare
                 step_positions=s.step_positions,
             )
         )  # fmt: skip
@@ -112,10 +113,10 @@ def prepare_entry(
         return answer(exc.code, exc.message)
     pending = Pending(entry=entry, job=job, inputs=inputs, read_at_s=now_s, options=options)
     mode, temperature, options = pending.key
-    try:  # validate, and render messages with the reward model's template (off the forward)
+    try:  # validate; render messages / tokenize text for the reward model (off the forward)
         started = time.perf_counter()
         pending.inputs = ctx.scorer.prepare(inputs, mode, temperature, options)
-        if any(s.messages is not None for s in job.seqs):
+        if any(s.messages is not None or s.text is not None for s in job.seqs):
             ctx.metrics.tokenization_seconds.observe(time.perf_counter() - started)
     except ScoringError as exc:
         return answer(exc.code, exc.message)

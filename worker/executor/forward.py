@@ -221,7 +221,8 @@ class BatchForward:
             assert all(r is not None for r in rows)
             gather = torch.from_numpy(np.concatenate(rows)).to(self.device)  # type: ignore[arg-type]
         vocab = int(getattr(head, "out_features", 0)) or self.vocab_size
-        width = tile if tile and spec.sampling is None else vocab  # the blocks' columns
+        tiled = tile and spec.sampling is None and "rank" not in spec.outputs
+        width = tile if tiled else vocab  # the blocks' columns
         arrays = chunked_token_outputs(
             picked,
             head,

@@ -34,6 +34,7 @@ from worker.protocol.rewards import (
     messages_only,
     reward_entry,
     reward_seq,
+    untokenized,
     with_reward_inputs,
 )
 from worker.protocol.seqs import (
@@ -108,7 +109,7 @@ def encode_job(
     for i, s in enumerate(seqs):
         if not isinstance(s, SeqSpec):
             s = reward_seq(s, i) if messages_only(s) else with_reward_inputs(seq_spec(s, i), s, i)
-        elif s.messages is None or len(s.tokens):
+        elif not untokenized(s) or len(s.tokens):
             validate_seq(s.tokens, s.prompt_len, s.mask, i)
         specs.append(s)
         entry: dict[str, Any] = {"tokens": le_bytes(s.tokens)} if len(s.tokens) else {}
@@ -225,7 +226,7 @@ def _decode_seqs(raw_seqs: Any, limits: Limits, raw: bytes) -> tuple[SeqSpec, ..
     for i, s in enumerate(raw_seqs):
         if not isinstance(s, dict):
             raise ProtocolError(f"seqs[{i}] must be a map", raw=raw)
-        if messages_only(s):  # reward inputs: a conversation the worker renders
+        if messages_only(s):  # reward inputs: a conversation or text the worker tokenizes
             seqs.append(_raw(reward_seq, s, i, raw))
             continue
         raw_tokens = s.get("tokens")

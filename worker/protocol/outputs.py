@@ -48,7 +48,8 @@ _SAMPLING_KEYS = ("top_k", "top_p", "min_p")
 class OutputRequest:
     """The teacher outputs a job asks for, as they travel (structurally checked).
 
-    ``outputs``: names (``logps``, ``entropy``, ``topk``, ``gather``, ``processed_logps``);
+    ``outputs``: names (``logps``, ``entropy``, ``topk``, ``gather``, ``processed_logps``,
+    ``rank``);
     ``topk``: k; ``gather_ids``: K ids shared by every position (per-position ids travel on each
     sequence); ``sampling``: ``{top_k, top_p, min_p}``; ``float16``: ``topk_logps`` and
     ``gather_logps`` as float16.

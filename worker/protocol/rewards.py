@@ -1,13 +1,17 @@
 """Reward inputs on the wire (additive to v1): a sequence's ``messages`` (rendered by the worker
-with the reward model's own chat template), per-sequence ``step_positions``, and the job's
-``step`` map (process rewards).
+with the reward model's own chat template) or ``text`` (an already-templated string the worker
+tokenizes as given), per-sequence ``step_positions``, and the job's ``step`` map (process
+rewards).
 
 ``messages``: an array of maps, each with a ``role`` and a ``content`` str (other keys pass
-through to the template). A ``reward`` sequence may carry ``messages`` alone (no ``tokens``,
-``prompt_len`` or ``mask``); in ``both`` mode ``tokens`` (+ ``prompt_len``/``mask``) are still
-needed for the log-probs. ``step``: ``{tag_id?: int, label_token_ids?: [good, bad],
-positive_index?: 0|1}``, mode ``reward`` only; without ``tag_id`` every sequence gives
-``step_positions`` (int32 bin or an array of ints, strictly increasing).
+through to the template). ``text``: a non-empty str, tokenized by the serving model's own
+tokenizer with ``add_special_tokens=False`` (what TRL's and OpenRLHF's reward models do with the
+templated text). A sequence carries at most one of the two. A ``reward`` sequence may carry
+``messages`` or ``text`` alone (no ``tokens``, ``prompt_len`` or ``mask``); in ``both`` mode
+``tokens`` (+ ``prompt_len``/``mask``) are still needed for the log-probs. ``step``:
+``{tag_id?: int, label_token_ids?: [good, bad], positive_index?: 0|1}``, mode ``reward`` only;
+without ``tag_id`` every sequence gives ``step_positions`` (int32 bin or an array of ints,
+strictly increasing).
 """
 
 from __future__ import annotations
@@ -67,27 +71,45 @@ def as_step_positions(value: Any, where: str) -> array:
     return pos
 
 
+def check_text(text: Any, where: str) -> str:
+    """``text`` as a non-empty str."""
+    if not isinstance(text, str) or not text:
+        raise ProtocolError(f"{where}.text must be a non-empty string")
+    return text
+
+
 def messages_only(seq: Mapping[str, Any]) -> bool:
-    """A sequence map with ``messages`` and no ``tokens``."""
-    return seq.get("messages") is not None and seq.get("tokens") is None
+    """A sequence map with ``messages`` or ``text`` and no ``tokens`` (the worker tokenizes)."""
+    return (seq.get("messages") is not None or seq.get("text") is not None) and seq.get(
+        "tokens"
+    ) is None
+
+
+def untokenized(spec: SeqSpec) -> bool:
+    """Whether the worker tokenizes this sequence for the reward model (``messages``/``text``)."""
+    return spec.messages is not None or spec.text is not None
 
 
 def with_reward_inputs(spec: SeqSpec, seq: Mapping[str, Any], index: int) -> SeqSpec:
-    """``spec`` plus the map's ``messages`` / ``step_positions``, checked."""
+    """``spec`` plus the map's ``messages`` / ``text`` / ``step_positions``, checked."""
     where = f"seqs[{index}]"
     messages = seq.get("messages")
+    text = seq.get("text")
     steps = seq.get("step_positions")
-    if messages is None and steps is None:
+    if messages is None and text is None and steps is None:
         return spec
+    if messages is not None and text is not None:
+        raise ProtocolError(f"{where}: give messages or text, not both")
     return replace(
         spec,
         messages=check_messages(messages, where) if messages is not None else None,
+        text=check_text(text, where) if text is not None else None,
         step_positions=as_step_positions(steps, where) if steps is not None else None,
     )
 
 
 def reward_seq(seq: Mapping[str, Any], index: int) -> SeqSpec:
-    """A ``messages``-only sequence (no tokens, no prompt_len, no mask)."""
+    """A ``messages``- or ``text``-only sequence (no tokens, no prompt_len, no mask)."""
     if seq.get("prompt_len") is not None or seq.get("mask") is not None:
         raise ProtocolError(f"seqs[{index}]: prompt_len/mask need tokens")
     return with_reward_inputs(SeqSpec(tokens=array("i")), seq, index)
@@ -98,6 +120,8 @@ def reward_entry(spec: SeqSpec) -> dict[str, Any]:
     entry: dict[str, Any] = {}
     if spec.messages is not None:
         entry["messages"] = [dict(m) for m in spec.messages]
+    if spec.text is not None:
+        entry["text"] = spec.text
     if spec.step_positions is not None:
         entry["step_positions"] = le_bytes(spec.step_positions)
     return entry
@@ -144,14 +168,15 @@ def encode_step(step: StepSpec | Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def check_reward_job(mode: str, seqs: tuple[SeqSpec, ...] | list[SeqSpec], step: Any) -> None:
-    """Mode rules: ``messages`` in ``reward``/``both`` only, a ``messages``-only sequence in
-    ``reward`` only, ``step`` in ``reward`` only and with ``tag_id`` or every sequence's
-    ``step_positions``."""
+    """Mode rules: ``messages``/``text`` in ``reward``/``both`` only, a ``messages``- or
+    ``text``-only sequence in ``reward`` only, ``step`` in ``reward`` only and with ``tag_id``
+    or every sequence's ``step_positions``."""
     for i, s in enumerate(seqs):
-        if s.messages is not None and mode == "reference":
-            raise ProtocolError(f"seqs[{i}]: messages are scored by a reward model (mode "
+        what = "messages" if s.messages is not None else "text"
+        if untokenized(s) and mode == "reference":
+            raise ProtocolError(f"seqs[{i}]: {what} are scored by a reward model (mode "
                                 "reward or both)")  # fmt: skip
-        if s.messages is not None and not len(s.tokens) and mode != "reward":
+        if untokenized(s) and not len(s.tokens) and mode != "reward":
             raise ProtocolError(f"seqs[{i}]: mode {mode} needs tokens for the log-probs")
         if s.step_positions is not None and step is None:
             raise ProtocolError(f"seqs[{i}]: step_positions need a step map on the job")

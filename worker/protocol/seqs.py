@@ -37,13 +37,16 @@ class SeqSpec:
     # chat template (tokens may then be empty in mode reward), process-reward step positions
     messages: tuple[dict[str, Any], ...] | None = None
     step_positions: array | None = None
+    # text in: an already-templated string the worker tokenizes with its own tokenizer, as
+    # given (add_special_tokens=False), scored instead of tokens like messages
+    text: str | None = None
 
     @property
     def num_scored(self) -> int:
         """How many tokens of this sequence are scored."""
         if self.mask is not None:
             return sum(self.mask)
-        if self.prompt_len is None:  # a messages-only reward sequence
+        if self.prompt_len is None:  # a messages- or text-only reward sequence
             return 0
         assert self.prompt_len is not None
         return len(self.tokens) - self.prompt_len

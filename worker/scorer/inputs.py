@@ -36,6 +36,9 @@ class SequenceInput:
     # ``rm_ids``: the rendered ids, filled by ``Scorer.prepare`` so scoring does not re-tokenise
     messages: Sequence[Any] | None = None
     step_positions: Any = None
+    # text in: an already-templated string, tokenized by the reward model's own tokenizer as
+    # given (``add_special_tokens=False``) and scored instead of ``tokens``, like ``messages``
+    text: str | None = None
     rm_ids: np.ndarray | None = None
     # teacher outputs: per-position gather ids [n_scored, K] (see worker.scorer.teacher)
     gather_ids: Any = None
@@ -48,7 +51,7 @@ class PreparedSequence:
     ids: np.ndarray  # [L] int64
     scored: np.ndarray | None  # [n] int64 positions t >= 1
     # reward inputs: step positions read by a process-reward head; the reward model's token
-    # count when ``ids`` were rendered from messages
+    # count when ``ids`` were rendered from messages or tokenized from text
     steps: np.ndarray | None = None  # [k] int64 positions in [0, L)
     rm_tokens: int | None = None
     gather_ids: np.ndarray | None = None  # [n, K] int64 (teacher outputs), checked

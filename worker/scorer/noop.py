@@ -3,7 +3,8 @@
 Selected only explicitly (``serve --scorer noop``); never a default. Its values are deterministic
 functions of the tokens (so duplicates and ordering can be checked end to end) and are not model
 scores: ``logps[i] = -log(vocab_size) - (token_i % 7) / 100 / temperature`` for each scored token,
-``reward = (sum(tokens) % 1000) / 1000`` (``messages``: over the bytes of their contents; a
+``reward = (sum(tokens) % 1000) / 1000`` (``messages``: over the bytes of their contents, ``text``
+over its bytes; a
 process-reward ``step`` job: ``(token % 10) / 10`` at each step). ``delay_ms`` sleeps per
 ``score`` call (tests use it to make a batch deterministically slow). Implements
 ``worker.scorer.Scorer``; a call without a mode scores ``reference``, without a temperature 1.0.
@@ -90,7 +91,7 @@ class NoopScorer:
                 raise TooLong(f"seqs[{i}] has {len(tokens)} tokens > {self.max_positions}")
             if len(tokens) and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
                 raise BadRequest(f"seqs[{i}] has token ids outside [0, {self.vocab_size})")
-            if options.step is not None and s.messages is None:
+            if options.step is not None and s.messages is None and s.text is None:
                 options.step.check(self.vocab_size)
                 try:
                     step_positions(tokens, s.step_positions, options.step)
@@ -104,7 +105,8 @@ class NoopScorer:
         temperature: float | None = None,
         options: ScoreOptions = DEFAULT_OPTIONS,
     ) -> list[SequenceInput]:
-        """``validate``; nothing to tokenise (``messages`` are scored from their text)."""
+        """``validate``; nothing to tokenise (``messages`` and ``text`` are scored from their
+        bytes)."""
         self.validate(seqs, mode, temperature, options)
         return list(seqs)
 
@@ -172,11 +174,13 @@ class NoopScorer:
 def _noop_reward(
     score: SequenceScore, seq: SequenceInput, tokens: np.ndarray, options: ScoreOptions
 ) -> None:
-    """The reward half: ``(sum(tokens) % 1000) / 1000``; for ``messages``, the UTF-8 bytes of
-    the contents stand in for tokens (``rm_tokens`` = their count); a step job scores each step
-    ``(token % 10) / 10``."""
-    if seq.messages is not None:
-        text = "".join(str(m.get("content", "")) for m in seq.messages if isinstance(m, dict))
+    """The reward half: ``(sum(tokens) % 1000) / 1000``; for ``messages`` (the contents) and
+    ``text``, the UTF-8 bytes stand in for tokens (``rm_tokens`` = their count); a step job
+    scores each step ``(token % 10) / 10``."""
+    if seq.messages is not None or seq.text is not None:
+        text = seq.text if seq.text is not None else ""
+        if seq.messages is not None:
+            text = "".join(str(m.get("content", "")) for m in seq.messages if isinstance(m, dict))
         tokens = np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int64)
         score.rm_tokens = len(tokens)
     if options.step is not None:
@@ -197,7 +201,8 @@ def teacher_arrays(
 ) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
     """Teacher arrays of the right shapes and dtypes from a sequence's no-op ``logps`` ``[n]``:
     ``entropy`` log(V), ``topk_ids`` 0..k-1 with every ``topk_logps`` -log(V) and the tail the
-    rest, ``gather_logps`` -log(V), ``processed_logps`` = ``logps``. Returns the arrays and the
+    rest, ``gather_logps`` -log(V), ``processed_logps`` = ``logps``, ``rank`` 1. Returns the arrays
+    and the
     ``logps`` to keep (None when not asked for)."""
     n, base = len(logps), -math.log(vocab)
     out: dict[str, np.ndarray] = {}
@@ -216,6 +221,8 @@ def teacher_arrays(
         out["gather_logps"] = np.full((n, spec.gather_k), base, np.float32)
     if "processed_logps" in spec.outputs:
         out["processed_logps"] = logps.copy()
+    if "rank" in spec.outputs:
+        out["rank"] = np.ones(n, np.int32)
     return out, (logps if "logps" in spec.outputs else None)
 
 

@@ -19,6 +19,9 @@ output                  arrays                    dtype, width
                         ``topk_tail_logp``        float32, 1 (log of the mass outside the top k)
 ``gather``              ``gather_logps``          float32 (float16 with ``float16``), K
 ``processed_logps``     ``processed_logps``       float32, 1 (``-inf`` outside the support)
+``rank``                ``rank``                  int32, 1 (1-based: how many tokens have a
+                                                  log-prob >= the actual token's, as vLLM
+                                                  ranks prompt tokens)
 ======================  ========================  ==========================================
 """
 
@@ -51,7 +54,14 @@ __all__ = [
     "result_bytes",
 ]
 
-OUTPUT_NAMES: tuple[str, ...] = ("logps", "entropy", "topk", "gather", "processed_logps")
+OUTPUT_NAMES: tuple[str, ...] = (
+    "logps",
+    "entropy",
+    "topk",
+    "gather",
+    "processed_logps",
+    "rank",
+)
 MAX_TOPK = 256
 """The largest k a job may ask for (a worker may lower it: ``serve --max-topk``)."""
 MAX_GATHER_IDS = 4096
@@ -214,12 +224,13 @@ def result_bytes(n_scored: int, spec: TokenOutputs, *, half: bool | None = None)
     """Bytes of the arrays ``spec`` asks for over ``n_scored`` positions, known before compute.
 
     ``half`` (default: ``spec.float16``): ``topk_logps`` and ``gather_logps`` travel as float16.
-    Per position: 4 per scalar (``logps``, ``entropy``, ``processed_logps``, ``topk_tail_logp``),
+    Per position: 4 per scalar (``logps``, ``entropy``, ``processed_logps``, ``rank``,
+    ``topk_tail_logp``),
     ``k * 8`` (or ``k * 6``) for top-k ids + log-probs, ``K * 4`` (or ``K * 2``) for gathered
     log-probs.
     """
     value = 2 if (spec.float16 if half is None else half) else 4
-    per = 4 * len(spec.outputs & {"logps", "entropy", "processed_logps"})
+    per = 4 * len(spec.outputs & {"logps", "entropy", "processed_logps", "rank"})
     if "topk" in spec.outputs:
         per += spec.topk * (4 + value) + 4
     per += spec.gather_k * value
@@ -246,6 +257,8 @@ def array_layout(spec: TokenOutputs) -> dict[str, tuple[str, int]]:
         out["gather_logps"] = (value, spec.gather_k)
     if "processed_logps" in spec.outputs:
         out["processed_logps"] = ("<f4", 1)
+    if "rank" in spec.outputs:
+        out["rank"] = ("<i4", 1)
     return out
 
 

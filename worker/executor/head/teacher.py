@@ -17,10 +17,13 @@ output                  arrays (per position)  naive equivalent, ``lp = log_soft
                         ``topk_tail_logp`` f32
 ``gather``              ``gather_logps`` [K]   ``lp.gather(-1, ids)`` (ids [n, K] or shared [K])
 ``processed_logps``     ``processed_logps``    see ``worker.executor.head.sampling``
+``rank``                ``rank`` i32           ``(lp >= lp.gather(-1, labels)).sum(-1)``
 ======================  =====================  ==============================================
 
 The tail is summed directly over the tokens outside the top k (no ``1 - sum`` cancellation) and is
-``-inf`` when the top k hold all the mass.
+``-inf`` when the top k hold all the mass. ``rank`` compares the logits (``lp`` and the logits
+differ by one constant per row, so the order is the same); it needs the whole row at once, so a
+job asking for it runs the block path (never the vocabulary tiles).
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ FAST_UNITS = 1.0
 their exp); plus ``HALF_HEAD_UNITS`` when the head's output is half precision (its ``[c, V]``
 output lives beside the float32 copy)."""
 HALF_HEAD_UNITS = 0.5
+RANK_UNITS = 0.25
+"""``rank``'s ``z >= z_label`` comparison: a ``[c, V]`` bool block beside the logits."""
 SORT_UNITS = 6.5
 """With a sort (the exp block is freed first): the logits plus, while sorting, the sorted values
 and their int64 indices (4 blocks; measured 4.03 on CPU, whose sort also keeps a row or two of
@@ -82,7 +87,8 @@ def block_units(spec: TokenOutputs, vocab: int, half_head: bool = True) -> float
     ``HALF_HEAD_UNITS`` for a half-precision head) without a sampler, else ``BASE_UNITS`` or
     ``SORT_UNITS``."""
     if spec.sampling is None:
-        return FAST_UNITS + (HALF_HEAD_UNITS if half_head else 0.0)
+        rank = RANK_UNITS if "rank" in spec.outputs else 0.0
+        return FAST_UNITS + (HALF_HEAD_UNITS if half_head else 0.0) + rank
     if spec.sampling.needs_sort(vocab):
         return SORT_UNITS
     return BASE_UNITS
@@ -137,7 +143,7 @@ def chunked_token_outputs(
     units = block_units(spec, vocab)
     out = _allocate(spec, n, hidden.device)
     transform = transform or LogitTransform()
-    if vocab_tile and spec.sampling is None and tileable(head):
+    if vocab_tile and spec.sampling is None and "rank" not in spec.outputs and tileable(head):
         ids = per_row_ids if per_row_ids is not None else shared_ids  # [N, K] | [K]
         with torch.inference_mode():
             return tiled_token_outputs(
@@ -219,6 +225,8 @@ def _allocate(spec: TokenOutputs, n: int, device: torch.device) -> dict[str, tor
         out["gather_logps"] = f32(n, spec.gather_k)  # [N, K]
     if "processed_logps" in spec.outputs:
         out["processed_logps"] = f32(n)  # [N]
+    if "rank" in spec.outputs:
+        out["rank"] = torch.empty(n, dtype=torch.int32, device=device)  # [N]
     return out
 
 
@@ -241,12 +249,18 @@ def _block_outputs(
         z.div_(spec.temperature)
     z.sub_(z.amax(dim=1, keepdim=True))  # [c, V] logits - rowmax, as chunked_token_logps
     z_label = z.gather(1, labels[:, None]).squeeze(1)  # [c]
+    rank = None
+    if "rank" in want:  # 1-based: tokens at least as likely as the label, the label included
+        rank = (z >= z_label[:, None]).sum(dim=1).to(torch.int32)  # [c]
     top = z.topk(spec.topk, dim=1) if "topk" in want else None  # [c, k] values desc, ids
     picked = None
     if ids.numel():
         picked = z.index_select(1, ids) if ids.dim() == 1 else z.gather(1, ids)  # [c, K]
     if spec.sampling is None:
-        return _in_place_outputs(z, z_label, top, picked, want)
+        fast = _in_place_outputs(z, z_label, top, picked, want)
+        if rank is not None:
+            fast["rank"] = rank
+        return fast
     # -inf logits (a masking head) would make exp(z) * z NaN; clamp after the exact reads above.
     z.clamp_(min=torch.finfo(z.dtype).min)
     e = torch.exp(z, out=e) if e is not None else z.exp()  # [c, V]
@@ -274,6 +288,8 @@ def _block_outputs(
         else:
             thr, mass = masked_support(z, e, spec.sampling)  # [c], [c]
         out["processed_logps"] = processed_logps(z_label, thr, mass)  # [c]
+    if rank is not None:
+        out["rank"] = rank
     return out
 
 

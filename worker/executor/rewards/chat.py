@@ -1,8 +1,11 @@
-"""Conversations in: a sequence's ``messages`` rendered with the reward model's own tokenizer and
-chat template, and whether two tokenizers give token ids the same meaning.
+"""Conversations and text in: a sequence's ``messages`` rendered with the reward model's own
+tokenizer and chat template, its ``text`` tokenized as given, and whether two tokenizers give
+token ids the same meaning.
 
-``render`` is what ``tokenizer.apply_chat_template(messages, tokenize=True)`` returns, as an
-int64 array; the executor calls it at intake (``Scorer.prepare``), not in the forward.
+``render`` is what ``tokenizer.apply_chat_template(messages, tokenize=True)`` returns, and
+``encode`` what ``tokenizer(text, add_special_tokens=False)["input_ids"]`` returns (the text is
+already templated: TRL's model rewards tokenize ``prompt + completion`` so), each as an int64
+array; the executor calls them at intake (``Scorer.prepare``), not in the forward.
 """
 
 from __future__ import annotations
@@ -59,6 +62,23 @@ def render(tokenizer: Any, messages: Any) -> np.ndarray:
     arr = np.asarray(ids, dtype=np.int64).reshape(-1)
     if arr.size == 0:
         raise BadRequest("the chat template rendered messages to no tokens")
+    return arr
+
+
+def encode(tokenizer: Any, text: Any) -> np.ndarray:
+    """The reward model's token ids ``[L]`` int64 for an already-templated ``text``:
+    ``tokenizer(text, add_special_tokens=False)["input_ids"]`` (no BOS/EOS added: the text holds
+    what it needs). ``BadRequest`` when the worker has no tokenizer or the text gives no tokens."""
+    if not isinstance(text, str) or not text:
+        raise BadRequest("text must be a non-empty string")
+    if tokenizer is None:
+        raise BadRequest(
+            "this worker's model carries no tokenizer, so it cannot tokenize text: send tokens"
+        )
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if arr.size == 0:
+        raise BadRequest("the text tokenizes to no tokens")
     return arr
 
 

@@ -1,12 +1,13 @@
 """The reward side of a call beyond the forward: which head reads the reward model, the reward
-model's own tokenizer and chat template (``messages``), and the calls a ``score`` runs.
+model's own tokenizer and chat template (``messages``, ``text``), and the calls a ``score`` runs.
 
 ``RewardSurface`` is fixed at construction: the head kind (``sequence``, or a process-reward
 head: ``token-classification`` / ``lm-label``, see ``steps``), the reward model's tokenizer,
 whether its token ids mean what the reference model's do, its vocabulary and positions, and the
-names of a multi-objective head's outputs. ``prepare`` renders ``messages`` once (at intake);
-``calls`` turns a request into one ``ScoreCall``, or two in ``both`` mode when the reward model
-reads other ids than the reference (log-probs from ``tokens``, the reward from ``messages``);
+names of a multi-objective head's outputs. ``prepare`` renders ``messages`` and tokenizes
+``text`` once (at intake); ``calls`` turns a request into one ``ScoreCall``, or two in ``both``
+mode when the reward model reads other ids than the reference (log-probs from ``tokens``, the
+reward from ``messages`` / ``text``);
 ``merge_outputs`` joins their outputs.
 """
 
@@ -21,7 +22,7 @@ import numpy as np
 
 from worker.errors import BadRequest, ConfigError, TooLong
 from worker.executor.call import ScoreCall, prepare
-from worker.executor.rewards.chat import render, same_vocabulary
+from worker.executor.rewards.chat import encode, render, same_vocabulary
 from worker.executor.rewards.pooling import RewardAdapter, SequenceClassificationAdapter
 from worker.executor.rewards.steps import STEP_HEADS, HeadKind, check_token_head, head_kind
 from worker.modes import REWARD_MODES, Mode
@@ -104,23 +105,32 @@ class RewardSurface:
     def prepare(
         self, seqs: Sequence[SequenceInput], mode: Mode, options: ScoreOptions
     ) -> list[SequenceInput]:
-        """``seqs`` with every ``messages`` rendered into ``rm_ids`` (once); checks the call and
-        the reward inputs (``BadRequest`` / ``TooLong`` naming the sequence)."""
+        """``seqs`` with every ``messages`` rendered and every ``text`` tokenized into ``rm_ids``
+        (once); checks the call and the reward inputs (``BadRequest`` / ``TooLong`` naming the
+        sequence)."""
         if isinstance(seqs, (str, bytes)) or not isinstance(seqs, Sequence):
             raise BadRequest(f"expected a list of SequenceInput, got {type(seqs).__name__}")
         self.check_call(mode, options)
         out = []
         for i, seq in enumerate(seqs):
-            if isinstance(seq, SequenceInput) and seq.messages is not None:
+            if isinstance(seq, SequenceInput) and _untokenized(seq):
+                what = "messages" if seq.messages is not None else "text"
                 if mode not in REWARD_MODES:
-                    raise BadRequest(f"sequence {i}: messages are scored in modes reward, both")
+                    raise BadRequest(f"sequence {i}: {what} is scored in modes reward, both")
                 if seq.rm_ids is None:
                     try:
-                        seq = replace(seq, rm_ids=render(self.tokenizer, seq.messages))
+                        seq = replace(seq, rm_ids=self._rm_ids(seq))
                     except BadRequest as exc:
                         raise BadRequest(f"sequence {i}: {exc.message}") from None
             out.append(seq)
         return out
+
+    def _rm_ids(self, seq: SequenceInput) -> np.ndarray:
+        """The reward model's ids of an untokenized sequence: its chat template over
+        ``messages``, or its tokenizer over ``text``."""
+        if seq.messages is not None:
+            return render(self.tokenizer, seq.messages)
+        return encode(self.tokenizer, seq.text)
 
     def reward_inputs(
         self, seqs: Sequence[SequenceInput], options: ScoreOptions
@@ -136,7 +146,7 @@ class RewardSurface:
         return out
 
     def _reward_input(self, seq: SequenceInput, options: ScoreOptions) -> PreparedSequence:
-        if seq.messages is None:
+        if not _untokenized(seq):
             if self.same_vocab is False:
                 raise BadRequest(
                     "the reward model's tokenizer differs from the reference model's, so token "
@@ -145,12 +155,12 @@ class RewardSurface:
             prepared = prepare_sequence(seq, self.vocab, self.limit, needs_scored=False)
             prepared = replace(prepared, scored=None)
         else:
-            ids = seq.rm_ids if seq.rm_ids is not None else render(self.tokenizer, seq.messages)
+            ids = seq.rm_ids if seq.rm_ids is not None else self._rm_ids(seq)
             ids = np.asarray(ids, dtype=np.int64)
             if self.limit is not None and ids.size > self.limit:
+                what = "messages render" if seq.messages is not None else "text tokenizes"
                 raise TooLong(
-                    f"messages render to {ids.size} reward-model tokens, over its "
-                    f"{self.limit} positions"
+                    f"{what} to {ids.size} reward-model tokens, over its {self.limit} positions"
                 )
             if ids.size and (ids.min() < 0 or ids.max() >= self.vocab):
                 raise BadRequest(f"rendered token ids outside [0, {self.vocab})")
@@ -179,7 +189,7 @@ class RewardSurface:
             return [ScoreCall(mode, temp, prepared, started, options=options)]
         if len(seqs) == 0:
             raise BadRequest("no sequences to score")
-        chat = any(isinstance(s, SequenceInput) and s.messages is not None for s in seqs)
+        chat = any(isinstance(s, SequenceInput) and _untokenized(s) for s in seqs)
         if mode == "reward":
             check_call(options.outputs, mode, vocab)  # teacher outputs need log-probs
             prepared = self.reward_inputs(seqs, options)
@@ -193,6 +203,11 @@ class RewardSurface:
             ScoreCall("reference", temp, ref, started, options=options),
             ScoreCall("reward", temp, rew, started, options=options),
         ]
+
+
+def _untokenized(seq: SequenceInput) -> bool:
+    """Whether the reward model tokenizes this sequence itself (``messages`` or ``text``)."""
+    return seq.messages is not None or seq.text is not None
 
 
 def reward_surface(

@@ -1,0 +1,219 @@
+"""``scoring-worker gateway``: the HTTP gateway in front of a queue (``worker.gateway``).
+
+A producer: it imports the client side only, never torch. Every flag has its ``SCORING_*``
+variable (the flag wins) and its default in ``--help``. Start-up problems (a bad setting, the
+gateway extra not installed, Redis out of reach, the port taken) are one ``error: ...`` line on
+stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+from typing import Any
+
+from worker.commands._options import add_queue_args, add_redis_args, redis_settings
+from worker.config import env_get
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+
+def _env(name: str, default: object) -> str | None:
+    value = env_get(name)
+    return value if value is not None else (None if default is None else str(default))
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the gateway flags."""
+    add_redis_args(parser)
+    add_queue_args(parser, group=False)
+    g = parser.add_argument_group("gateway")
+
+    def flag(name: str, env: str, default: object, help_text: str, **kw: Any) -> None:
+        g.add_argument(
+            name,
+            default=_env(env, default),
+            help=f"{help_text} (env SCORING_{env}; default {default})",
+            **kw,
+        )
+
+    flag(
+        "--host",
+        "GATEWAY_HOST",
+        DEFAULT_HOST,
+        "address to listen on (loopback by default; 0.0.0.0 for every interface, then set "
+        "--api-key)",
+    )
+    flag("--port", "GATEWAY_PORT", DEFAULT_PORT, "TCP port to listen on", type=int)
+    flag(
+        "--api-key",
+        "GATEWAY_API_KEY",
+        None,
+        "require Authorization: Bearer <key> on every route but /health",
+    )
+    flag(
+        "--model-name",
+        "GATEWAY_MODEL_NAME",
+        None,
+        "the model name /v1/models lists and requests' model may carry for the base weights "
+        "(unset: the model the live workers report); any other model names an adapter",
+    )
+    flag(
+        "--timeout-s",
+        "GATEWAY_TIMEOUT_S",
+        100.0,
+        "seconds a request waits for its scores before a 504 (also the job's deadline)",
+        type=float,
+    )
+    flag(
+        "--window-ms",
+        "GATEWAY_WINDOW_MS",
+        5.0,
+        "milliseconds a batch of concurrent requests stays open before it is submitted as one job",
+        type=float,
+    )
+    flag(
+        "--max-batch-seqs",
+        "GATEWAY_MAX_BATCH_SEQS",
+        256,
+        "sequences per coalesced job at most",
+        type=int,
+    )
+    flag(
+        "--max-batch-tokens",
+        "GATEWAY_MAX_BATCH_TOKENS",
+        1 << 20,
+        "tokens per coalesced job at most",
+        type=int,
+    )
+    flag(
+        "--max-body-bytes",
+        "GATEWAY_MAX_BODY_BYTES",
+        64 * 1024 * 1024,
+        "request bodies above this get 413",
+        type=int,
+    )
+    flag(
+        "--max-concurrent",
+        "GATEWAY_MAX_CONCURRENT",
+        8192,
+        "requests in flight at most; more get 503",
+        type=int,
+    )
+    flag(
+        "--resubmit-after-s",
+        "GATEWAY_RESUBMIT_AFTER_S",
+        30.0,
+        "add a job again (same id) when its result is this overdue, across a Redis failover; "
+        "0 turns it off",
+        type=float,
+    )
+    flag(
+        "--no-worker-check",
+        "GATEWAY_NO_WORKER_CHECK",
+        False,
+        "queue requests even when no live worker serves the queue (default: 503 no_worker at once)",
+        action="store_true",
+    )
+    flag(
+        "--server-log-level",
+        "GATEWAY_SERVER_LOG_LEVEL",
+        "warning",
+        "log level of the HTTP server's own logger (uvicorn)",
+    )
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT."""
+    try:
+        import uvicorn
+
+        from worker.client.aio import AsyncScoringClient
+        from worker.gateway.app import create_app
+        from worker.gateway.config import GatewayConfig
+    except ImportError as exc:
+        return _fail(
+            f"the gateway needs its extra ({exc.name} is missing): "
+            "pip install 'scoring-worker[gateway]'"
+        )
+    try:
+        resubmit = float(args.resubmit_after_s)
+        config = GatewayConfig(
+            api_key=args.api_key or None,
+            model_name=args.model_name or None,
+            timeout_s=float(args.timeout_s),
+            window_ms=float(args.window_ms),
+            max_batch_seqs=int(args.max_batch_seqs),
+            max_batch_tokens=int(args.max_batch_tokens),
+            max_body_bytes=int(args.max_body_bytes),
+            max_concurrent=int(args.max_concurrent),
+            resubmit_after_s=resubmit if resubmit > 0 else None,
+            require_worker=not _truthy(args.no_worker_check),
+        )
+        settings = redis_settings(args, client_name="scoring-gateway")
+        port = int(args.port)
+    except (TypeError, ValueError) as exc:
+        return _fail(f"bad gateway setting: {exc}")
+    problem = _check_redis(settings)
+    if problem:
+        return _fail(problem)
+    try:
+        sock = socket.create_server((args.host, port), reuse_port=False)
+    except OSError as exc:
+        return _fail(f"cannot listen on {args.host}:{port}: {exc.strerror or exc}")
+    if config.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s without --api-key: anyone who reaches it can score", args.host)
+
+    def client() -> AsyncScoringClient:
+        return AsyncScoringClient.from_settings(
+            settings,
+            queue=args.queue,
+            partitions=args.partitions,
+            resubmit_after_s=config.resubmit_after_s,
+        )
+
+    app = create_app(config, client)
+    log.info(
+        "gateway for queue %r on http://%s:%d (api key %s)",
+        args.queue,
+        args.host,
+        port,
+        "required" if config.api_key else "off",
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level=str(args.server_log_level).lower(),
+            log_config=None,
+            access_log=False,
+            lifespan="on",
+        )
+    )
+    server.run(sockets=[sock])
+    return 0
+
+
+def _truthy(value: object) -> bool:
+    return value is True or str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+def _check_redis(settings: object) -> str | None:
+    """None when Redis answers ``PING``, else the one-line reason."""
+    from worker.connections import connect
+
+    try:
+        connect(settings).ping()  # type: ignore[arg-type]
+    except Exception as exc:  # any connection or auth error is a start-up error here
+        url = getattr(settings, "url", "?")
+        return f"cannot reach Redis at {url}: {exc}"
+    return None

@@ -1,0 +1,48 @@
+"""The gateway's settings: one frozen dataclass, built once by ``scoring-worker gateway`` from
+flags and ``SCORING_GATEWAY_*`` variables and passed down (nothing here reads the environment)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Routes that answer without the API key (a load balancer's probe has none).
+OPEN_PATHS = frozenset({"/health", "/health/"})
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """How the gateway serves (every field has the flag of the same name, ``--api-key`` ...).
+
+    ``api_key``: when set, every route but ``/health`` needs ``Authorization: Bearer <key>``.
+    ``model_name``: the name ``/v1/models`` lists first and a request's ``model`` may carry for
+    the base weights (None: the ``model`` the live workers report). ``timeout_s``: how long a
+    request waits for its scores before a 504 (also the job's ``deadline_ms``). ``window_ms``,
+    ``max_batch_seqs``, ``max_batch_tokens``: the coalescing of concurrent requests into jobs.
+    ``max_body_bytes`` (413 above) and ``max_concurrent`` (503 above) are the limits.
+    ``resubmit_after_s``: a job without a result that long is added again (None: off).
+    ``worker_check_s``: how long a "some worker is alive" answer is reused.
+    """
+
+    api_key: str | None = None
+    model_name: str | None = None
+    timeout_s: float = 100.0
+    window_ms: float = 5.0
+    max_batch_seqs: int = 256
+    max_batch_tokens: int = 1 << 20
+    max_body_bytes: int = 64 * 1024 * 1024
+    max_concurrent: int = 8192
+    resubmit_after_s: float | None = 30.0
+    worker_check_s: float = 1.0
+    require_worker: bool = True
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.window_ms < 0:
+            raise ValueError(f"window_ms must be >= 0, got {self.window_ms}")
+        if self.max_batch_seqs < 1 or self.max_batch_tokens < 1:
+            raise ValueError("max_batch_seqs and max_batch_tokens must be >= 1")
+        if self.max_body_bytes < 1 or self.max_concurrent < 1:
+            raise ValueError("max_body_bytes and max_concurrent must be >= 1")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (leave it unset for no key)")

@@ -1,0 +1,160 @@
+"""The one place requests become jobs: ``GatewayCore`` owns the asyncio client and its
+``Coalescer``, knows whether any worker serves the queue, what the served model is called and
+which weights a request's ``model`` names. Every peer format's route calls ``score``.
+
+Redis commands of its own (read only): ``ZRANGEBYSCORE scoring:{q}:workers <now> +inf LIMIT 0 1``
+(a live worker's heartbeat, ``worker.streams.heartbeat``) and ``HGET scoring:{q}:worker:<c>
+model`` (the model it serves), each answer reused for ``worker_check_s``; ``PING`` for health.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from worker import keys
+from worker.client.aio import AsyncScoringClient
+from worker.client.coalesce import BatchKey, Coalescer
+from worker.client.results import SeqScore
+from worker.gateway.config import GatewayConfig
+from worker.gateway.errors import GatewayError
+from worker.gateway.metrics import GatewayMetrics
+
+log = logging.getLogger(__name__)
+
+#: What ``/v1/models`` lists when neither ``--model-name`` nor a live worker names the model.
+FALLBACK_MODEL = "scoring-worker"
+ADAPTER_PREFIX = "adapter:"
+VERSION_PREFIX = "version:"
+
+
+class GatewayCore:
+    """Requests in, jobs out (see the module docstring). ``start`` inside the event loop."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        client_factory: Callable[[], AsyncScoringClient],
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self._factory = client_factory
+        self.client: AsyncScoringClient | None = None
+        self.coalescer: Coalescer | None = None
+        self._alive: tuple[float, str | None] = (-1e9, None)  # (checked at, a live consumer)
+        self._checking: asyncio.Future[str | None] | None = None  # the one check under way
+        self._served: str | None = None  # the model a live worker reported last
+
+    async def start(self) -> None:
+        """Create the client and the coalescer (in the running loop)."""
+        self.client = self._factory()
+        self.coalescer = Coalescer(
+            self.client,
+            window_s=self.config.window_ms / 1000.0,
+            max_seqs=self.config.max_batch_seqs,
+            max_tokens=self.config.max_batch_tokens,
+            on_job=self.metrics.jobs.inc,
+        )
+
+    async def close(self) -> None:
+        """Answer what is in flight, then close the client (its reply stream goes)."""
+        if self.coalescer is not None:
+            await self.coalescer.close()
+        if self.client is not None:
+            await self.client.close()
+
+    @property
+    def queue(self) -> str:
+        """The queue this gateway feeds."""
+        assert self.client is not None
+        return self.client.queue
+
+    # -- scoring
+
+    async def score(self, route: str, seqs: Sequence[Any], key: BatchKey) -> list[SeqScore]:
+        """The scores of ``seqs`` (sequence maps as ``ScoringClient.score`` takes them), in
+        order, coalesced with concurrent requests of the same ``key``. Raises ``GatewayError``
+        (``no_worker``), ``BadRequest`` / ``JobFailed`` (their ``code``) or ``ScoringTimeout``."""
+        assert self.coalescer is not None, "GatewayCore.start was not awaited"
+        if not seqs:
+            return []
+        if self.config.require_worker and await self.live_worker() is None:
+            raise GatewayError("no_worker", f"no live worker serves queue {self.queue!r}")
+        self.metrics.sequences.labels(route=route).inc(len(seqs))
+        return await self.coalescer.score(list(seqs), key, self.config.timeout_s)
+
+    async def live_worker(self) -> str | None:
+        """A consumer whose heartbeat has not expired (None: no worker serves the queue); one
+        check at a time, its answer reused for ``worker_check_s``."""
+        checked, consumer = self._alive
+        if time.monotonic() - checked < self.config.worker_check_s:
+            return consumer
+        if self._checking is not None:  # another request is asking Redis: share its answer
+            return await asyncio.shield(self._checking)
+        self._checking = asyncio.get_running_loop().create_future()
+        try:
+            consumer = await self._find_worker()
+        except BaseException as exc:
+            self._checking.set_exception(exc)
+            self._checking.exception()  # retrieved: the waiters (if any) re-raise it
+            raise
+        else:
+            self._checking.set_result(consumer)
+        finally:
+            self._checking = None
+        return consumer
+
+    async def _find_worker(self) -> str | None:
+        """One live consumer (and the model it serves, for ``model_name``)."""
+        now = time.monotonic()
+        assert self.client is not None
+        redis = self.client.redis
+        found = await redis.zrangebyscore(
+            keys.workers_index(self.queue), time.time(), "+inf", start=0, num=1
+        )
+        consumer = _text(found[0]) if found else None
+        if consumer is not None:
+            model = await redis.hget(keys.worker_heartbeat(self.queue, consumer), "model")
+            if model:
+                self._served = _text(model)
+        self._alive = (now, consumer)
+        return consumer
+
+    async def ping(self) -> bool:
+        """Whether Redis answers."""
+        assert self.client is not None
+        try:
+            return bool(await self.client.redis.ping())
+        except Exception as exc:  # any Redis or connection error: not healthy
+            log.warning("health: Redis does not answer: %s", exc)
+            return False
+
+    # -- models and weights
+
+    async def model_name(self) -> str:
+        """The served model's name: ``--model-name``, else what a live worker reports (read
+        with the liveness check, so at most one lookup at a time)."""
+        if self.config.model_name:
+            return self.config.model_name
+        await self.live_worker()
+        return self._served or FALLBACK_MODEL
+
+    async def weights(self, model: str | None) -> tuple[str | None, str | None]:
+        """``(adapter, version)`` a request's ``model`` names: the served name (or none) is the
+        base weights; ``adapter:NAME`` / ``version:NAME`` name one explicitly; any other name is
+        a LoRA adapter (how vLLM serves adapters under their own model names)."""
+        if not model or model == await self.model_name():
+            return None, None
+        if model.startswith(VERSION_PREFIX):
+            return None, model[len(VERSION_PREFIX) :] or None
+        if model.startswith(ADAPTER_PREFIX):
+            return model[len(ADAPTER_PREFIX) :] or None, None
+        return model, None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,79 @@
+"""A TRL reward function backed by the fleet: ``reward_function(redis_url, queue=...)`` for
+``GRPOTrainer(reward_funcs=[...])``.
+
+What TRL's own model reward does (``trl/trainer/grpo_trainer.py``, ``_calculate_rewards``, the
+``nn.Module`` branch): text prompts score ``prompt + completion``; conversational ones render
+``prompt + completion`` messages with the reward model's chat template
+(``trl/data_utils.py``, ``apply_chat_template``: ``{"messages": p + c}``, ``tokenize=False``);
+then ``tokenizer(text, add_special_tokens=False)`` and ``logits[:, 0]``. The worker does exactly
+that: text goes as ``text`` (tokenized by the reward model's own tokenizer, no special tokens
+added), conversations as ``messages`` (its chat template, ``apply_chat_template(tokenize=True)``,
+the same ids when no ``chat_template_kwargs`` are set), read by the model's own head at the last
+token. TRL calls an async callable per process on its local batch (``asyncio.gather`` on its
+``async_loop``): one call is one job with every sample of the batch. ``__name__`` is what TRL
+logs the reward under (``rewards/<name>/mean``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from worker.client.coalesce import BatchKey
+from worker.integrations.shared import coalescer, settings
+
+
+def sequence(prompt: Any, completion: Any) -> dict[str, Any]:
+    """The sequence map TRL's model reward scores for one sample."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):  # conversational
+        turns = (
+            completion
+            if isinstance(completion, list)
+            else [{"role": "assistant", "content": str(completion)}]
+        )
+        return {"messages": [*prompt, *turns]}
+    return {"text": f"{prompt}{completion}"}
+
+
+class RewardFunction:
+    """An async ``f(prompts, completions, completion_ids, **kw) -> list[float]`` (see the
+    module docstring); ``adapter`` / ``version`` pick the reward model's weights."""
+
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        *,
+        queue: str | None = None,
+        partitions: int = 1,
+        name: str = "scoring_worker",
+        timeout_s: float = 600.0,
+        adapter: str | None = None,
+        version: str | None = None,
+    ) -> None:
+        self.redis_url, self.queue = settings(redis_url, queue)
+        self.partitions = partitions
+        self.__name__ = name
+        self.timeout_s = timeout_s
+        self.key = BatchKey(mode="reward", adapter=adapter, version=version)
+
+    async def __call__(
+        self,
+        prompts: Sequence[Any],
+        completions: Sequence[Any],
+        completion_ids: Any = None,
+        **kwargs: Any,
+    ) -> list[float]:
+        seqs = [sequence(p, c) for p, c in zip(prompts, completions, strict=True)]
+        if not seqs:
+            return []
+        batcher = coalescer(self.redis_url, self.queue, self.partitions)
+        scores = await batcher.score(seqs, self.key, self.timeout_s)
+        return [float(s.reward) if s.reward is not None else float("nan") for s in scores]
+
+
+def reward_function(
+    redis_url: str | None = None, queue: str | None = None, **options: Any
+) -> RewardFunction:
+    """A reward function for ``GRPOTrainer(reward_funcs=[...])`` scored by the workers of
+    ``queue`` (``options``: ``partitions``, ``name``, ``timeout_s``, ``adapter``, ``version``)."""
+    return RewardFunction(redis_url, queue=queue, **options)

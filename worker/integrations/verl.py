@@ -1,0 +1,54 @@
+"""A verl custom reward function backed by the fleet: ``compute_score`` for
+``reward.custom_reward_function.path=<this file> name=compute_score``.
+
+verl calls ``[async] compute_score(data_source, solution_str, ground_truth, extra_info, **kw)``
+once per sample (its reward managers, e.g. ``verl/experimental/reward_loop/reward_manager/
+dapo.py``, ``run_single``) and reads a float or a dict with ``"score"``. Concurrent calls of one
+process share one client and are coalesced into fleet-sized jobs (``worker.integrations.
+shared``). What is scored: ``solution_str`` (the decoded response, special tokens skipped, as
+verl decodes it), after the prompt when ``extra_info`` carries one under ``prompt_key`` (a string
+is prepended as text, a list of chat messages becomes ``messages`` with the response as the
+assistant's turn); re-tokenized by the reward model's own tokenizer. For token-exact rewards use
+``worker.integrations.verl_manager``. The Redis URL and queue come from ``reward_kwargs``
+(``redis_url``, ``queue``) or ``SCORING_REDIS_URL`` / ``SCORING_QUEUE``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from worker.client.coalesce import BatchKey
+from worker.integrations.shared import coalescer, settings
+
+
+def sequence(solution_str: str, extra_info: Any, prompt_key: str = "prompt") -> dict[str, Any]:
+    """The sequence map one sample is scored as."""
+    prompt = extra_info.get(prompt_key) if isinstance(extra_info, dict) else None
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        return {"messages": [*prompt, {"role": "assistant", "content": solution_str}]}
+    if isinstance(prompt, str):
+        return {"text": prompt + solution_str}
+    return {"text": solution_str}
+
+
+async def compute_score(
+    data_source: Any = None,
+    solution_str: str = "",
+    ground_truth: Any = None,
+    extra_info: Any = None,
+    *,
+    redis_url: str | None = None,
+    queue: str | None = None,
+    partitions: int = 1,
+    prompt_key: str = "prompt",
+    timeout_s: float = 600.0,
+    adapter: str | None = None,
+    version: str | None = None,
+    **kwargs: Any,
+) -> float:
+    """The reward model's score of one sample (see the module docstring)."""
+    url, q = settings(redis_url, queue)
+    key = BatchKey(mode="reward", adapter=adapter, version=version)
+    seq = sequence(solution_str, extra_info, prompt_key)
+    (score,) = await coalescer(url, q, partitions).score([seq], key, timeout_s)
+    return float(score.reward) if score.reward is not None else float("nan")
