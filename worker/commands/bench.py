@@ -7,7 +7,8 @@ vs in-process), ``small`` (1,000 small jobs at a fixed offered rate: jobs/s and 
 ``--max-wait-ms``), ``naive`` (end to end vs naive in-trainer scoring on the synthetic
 128k-vocab model and SmolLM2-135M: time and peak RSS), ``dtype`` (SmolLM2 in float32 and
 bfloat16 on the CPU), ``capacity`` (queue throughput with the no-op scorer), ``adapters`` (jobs
-over 3 resident LoRA adapters vs one model, cold adapter loads, a full-model switch per job).
+over 3 resident LoRA adapters vs one model, cold adapter loads, a full-model switch per job),
+``tensor-parallel`` (the per-rank memory of a model sharded over 1 and 2 gloo ranks).
 Extra arguments after ``--`` go to the suite's own ``main``.
 """
 
@@ -26,6 +27,7 @@ SUITES = {
     "dtype": "worker.devtools.bench.dtype",
     "capacity": "worker.devtools.bench.capacity",
     "adapters": "worker.devtools.bench.adapters",
+    "tensor-parallel": "worker.devtools.bench.tensor_parallel",
 }
 
 HEADLINE = ("naive", "executor", "floor", "e2e", "small", "dtype")
