@@ -208,3 +208,16 @@ def test_gpus_all_with_tensor_parallel_gives_each_group_its_gpus() -> None:
     with pytest.raises(ConfigError, match=r"3 GPUs .*not a multiple of --tensor-parallel 2"):
         build_children(parser.parse_args(["serve", "--gpus", "0,1,2", "--tensor-parallel", "2"]),
                        flag_defaults(), env={})  # fmt: skip
+
+
+def test_info_names_a_workers_group() -> None:
+    """``scoring-worker info`` shows a group's size and devices from its heartbeat."""
+    from worker.commands.info import _workers
+    from worker.daemon.heartbeat import INFO_FIELDS
+
+    assert {"tensor_parallel", "tensor_parallel_devices"} <= set(INFO_FIELDS)
+    beat = {"consumer": "node-a-0", "model": "/ckpt/rm-70b", "dtype": "bfloat16",
+            "device": "cuda:0", "tensor_parallel": "2",
+            "tensor_parallel_devices": ["cuda:0 (GPU 2)", "cuda:1 (GPU 3)"]}  # fmt: skip
+    (line,) = _workers([beat])[2:]
+    assert line.endswith("(bfloat16, cuda:0)  tensor parallel 2: cuda:0 (GPU 2), cuda:1 (GPU 3)")

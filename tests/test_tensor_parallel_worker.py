@@ -11,10 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 
-from tests.support.daemon import ROOT, WorkerProc, metric
+from tests.support.daemon import ROOT, WorkerProc, metric, wait_until
 from tests.support.models import random_tokens, tiny_causal, tiny_config, tiny_reward
 from worker.client import ScoringClient
+from worker.streams import read_heartbeats
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -110,6 +112,10 @@ def test_two_ranks_answer_what_one_process_does(
         assert metric(url, "scoring_tp_rank_peak_bytes", '{rank="1"}') > 0
         assert metric(url, "scoring_tp_collective_seconds_total", '{kind="head"}') > 0
         assert "[rank 1]" in worker.log()  # the follower's lines, tagged
+        beats = wait_until(lambda: read_heartbeats(redis.Redis.from_url(redis_url), key_prefix),
+                           30, what="a heartbeat")  # fmt: skip
+        assert beats[0]["tensor_parallel"] == "2"
+        assert beats[0]["tensor_parallel_devices"] == ["cpu", "cpu"]
     finally:
         worker.stop()
 
