@@ -1,0 +1,148 @@
+"""The GPU check's tensor-parallel step: a model sharded over two GPUs (TP=2 over NCCL) against
+the same model on one GPU.
+
+Needs two GPUs: with fewer the step is skipped, and the report says why. With ``--device cpu
+--tiny`` the same runs over gloo on two CPU ranks (what the check's own tests exercise).
+
+1. ``shapes.tp_shape`` (the benchmark's Llama with 2 layers at half its width, the vocabulary
+   kept at 128,256 so the vocabulary-parallel LM head folds a real vocabulary; ``TINY`` with
+   ``--tiny``) is built with random weights on the first device in the device's dtype and scored
+   in process by a ``StatelessExecutor``: the reference log-probs, seconds and peak memory.
+   It is saved under ``OUT/scratch/tp-model`` and freed.
+2. Two ranks (``python -m worker.devtools.gpu_check.tp --rank R ...``, started by
+   ``worker.devtools.bench.tensor_parallel.launch``) join a group (NCCL, rank r on ``cuda:r``;
+   gloo on the CPU), load the checkpoint sharded (``ParallelExecutor.load``) and score the same
+   sequences twice through the leader's ``GroupScorer`` (a warm-up, then the timed call).
+3. Figures: max |Δlogp| against one device (at most ``shapes.tolerance(dtype)``, else the step
+   fails), tokens/s of the group and of one device, each rank's peak allocated memory beside the
+   one device's, and the seconds in the group's own collectives. A rank that fails, or that is
+   still running ``RESERVE_S`` before the step's deadline, fails the step with its log tail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from worker.devtools.gpu_check import model as gm
+from worker.devtools.gpu_check import shapes as gs
+from worker.devtools.gpu_check.record import CheckFailed, Setup, Skip, StepReport
+
+RANKS = 2
+RESERVE_S = 4.0  # seconds of the step's deadline kept to record what the ranks did
+
+
+def step_tp(setup: Setup, report: StepReport) -> None:
+    """TP=2 against one device (module docstring)."""
+    from worker.devtools.bench.tensor_parallel import launch
+    from worker.executor import ExecutorConfig, StatelessExecutor
+
+    gpus = torch.cuda.device_count() if setup.cuda else 0
+    if setup.cuda and gpus < RANKS:
+        raise Skip(f"TP=2 over NCCL needs two GPUs; this machine has {gpus} (not run)")
+    shape, dtype = gs.tp_shape(setup.tiny), gs.dtype_for(setup.device)
+    seqs = gm.ragged_inputs(shape)
+    counts = gm.token_counts(seqs)
+    backend = "nccl" if setup.cuda else "gloo"
+    report.put(shape=shape.as_dict(), dtype=dtype, ranks=RANKS, backend=backend, **counts)
+    report.stage("one device: build, score, save")
+    model = gm.build_model(shape, "cuda:0" if setup.cuda else "cpu", dtype)
+    ex = StatelessExecutor(ExecutorConfig(device=setup.device, dtype=dtype), model)  # type: ignore[arg-type]
+    ex.score(seqs)  # warm-up
+    t0 = time.perf_counter()
+    peak, out = gm.measure_peak(setup.device, partial(ex.score, seqs))
+    one_s = time.perf_counter() - t0
+    want = [s.logps for s in out.scores]
+    where = setup.scratch / "tp-model"
+    model.save_pretrained(where)
+    ex.close()
+    del ex, model, out
+    gc.collect()
+    if setup.cuda:
+        torch.cuda.empty_cache()
+    report.put(one_device={"seconds": one_s, "tokens_per_s": counts["real_tokens"] / one_s,
+                           "peak_allocated_bytes": peak})  # fmt: skip
+    report.stage(f"two ranks over {backend}")
+    work = setup.scratch / "tp"
+    work.mkdir(parents=True, exist_ok=True)
+    procs: list[subprocess.Popen[bytes]] = []
+    report.on_deadline(lambda: [p.kill() for p in procs])
+    extra = ["--model", str(where), "--device", setup.device, "--dtype", dtype]
+    paths = launch(
+        RANKS, "worker.devtools.gpu_check.tp", [*extra, *(["--tiny"] if setup.tiny else [])],
+        out=work, timeout_s=max(1.0, report.remaining_s() - RESERVE_S),
+        device_type="cuda" if setup.cuda else "cpu", procs=procs,
+    )  # fmt: skip
+    ranks = [json.loads(p.read_text()) for p in paths]
+    shutil.rmtree(where, ignore_errors=True)
+    diff = gm.max_abs_diff(want, ranks[0]["logps"])
+    group_s = ranks[0]["seconds"]
+    report.put(
+        group={"seconds": group_s, "tokens_per_s": counts["real_tokens"] / group_s,
+               "rank_peak_allocated_bytes": [r["peak"] for r in ranks],
+               "collective_s": ranks[0]["collective_s"]},
+        max_abs_logp_diff=diff, tolerance=gs.tolerance(dtype),
+    )  # fmt: skip
+    if not diff <= gs.tolerance(dtype):
+        raise CheckFailed(f"TP=2 log-probs differ from one device by {diff:.3g}")
+
+
+def _rank(args: argparse.Namespace) -> None:
+    """One rank: join, load the shards, score twice, write what it saw."""
+    import transformers
+
+    from worker.devtools.bench.tensor_parallel import join, serve_calls
+    from worker.executor import ExecutorConfig
+    from worker.executor.parallel.executor import ParallelExecutor
+    from worker.executor.parallel.group import Call
+    from worker.executor.parallel.plan import tensor_parallel_plan
+    from worker.scorer import DEFAULT_OPTIONS
+
+    cuda = args.device.startswith("cuda")
+    comm = join(args.rank, args.size, args.port, "cuda" if cuda else "cpu")
+    plan = tensor_parallel_plan(transformers.AutoConfig.from_pretrained(args.model), args.size)
+    config = ExecutorConfig(device=comm.spec.device, dtype=args.dtype)
+    ex = ParallelExecutor.load(config, comm, [plan], reference_model=args.model)
+    seqs = gm.ragged_inputs(gs.tp_shape(args.tiny))
+    call = Call(seqs, None, None, DEFAULT_OPTIONS)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    warm, timed = serve_calls(ex, comm, [call, call])
+    group = timed.metrics.group
+    doc = {
+        "rank": args.rank,
+        "seconds": timed.metrics.elapsed_s,
+        "peak": int(torch.cuda.max_memory_allocated())
+        if cuda
+        else warm.metrics.peak_allocated_bytes,
+        "collective_s": None if group is None else group.collective_s,
+        "logps": [s.logps.tolist() for s in timed.scores] if args.rank == 0 else None,
+    }
+    Path(args.out).write_text(json.dumps(doc))
+    comm.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """One rank of the step (what ``launch`` starts)."""
+    parser = argparse.ArgumentParser(prog="worker.devtools.gpu_check.tp")
+    for flag in ("--rank", "--size", "--port"):
+        parser.add_argument(flag, type=int, required=True)
+    for flag in ("--out", "--model", "--device", "--dtype"):
+        parser.add_argument(flag, required=True)
+    parser.add_argument("--tiny", action="store_true")
+    _rank(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
