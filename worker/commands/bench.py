@@ -42,7 +42,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="append",
         choices=[*SUITES, "all"],
         help="which benchmark(s) to run (repeatable; default: the headline, "
-        f"{', '.join(HEADLINE)}; all: every suite, about 45 minutes)",
+        f"{', '.join(HEADLINE)}; all: every suite, about 50 minutes)",
     )
     parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
     parser.add_argument(
