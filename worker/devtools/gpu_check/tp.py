@@ -76,7 +76,12 @@ def step_tp(setup: Setup, report: StepReport) -> None:
     work = setup.scratch / "tp"
     work.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen[bytes]] = []
-    report.on_deadline(lambda: [p.kill() for p in procs])
+
+    def stop_ranks() -> None:
+        for proc in procs:
+            proc.kill()
+
+    report.on_deadline(stop_ranks)
     extra = ["--model", str(where), "--device", setup.device, "--dtype", dtype]
     paths = launch(
         RANKS, "worker.devtools.gpu_check.tp", [*extra, *(["--tiny"] if setup.tiny else [])],
