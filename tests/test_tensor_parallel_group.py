@@ -98,6 +98,16 @@ def test_a_kernel_failure_falls_back_on_both(ranks: dict[str, Any]) -> None:
 
 
 @pytest.mark.slow
+def test_a_kv_cache_output_is_rejected_on_both(ranks: dict[str, Any]) -> None:
+    """The KV guard rejects the batch on every rank alike: the leader answers it as an error,
+    the follower drops it, and the group serves the next phase."""
+    (lead,) = ranks["leader"]["kv"]["outputs"]
+    assert lead[:2] == ("KVCacheRejected", "internal") and "KV cache" in lead[2]
+    assert ranks["follower"]["kv"]["outputs"] == []  # the follower's call raised too
+    assert ranks["leader"]["memory"]["outputs"]  # and the group went on
+
+
+@pytest.mark.slow
 def test_no_rank_holds_a_rows_by_vocabulary_block(ranks: dict[str, Any]) -> None:
     """48 x 255 scored rows over a vocabulary of 32,768: a ``[rows, V]`` float32 block would
     be 1.5 GiB. Each rank's peak during the call (the executor's per-call accounting, RSS on

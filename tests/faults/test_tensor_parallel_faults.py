@@ -35,6 +35,7 @@ pytestmark = [
 
 FOLLOWER = re.compile(r"rank 1 of 2 started: pid (\d+)")
 JOINED = "tensor-parallel group of 2 joined"
+SERVING = re.compile(r"worker \S+ serving .* \(group ")
 
 
 class GroupFleet(Fleet):
@@ -64,11 +65,12 @@ def follower_pid(w: WorkerProc) -> int:
 
 def fault_follower(sig: int, times: int, every_s: float, first_s: float) -> Callable[..., None]:
     """Send ``sig`` to the follower rank of the one group ``times`` times: the first after
-    ``first_s``, each later one ``every_s`` after the group serves again."""
+    ``first_s``, each later one ``every_s`` after the supervisor's new group serves again (so
+    every signal lands while batches run, not while a group loads)."""
 
     def run(fleet: Fleet, done: threading.Event, out: list[str]) -> None:
         (w,) = fleet.alive()
-        groups = w.log().count(JOINED)
+        served = len(SERVING.findall(w.log()))
         for i in range(times):
             if done.wait(first_s if i == 0 else every_s):
                 return
@@ -76,7 +78,7 @@ def fault_follower(sig: int, times: int, every_s: float, first_s: float) -> Call
             os.kill(pid, sig)
             out.append(f"{signal.Signals(sig).name} follower pid {pid} at {time.strftime('%X')}")
             deadline = time.monotonic() + 120
-            while w.log().count(JOINED) < groups + i + 1 and time.monotonic() < deadline:
+            while len(SERVING.findall(w.log())) < served + i + 1 and time.monotonic() < deadline:
                 time.sleep(0.2)  # the supervisor's new group
 
     return run

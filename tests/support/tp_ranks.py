@@ -9,6 +9,8 @@ rank 1 follows until rank 0 stops it), with faults injected on some ranks only:
 * ``oom_head``: rank 1 alone runs out of memory in its LM-head fold above 12 rows: both halve;
 * ``oom_backbone``: both ranks run out of memory in the last MLP above 40 tokens: both halve;
 * ``kernel``: sdpa fails on both ranks: both retry on eager;
+* ``kv``: the backbone returns a KV cache on both ranks: the batch is rejected on both (the
+  group serves on: the next phase runs);
 * ``memory`` (``DIR/wide``, vocabulary 32,768): each rank's RSS before the call and its peak.
 
 Each rank pickles what it saw (rank 0: the outputs) to ``FILE``.
@@ -49,12 +51,14 @@ def _calls() -> dict[str, list[Any]]:
         "oom_head": [Call(equal, "reference", None, DEFAULT_OPTIONS)],
         "oom_backbone": [Call(equal, "reference", None, DEFAULT_OPTIONS)],
         "kernel": [Call(equal, "reference", None, DEFAULT_OPTIONS)],
+        "kv": [Call(equal, "reference", None, DEFAULT_OPTIONS)],
         "memory": [Call(wide, "reference", None, DEFAULT_OPTIONS)],
     }
 
 
-def _inject(phase: str, rank: int) -> Any:
-    """Patch this rank for ``phase``; returns an undo function."""
+def _inject(phase: str, rank: int, model: Any) -> Any:
+    """Patch this rank for ``phase`` (``model``: the reference model served); returns an undo
+    function."""
     from transformers.modeling_utils import AttentionInterface
     from transformers.models.llama.modeling_llama import LlamaMLP
 
@@ -89,6 +93,23 @@ def _inject(phase: str, rank: int) -> Any:
 
         mapping["sdpa"] = broken
         return lambda: mapping.__setitem__("sdpa", sdpa)
+    if phase == "kv":  # as tests/test_executor_kv.py leaks one
+        from transformers.cache_utils import DynamicCache
+
+        backbone = model.model
+        original = backbone.forward
+
+        def leaking(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            cache = DynamicCache(config=model.config)
+            kv = out.last_hidden_state.new_zeros(1, 2, 4, 8)
+            for layer in range(model.config.num_hidden_layers):
+                cache.update(kv.clone(), kv.clone(), layer)
+            out["past_key_values"] = cache
+            return out
+
+        backbone.forward = leaking
+        return lambda: setattr(backbone, "forward", original)
     return lambda: None
 
 
@@ -120,7 +141,7 @@ def main() -> None:
     main_ex = load("ref", reward=True)
     for phase, calls in _calls().items():
         ex = load("wide", reward=False) if phase == "memory" else main_ex
-        undo = _inject(phase, args.rank)
+        undo = _inject(phase, args.rank, ex.reference_model)
         before = rss_bytes()
         outputs = serve_calls(ex, comm, calls)
         undo()

@@ -130,15 +130,20 @@ def join(rank: int, size: int, port: int, device_type: str = "cpu") -> Any:
 
 def serve_calls(executor: Any, comm: Any, calls: list[Any]) -> list[Any]:
     """Run ``calls`` (``group.Call``) on the group: rank 0 broadcasts them (``GroupScorer``)
-    and returns the outputs; the others follow until the leader stops and return theirs."""
+    and returns the outputs (a call that failed with a ``ScoringError``: ``(name, code,
+    message)`` in its place); the others follow until the leader stops and return theirs."""
+    from worker.errors import ScoringError
     from worker.executor.parallel.group import GroupScorer, StepClock, follow
 
     outputs: list[Any] = []
     if comm.rank == 0:
         scorer = GroupScorer(executor, comm, StepClock())
         for call in calls:
-            outputs.append(scorer.score(call.seqs, mode=call.mode, temperature=call.temperature,
-                                        options=call.options))  # fmt: skip
+            kwargs = {"mode": call.mode, "temperature": call.temperature, "options": call.options}
+            try:
+                outputs.append(scorer.score(call.seqs, **kwargs))
+            except ScoringError as exc:
+                outputs.append((type(exc).__name__, exc.code, exc.message))
         scorer.close()
         return outputs
     score = executor.score
