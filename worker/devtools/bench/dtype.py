@@ -94,14 +94,11 @@ def run(quick: bool, rounds: int, directory: Path) -> dict[str, Any]:
     checkpoint = str(plain_checkpoint(path, directory))
     executors = {
         dtype: StatelessExecutor.from_pretrained(
-            ExecutorConfig(dtype=dtype, device="cpu"),  # type: ignore[arg-type]
-            checkpoint,
+            ExecutorConfig(dtype=dtype, device="cpu"), checkpoint
         )
         for dtype in DTYPES
     }
-    logps: dict[str, list[Any]] = {  # the warm-up run's
-        d: [s.logps for s in ex.score(inputs).scores] for d, ex in executors.items()
-    }
+    logps = {d: [s.logps for s in ex.score(inputs).scores] for d, ex in executors.items()}  # warm
     times: dict[str, list[float]] = {d: [] for d in DTYPES}
     for r in range(max(1, rounds)):
         for dtype in DTYPES if r % 2 == 0 else DTYPES[::-1]:
