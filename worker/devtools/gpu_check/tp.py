@@ -9,10 +9,11 @@ Needs two GPUs: with fewer the step is skipped, and the report says why. With ``
    ``--tiny``) is built with random weights on the first device in the device's dtype and scored
    in process by a ``StatelessExecutor``: the reference log-probs, seconds and peak memory.
    It is saved under ``OUT/scratch/tp-model`` and freed.
-2. Two ranks (``python -m worker.devtools.gpu_check.tp --rank R ...``, started by
-   ``worker.devtools.bench.tensor_parallel.launch``) join a group (NCCL, rank r on ``cuda:r``;
-   gloo on the CPU), load the checkpoint sharded (``ParallelExecutor.load``) and score the same
-   sequences twice through the leader's ``GroupScorer`` (a warm-up, then the timed call).
+2. Two ranks, the step's own process (rank 0: torch, transformers and the device are up
+   already) and ``python -m worker.devtools.gpu_check.tp --rank 1 ...``, join a group (NCCL,
+   rank r on ``cuda:r``; gloo on the CPU), load the checkpoint sharded
+   (``ParallelExecutor.load``) and score the same sequences twice through the leader's
+   ``GroupScorer`` (a warm-up, then the timed call).
 3. Figures: max |Δlogp| against one device (at most ``shapes.tolerance(dtype)``, else the step
    fails), tokens/s of the group and of one device, each rank's peak allocated memory beside the
    one device's, and the seconds in the group's own collectives. A rank that fails, or that is
@@ -24,13 +25,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,7 +48,6 @@ RESERVE_S = 4.0  # seconds of the step's deadline kept to record what the ranks 
 
 def step_tp(setup: Setup, report: StepReport) -> None:
     """TP=2 against one device (module docstring)."""
-    from worker.devtools.bench.tensor_parallel import launch
     from worker.executor import ExecutorConfig, StatelessExecutor
 
     gpus = torch.cuda.device_count() if setup.cuda else 0
@@ -73,37 +76,72 @@ def step_tp(setup: Setup, report: StepReport) -> None:
     report.put(one_device={"seconds": one_s, "tokens_per_s": counts["real_tokens"] / one_s,
                            "peak_allocated_bytes": peak})  # fmt: skip
     report.stage(f"two ranks over {backend}")
-    work = setup.scratch / "tp"
-    work.mkdir(parents=True, exist_ok=True)
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def stop_ranks() -> None:
-        for proc in procs:
-            proc.kill()
-
-    report.on_deadline(stop_ranks)
-    extra = ["--model", str(where), "--device", setup.device, "--dtype", dtype]
-    paths = launch(
-        RANKS, "worker.devtools.gpu_check.tp", [*extra, *(["--tiny"] if setup.tiny else [])],
-        out=work, timeout_s=max(1.0, report.remaining_s() - RESERVE_S),
-        device_type="cuda" if setup.cuda else "cpu", procs=procs,
-    )  # fmt: skip
-    ranks = [json.loads(p.read_text()) for p in paths]
+    mine, theirs = _two_ranks(setup, report, where, dtype)
     shutil.rmtree(where, ignore_errors=True)
-    diff = gm.max_abs_diff(want, ranks[0]["logps"])
-    group_s = ranks[0]["seconds"]
+    diff = gm.max_abs_diff(want, mine["logps"])
+    group_s = mine["seconds"]
     report.put(
         group={"seconds": group_s, "tokens_per_s": counts["real_tokens"] / group_s,
-               "rank_peak_allocated_bytes": [r["peak"] for r in ranks],
-               "collective_s": ranks[0]["collective_s"]},
+               "rank_peak_allocated_bytes": [mine["peak"], theirs["peak"]],
+               "collective_s": mine["collective_s"]},
         max_abs_logp_diff=diff, tolerance=gs.tolerance(dtype),
     )  # fmt: skip
     if not diff <= gs.tolerance(dtype):
         raise CheckFailed(f"TP=2 log-probs differ from one device by {diff:.3g}")
 
 
-def _rank(args: argparse.Namespace) -> None:
-    """One rank: join, load the shards, score twice, write what it saw."""
+def _two_ranks(
+    setup: Setup, report: StepReport, model: Path, dtype: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Rank 0 here (torch, transformers and the device are up already), rank 1 a subprocess
+    (``python -m worker.devtools.gpu_check.tp --rank 1 ...``); each rank's record. Rank 1
+    exiting non-zero fails the step at once with its log tail; rank 1 still running
+    ``RESERVE_S`` before the deadline is killed and fails it."""
+    from worker.devtools.bench.tensor_parallel import free_port
+
+    work = setup.scratch / "tp"
+    work.mkdir(parents=True, exist_ok=True)
+    port, log, out = free_port(), work / "rank1.log", work / "rank1.json"
+    env = dict(os.environ)
+    if not setup.cuda:
+        threads = max(1, (os.cpu_count() or 1) // RANKS)
+        env.update(OMP_NUM_THREADS=str(threads), CUDA_VISIBLE_DEVICES="")
+        torch.set_num_threads(threads)
+    argv = [sys.executable, "-m", "worker.devtools.gpu_check.tp", "--rank", "1", "--size",
+            str(RANKS), "--port", str(port), "--out", str(out), "--model", str(model),
+            "--device", setup.device, "--dtype", dtype]  # fmt: skip
+    argv += ["--tiny"] if setup.tiny else []
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    report.on_deadline(proc.kill)
+    done = threading.Event()
+
+    def watch() -> None:  # rank 0 may be blocked in a collective that rank 1 never joins
+        code = proc.wait()
+        if code and not done.is_set():
+            tail = log.read_text(errors="replace")[-2000:]
+            report.finish("failed", error=f"rank 1 exited with {code}: {tail}")
+            os._exit(1)
+
+    threading.Thread(target=watch, name="rank-1", daemon=True).start()
+    mine = run_rank(0, RANKS, port, str(model), setup.device, dtype, setup.tiny)
+    try:
+        code = proc.wait(max(1.0, report.remaining_s() - RESERVE_S))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        tail = log.read_text(errors="replace")[-2000:]
+        raise CheckFailed(f"rank 1 still running: {tail}") from None
+    finally:
+        done.set()
+    if code:
+        raise CheckFailed(f"rank 1 exited with {code}: {log.read_text(errors='replace')[-2000:]}")
+    return mine, json.loads(out.read_text())
+
+
+def run_rank(
+    rank: int, size: int, port: int, model: str, device: str, dtype: str, tiny: bool
+) -> dict[str, Any]:
+    """One rank: join the group, load the shards, score the sequences twice; what it saw."""
     import transformers
 
     from worker.devtools.bench.tensor_parallel import join, serve_calls
@@ -113,28 +151,27 @@ def _rank(args: argparse.Namespace) -> None:
     from worker.executor.parallel.plan import tensor_parallel_plan
     from worker.scorer import DEFAULT_OPTIONS
 
-    cuda = args.device.startswith("cuda")
-    comm = join(args.rank, args.size, args.port, "cuda" if cuda else "cpu")
-    plan = tensor_parallel_plan(transformers.AutoConfig.from_pretrained(args.model), args.size)
-    config = ExecutorConfig(device=comm.spec.device, dtype=args.dtype)
-    ex = ParallelExecutor.load(config, comm, [plan], reference_model=args.model)
-    seqs = gm.ragged_inputs(gs.tp_shape(args.tiny))
-    call = Call(seqs, None, None, DEFAULT_OPTIONS)
+    cuda = device.startswith("cuda")
+    comm = join(rank, size, port, "cuda" if cuda else "cpu")
+    plan = tensor_parallel_plan(transformers.AutoConfig.from_pretrained(model), size)
+    config = ExecutorConfig(device=comm.spec.device, dtype=dtype)  # type: ignore[arg-type]
+    ex = ParallelExecutor.load(config, comm, [plan], reference_model=model)
+    call = Call(gm.ragged_inputs(gs.tp_shape(tiny)), None, None, DEFAULT_OPTIONS)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     warm, timed = serve_calls(ex, comm, [call, call])
     group = timed.metrics.group
     doc = {
-        "rank": args.rank,
+        "rank": rank,
         "seconds": timed.metrics.elapsed_s,
         "peak": int(torch.cuda.max_memory_allocated())
         if cuda
         else warm.metrics.peak_allocated_bytes,
         "collective_s": None if group is None else group.collective_s,
-        "logps": [s.logps.tolist() for s in timed.scores] if args.rank == 0 else None,
+        "logps": [s.logps.tolist() for s in timed.scores] if rank == 0 else None,
     }
-    Path(args.out).write_text(json.dumps(doc))
     comm.close()
+    return doc
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -145,7 +182,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for flag in ("--out", "--model", "--device", "--dtype"):
         parser.add_argument(flag, required=True)
     parser.add_argument("--tiny", action="store_true")
-    _rank(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    doc = run_rank(args.rank, args.size, args.port, args.model, args.device, args.dtype, args.tiny)
+    Path(args.out).write_text(json.dumps(doc))
     return 0
 
 
