@@ -159,6 +159,8 @@ def test_what_a_group_cannot_serve_is_refused(models: tuple[str, str], tmp_path:
         "GGUF": ("--reference-model", ref, "--gguf-file", "m.gguf"),
     }
     parser = build_parser("serve")
+    with pytest.raises(ConfigError, match="must be >= 1, got 0"):
+        check_group(parser.parse_args(["serve", "--tensor-parallel", "0"]))
     for words, flags in cases.items():
         argv = ["serve", "--device", "cpu", "--tensor-parallel", "2", *flags]
         with pytest.raises(ConfigError) as err:

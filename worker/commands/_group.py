@@ -71,8 +71,13 @@ PG_TIMEOUT_S = 1800.0
 
 
 def group_size(args: argparse.Namespace) -> int:
-    """``--tensor-parallel`` (1: an ordinary single-process worker)."""
-    return int(getattr(args, "tensor_parallel", 1) or 1)
+    """``--tensor-parallel`` (1: an ordinary single-process worker); ``ConfigError`` below 1."""
+    size = int(getattr(args, "tensor_parallel", 1))
+    if size < 1:
+        raise ConfigError(
+            f"--tensor-parallel (env SCORING_TENSOR_PARALLEL) must be >= 1, got {size}"
+        )
+    return size
 
 
 def is_follower(env: Mapping[str, str] | None = None) -> bool:
@@ -103,9 +108,8 @@ def check_group(args: argparse.Namespace) -> list[Any]:
     (``ConfigError``); else the plan of each named model (``plan.tensor_parallel_plan``)."""
     from worker.executor.parallel.plan import device_check, tensor_parallel_plan
 
-    size, flag = group_size(args), f"--tensor-parallel {group_size(args)}"
-    if size < 1:
-        raise ConfigError(f"--tensor-parallel must be >= 1, got {size}")
+    size = group_size(args)
+    flag = f"--tensor-parallel {size}"
     if args.scorer == "noop":
         raise ConfigError(f"{flag} shards a model; --scorer noop has none")
     if getattr(args, "adapter_root", None) or getattr(args, "model_root", None):

@@ -60,11 +60,11 @@ STEPS: tuple[StepSpec, ...] = (
     StepSpec("install", "unpack missing packages from the wheel folder", 20, False),
     StepSpec("env", "versions, device, capability, memory, bf16 peak", 15, False),
     StepSpec("pytest", f"pytest -m gpu {PYTEST_TARGET}", 45, True),
-    StepSpec("bench", "executor vs naive loop: tokens/s, peak memory, MFU", 50, True),
-    StepSpec("oom", "out-of-memory split under a capped allocator", 40, True),
-    StepSpec("e2e", "embedded Valkey + worker subprocess + ScoringClient", 65, True),
-    StepSpec("tp", "TP=2 over NCCL vs one GPU (skipped below two GPUs)", 50, True),
-    StepSpec("backends", "sdpa vs flex_attention vs flash_attention_2", 70, True),
+    StepSpec("bench", "executor vs naive loop: tokens/s, peak memory, MFU", 55, True),
+    StepSpec("oom", "out-of-memory split under a capped allocator", 35, True),
+    StepSpec("e2e", "embedded Valkey + worker subprocess + ScoringClient", 70, True),
+    StepSpec("tp", "TP=2 over NCCL vs one GPU (skipped below two GPUs)", 35, True),
+    StepSpec("backends", "sdpa vs flex_attention vs flash_attention_2", 80, True),
 )
 STEP_NAMES = tuple(s.name for s in STEPS)
 EXIT_NO_CUDA = 2

@@ -10,10 +10,10 @@ Needs two GPUs: with fewer the step is skipped, and the report says why. With ``
    in process by a ``StatelessExecutor``: the reference log-probs, seconds and peak memory.
    It is saved under ``OUT/scratch/tp-model`` and freed.
 2. Two ranks, the step's own process (rank 0: torch, transformers and the device are up
-   already) and ``python -m worker.devtools.gpu_check.tp --rank 1 ...``, join a group (NCCL,
-   rank r on ``cuda:r``; gloo on the CPU), load the checkpoint sharded
-   (``ParallelExecutor.load``) and score the same sequences twice through the leader's
-   ``GroupScorer`` (a warm-up, then the timed call).
+   already) and ``python -m worker.devtools.gpu_check.tp --rank 1 ...`` (on the CPU a fork of
+   the step's process), join a group (NCCL, rank r on ``cuda:r``; gloo on the CPU), load the
+   checkpoint sharded (``ParallelExecutor.load``) and score the same sequences twice through
+   the leader's ``GroupScorer`` (a warm-up, then the timed call).
 3. Figures: max |Δlogp| against one device (at most ``shapes.tolerance(dtype)``, else the step
    fails), tokens/s of the group and of one device, each rank's peak allocated memory beside the
    one device's, and the seconds in the group's own collectives. A rank that fails, or that is
@@ -23,8 +23,10 @@ Needs two GPUs: with fewer the step is skipped, and the report says why. With ``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -93,31 +95,22 @@ def step_tp(setup: Setup, report: StepReport) -> None:
 def _two_ranks(
     setup: Setup, report: StepReport, model: Path, dtype: str
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Rank 0 here (torch, transformers and the device are up already), rank 1 a subprocess
-    (``python -m worker.devtools.gpu_check.tp --rank 1 ...``); each rank's record. Rank 1
-    exiting non-zero fails the step at once with its log tail; rank 1 still running
-    ``RESERVE_S`` before the deadline is killed and fails it."""
+    """Rank 0 here (torch, transformers and the device are up already) and rank 1 beside it:
+    on CUDA a fresh process (``python -m worker.devtools.gpu_check.tp --rank 1 ...``: CUDA does
+    not survive a fork), on the CPU a fork of this process (no second start of torch); each
+    rank's record. Rank 1 exiting non-zero fails the step at once with its log tail; rank 1
+    still running ``RESERVE_S`` before the deadline is killed and fails it."""
     from worker.devtools.bench.tensor_parallel import free_port
 
     work = setup.scratch / "tp"
     work.mkdir(parents=True, exist_ok=True)
     port, log, out = free_port(), work / "rank1.log", work / "rank1.json"
-    env = dict(os.environ)
-    if not setup.cuda:
-        threads = max(1, (os.cpu_count() or 1) // RANKS)
-        env.update(OMP_NUM_THREADS=str(threads), CUDA_VISIBLE_DEVICES="")
-        torch.set_num_threads(threads)
-    argv = [sys.executable, "-m", "worker.devtools.gpu_check.tp", "--rank", "1", "--size",
-            str(RANKS), "--port", str(port), "--out", str(out), "--model", str(model),
-            "--device", setup.device, "--dtype", dtype]  # fmt: skip
-    argv += ["--tiny"] if setup.tiny else []
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env)
-    report.on_deadline(proc.kill)
+    rank1 = _start_rank1(setup, port, str(model), dtype, log, out)
+    report.on_deadline(rank1.kill)
     done = threading.Event()
 
     def watch() -> None:  # rank 0 may be blocked in a collective that rank 1 never joins
-        code = proc.wait()
+        code = rank1.wait(None)
         if code and not done.is_set():
             tail = log.read_text(errors="replace")[-2000:]
             report.finish("failed", error=f"rank 1 exited with {code}: {tail}")
@@ -126,16 +119,61 @@ def _two_ranks(
     threading.Thread(target=watch, name="rank-1", daemon=True).start()
     mine = run_rank(0, RANKS, port, str(model), setup.device, dtype, setup.tiny)
     try:
-        code = proc.wait(max(1.0, report.remaining_s() - RESERVE_S))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        tail = log.read_text(errors="replace")[-2000:]
-        raise CheckFailed(f"rank 1 still running: {tail}") from None
+        code = rank1.wait(max(1.0, report.remaining_s() - RESERVE_S))
     finally:
         done.set()
+    if code is None:
+        rank1.kill()
+        raise CheckFailed(f"rank 1 still running: {log.read_text(errors='replace')[-2000:]}")
     if code:
         raise CheckFailed(f"rank 1 exited with {code}: {log.read_text(errors='replace')[-2000:]}")
     return mine, json.loads(out.read_text())
+
+
+class _Rank1:
+    """Rank 1 as a ``subprocess.Popen`` or a forked ``multiprocessing.Process``: ``kill`` and
+    ``wait(timeout)``, the exit code or ``None`` while it runs."""
+
+    def __init__(self, proc: Any) -> None:
+        self.proc = proc
+
+    def kill(self) -> None:
+        with contextlib.suppress(OSError):
+            self.proc.kill()
+
+    def wait(self, timeout: float | None) -> int | None:
+        if isinstance(self.proc, subprocess.Popen):
+            try:
+                return int(self.proc.wait(timeout))
+            except subprocess.TimeoutExpired:
+                return None
+        self.proc.join(timeout)
+        code = self.proc.exitcode
+        return None if code is None else int(code)
+
+
+def _start_rank1(setup: Setup, port: int, model: str, dtype: str, log: Path, out: Path) -> _Rank1:
+    if setup.cuda:
+        argv = [sys.executable, "-m", "worker.devtools.gpu_check.tp", "--rank", "1", "--size",
+                str(RANKS), "--port", str(port), "--out", str(out), "--model", model,
+                "--device", setup.device, "--dtype", dtype]  # fmt: skip
+        argv += ["--tiny"] if setup.tiny else []
+        with open(log, "wb") as fh:
+            return _Rank1(subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // RANKS))  # both ranks share the cores
+    args = (port, model, dtype, setup.tiny, str(log), str(out))
+    child = multiprocessing.get_context("fork").Process(target=_forked_rank1, args=args)
+    child.start()
+    return _Rank1(child)
+
+
+def _forked_rank1(port: int, model: str, dtype: str, tiny: bool, log: str, out: str) -> None:
+    """Rank 1 in a fork of the step's process (CPU): output to ``log``, record to ``out``."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    doc = run_rank(1, RANKS, port, model, "cpu", dtype, tiny)
+    Path(out).write_text(json.dumps(doc))
 
 
 def run_rank(
