@@ -66,7 +66,7 @@ def test_dry_run_lists_every_step_and_command_and_exits_0(tmp_path: Path) -> Non
     assert "hidden_size=2048, num_hidden_layers=16" in text and "vocab_size=128256" in text
     assert "64 sequences, prompts 64-256, completions 16-1024" in text
     assert "absent: run `make gpu-wheels`" in text
-    assert "steps that need CUDA: pytest, bench, oom, e2e, backends" in text
+    assert "steps that need CUDA: pytest, bench, oom, e2e, tp, backends" in text
     if not _cuda():
         assert "CUDA is NOT available here" in text and "exits 2" in text
     assert not out.exists()  # nothing was run
@@ -79,7 +79,7 @@ def test_dry_run_works_under_a_python_without_torch(tmp_path: Path) -> None:
     assert "CUDA is NOT available here: torch is not importable" in proc.stdout
     assert "missing for this interpreter: redis" in proc.stdout
     assert "STOPS before any step (exit 3): no usable wheel for redis" in proc.stdout
-    assert "[7] backends" in proc.stdout
+    assert "[8] backends" in proc.stdout
 
 
 def test_missing_wheels_stop_the_run_first_and_loudly(tmp_path: Path) -> None:
@@ -269,6 +269,24 @@ def test_e2e_fails_at_once_when_the_worker_dies_before_answering(tmp_path: Path)
     with pytest.raises(gpu_record.CheckFailed, match=r"exited with code 7.*out of memory"):
         gpu_e2e._first_result(Client(), [], dead, report, log)
     assert time.monotonic() - t0 < 2
+
+
+def test_tp_is_skipped_with_a_note_below_two_gpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a machine with one GPU the tensor-parallel step says why it did not run (and passes:
+    a skipped step is no failure); it needs no CUDA to decide."""
+    import torch
+
+    from worker.devtools.gpu_check import steps as gpu_steps
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    path = tmp_path / "tp.json"
+    assert gpu_steps.run_step("tp", gpu_record.Setup("cuda", False, tmp_path), path) == 0
+    doc = json.loads(path.read_text())
+    assert doc["status"] == "skipped"
+    assert doc["reason"] == "TP=2 over NCCL needs two GPUs; this machine has 1 (not run)"
+    assert gpu_report.summary("tp", doc) == doc["reason"]
 
 
 # ----------------------------------------------------------------------------- figures, report

@@ -10,7 +10,9 @@ no ``serve`` flag). Each child gets:
   fleet flags, so a child never supervises;
 * ``--consumer <base>-<i>`` (base: ``--consumer``, else ``POD_NAME``, else the hostname);
 * ``--metrics-port <base+i>`` (``0`` and ``-1`` stay as they are);
-* ``CUDA_VISIBLE_DEVICES=<id>`` (GPU mode), else ``OMP_NUM_THREADS`` = cores / N unless set;
+* ``CUDA_VISIBLE_DEVICES=<id>`` (GPU mode; ``<id>,<id>,..`` of N GPUs with ``--tensor-parallel N``:
+  each child is then a group, ``worker.commands._group``), else ``OMP_NUM_THREADS`` = cores / N
+  unless set;
 * the global ``--log-level`` / ``--log-json`` as ``SCORING_LOG_LEVEL`` / ``SCORING_LOG_JSON``.
 """
 
@@ -122,6 +124,20 @@ def parse_gpus(spec: str, env: Mapping[str, str] | None = None) -> list[str]:
     return ids
 
 
+def group_gpus(ids: list[str], args: argparse.Namespace) -> list[str]:
+    """The ``CUDA_VISIBLE_DEVICES`` of each child: one GPU each, or with ``--tensor-parallel
+    N`` N disjoint GPUs each (``0,1``, ``2,3``, ...: one tensor-parallel group per child)."""
+    size = int(getattr(args, "tensor_parallel", 1) or 1)
+    if size <= 1:
+        return ids
+    if len(ids) % size:
+        raise ConfigError(
+            f"--gpus gives {len(ids)} GPUs ({','.join(ids)}), not a multiple of "
+            f"--tensor-parallel {size}"
+        )
+    return [",".join(ids[i : i + size]) for i in range(0, len(ids), size)]
+
+
 def count_gpus() -> int:
     """How many CUDA devices this machine has (torch, else ``nvidia-smi -L``; 0 if neither)."""
     try:
@@ -189,7 +205,7 @@ def build_children(
     base_env = dict(os.environ if env is None else env)
     devices: list[str | None]
     if args.gpus:
-        devices = list(parse_gpus(str(args.gpus), base_env))
+        devices = list(group_gpus(parse_gpus(str(args.gpus), base_env), args))
     elif args.replicas is not None:
         if int(args.replicas) < 1:
             raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")

@@ -162,6 +162,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="noop scorer only: sleep this long per batch",
     )
     add_weights_args(parser)  # per-job adapters and versions
+    t = parser.add_argument_group("tensor parallelism (one model over several devices)")
+    t.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=_env_int("TENSOR_PARALLEL", 1),
+        help="run this worker as a group of N processes, one per device, holding one model "
+        "sharded with transformers' tensor parallelism; rank 0 alone talks to Redis. With "
+        "--gpus all, one group per N GPUs; on CPU (--device cpu) the ranks talk over gloo",
+    )
+    t.add_argument(
+        "--tensor-parallel-timeout-s",
+        type=float,
+        default=_env_float("TENSOR_PARALLEL_TIMEOUT_S", 300.0),
+        help="a rank that spends longer than this in one batch (a hung kernel, a collective a "
+        "stopped peer never joins) takes its group down; its batch is reclaimed",
+    )
     b = parser.add_argument_group("batching and delivery")
     b.add_argument(
         "--max-batch-tokens",

@@ -9,7 +9,8 @@ vs in-process), ``small`` (1,000 small jobs at a fixed offered rate: jobs/s and 
 bfloat16 on the CPU), ``capacity`` (queue throughput with the no-op scorer), ``adapters`` (jobs
 over 3 resident LoRA adapters vs one model, cold adapter loads, a full-model switch per job),
 ``gateway`` (the HTTP gateway vs ``score_many``: one-sample requests on the no-op scorer, SmolLM2
-log-prob requests). Extra arguments after ``--`` go to the suite's own ``main``.
+log-prob requests), ``tensor-parallel`` (the per-rank memory of a model sharded over 1 and 2
+gloo ranks). Extra arguments after ``--`` go to the suite's own ``main``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ SUITES = {
     "capacity": "worker.devtools.bench.capacity",
     "adapters": "worker.devtools.bench.adapters",
     "gateway": "worker.devtools.bench.gateway",
+    "tensor-parallel": "worker.devtools.bench.tensor_parallel",
 }
 
 HEADLINE = ("naive", "executor", "floor", "e2e", "small", "dtype")
@@ -42,7 +44,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="append",
         choices=[*SUITES, "all"],
         help="which benchmark(s) to run (repeatable; default: the headline, "
-        f"{', '.join(HEADLINE)}; all: every suite, about 45 minutes)",
+        f"{', '.join(HEADLINE)}; all: every suite, about 50 minutes)",
     )
     parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
     parser.add_argument(

@@ -100,6 +100,9 @@ def _workers(workers: list[dict[str, Any]]) -> list[str]:
         held = w.get("resident") or {}
         adapters, versions = held.get("adapters") or {}, held.get("versions") or {}
         summary = f"{w.get('model', '-')} ({w.get('dtype', '-')}, {w.get('device', '-')})"
+        if w.get("tensor_parallel"):  # a tensor-parallel group: its size and devices
+            devices = ", ".join(map(str, w.get("tensor_parallel_devices") or []))
+            summary += f"  tensor parallel {w['tensor_parallel']}: {devices}"
         if held:
             summary += (
                 f"  {len(adapters)} adapters, {len(versions)} versions, "

@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 from worker import keys
+from worker.commands import _group
 from worker.commands._fleet import run_fleet, wants_fleet
 from worker.commands._options import redis_settings
 from worker.commands._serve_flags import configure, default_consumer
@@ -150,14 +151,9 @@ def start_http(config: WorkerConfig, metrics: Any, health: Any) -> Any:
     return server.start()
 
 
-def build_scorer(args: argparse.Namespace) -> Scorer:
-    """The noop scorer or a loaded ``StatelessExecutor`` (the one place serve imports it)."""
-    if args.scorer == "noop":
-        from worker.scorer.noop import NoopScorer
-
-        return NoopScorer(delay_ms=args.noop_delay_ms)
-    check_models(args)
-    from worker.executor import ExecutorConfig, StatelessExecutor
+def executor_config(args: argparse.Namespace) -> Any:
+    """The ``ExecutorConfig`` of parsed serve args (models named; torch imported here)."""
+    from worker.executor import ExecutorConfig
 
     both = bool(args.reference_model and args.reward_model)
     wanted = {
@@ -170,9 +166,27 @@ def build_scorer(args: argparse.Namespace) -> Scorer:
         "reward_index": args.reward_index,
     }
     names = {f.name for f in dataclasses.fields(ExecutorConfig)}
-    config = ExecutorConfig(**{k: v for k, v in wanted.items() if k in names})
+    return ExecutorConfig(**{k: v for k, v in wanted.items() if k in names})
+
+
+def build_scorer(args: argparse.Namespace, group: Any = None) -> Scorer:
+    """The noop scorer, a loaded ``StatelessExecutor`` (the one place serve imports it), or,
+    with ``group`` (``_group.start_leader``), the leader's scorer of a tensor-parallel group."""
+    if args.scorer == "noop":
+        from worker.scorer.noop import NoopScorer
+
+        return NoopScorer(delay_ms=args.noop_delay_ms)
+    check_models(args)
+    if group is not None:
+        from worker.executor.parallel.group import GroupScorer
+
+        group.scorer = GroupScorer(load_group_executor(args, group.comm, group.plans),
+                                   group.comm, group.clock)  # fmt: skip
+        return group.scorer
+    from worker.executor import StatelessExecutor
+
     return StatelessExecutor.from_pretrained(
-        config,
+        executor_config(args),
         reference_model=args.reference_model,
         reward_model=args.reward_model,
         gguf_file=args.gguf_file,
@@ -180,6 +194,23 @@ def build_scorer(args: argparse.Namespace) -> Scorer:
         trust_remote_code=args.trust_remote_code,
         reward_adapter=reward_adapter_from_args(args) if args.reward_model else None,
         weights=weights_config(args),
+        reward_head=args.reward_head,
+    )
+
+
+def load_group_executor(args: argparse.Namespace, comm: Any, plans: list[Any]) -> Any:
+    """This rank's ``ParallelExecutor`` (every rank of a group builds it alike)."""
+    from worker.executor.parallel.executor import ParallelExecutor
+
+    config = dataclasses.replace(executor_config(args), device=comm.spec.device)
+    return ParallelExecutor.load(
+        config,
+        comm,
+        plans,
+        reference_model=args.reference_model,
+        reward_model=args.reward_model,
+        trust_remote_code=args.trust_remote_code,
+        reward_adapter=reward_adapter_from_args(args) if args.reward_model else None,
         reward_head=args.reward_head,
     )
 
@@ -222,6 +253,7 @@ def build_info(scorer: Scorer) -> dict[str, Any]:
     out: dict[str, Any] = {"version": __version__}
     for k in ("model", "reward_model", "dtype", "device", "attention_backend", "lm_head"):
         out[k] = info.get(k)
+    out["tensor_parallel"] = info.get("tensor_parallel") or 1  # ranks of the worker's group
     for lib in ("torch", "transformers"):  # read from package metadata: no import of torch
         try:
             out[lib] = importlib.metadata.version(lib)
@@ -234,6 +266,8 @@ def run(args: argparse.Namespace) -> int:
     """Load the model once, then serve until drained/stopped."""
     if wants_fleet(args):
         return run_fleet(args, flag_defaults())
+    if _group.is_follower():  # rank 1..N-1 of a tensor-parallel group
+        return _group.run_follower(args, lambda comm, plans: load_group_executor(args, comm, plans))
     from worker.daemon import Worker
     from worker.observability.health import HealthState
     from worker.observability.metrics import WorkerMetrics
@@ -242,13 +276,22 @@ def run(args: argparse.Namespace) -> int:
     client_name = f"scoring-worker:{config.consumer}"[:100].replace(" ", "_")
     settings = redis_settings(args, client_name=client_name)
     check_models(args)  # a typo fails here, in a second, not after the endpoint is up
-    metrics = WorkerMetrics()
-    health = HealthState()
-    # Up before the model loads: /healthz answers 200 and /readyz 503 while loading.
-    http = start_http(config, metrics, health)
-    scorer = build_scorer(args)
-    metrics.set_build_info(build_info(scorer))
-    worker = Worker(config, settings, scorer, metrics=metrics, health=health)
-    worker.http = http
-    worker.install_signal_handlers()
-    return worker.run()
+    group = _group.start_leader(args, flag_defaults()) if _group.group_size(args) > 1 else None
+    try:
+        metrics = WorkerMetrics()
+        health = HealthState()
+        # Up before the model loads: /healthz answers 200 and /readyz 503 while loading.
+        http = start_http(config, metrics, health)
+        scorer = build_scorer(args, group)
+        metrics.set_build_info(build_info(scorer))
+        worker = Worker(config, settings, scorer, metrics=metrics, health=health)
+        worker.http = http
+        worker.install_signal_handlers()
+        code = worker.run()
+    except BaseException:
+        if group is not None:
+            group.abort()
+        raise
+    if group is not None:
+        group.close()  # the leader drained: stop the followers
+    return code

@@ -25,6 +25,8 @@ INFO_FIELDS: tuple[str, ...] = (
     "dtype",
     "device",
     "attention_backend",
+    "tensor_parallel",
+    "tensor_parallel_devices",
 )
 
 

@@ -64,6 +64,8 @@ def _results(
         device_total_bytes=m.device_total_bytes or None, now_s=time.time(),
     )  # fmt: skip
     record_weights(ctx.metrics, m.weights, len(batch))  # per-job adapters/versions
+    if m.group is not None:  # a tensor-parallel group: per-rank peaks, collectives
+        ctx.metrics.record_group(m.group.rank_peak_bytes, m.group.collective_s)
     if m.backend and m.backend != "none":
         ctx.metrics.set_backend(m.backend)
     reasons = [f"{f.requested}->{f.used}: {f.reason}" for f in m.fallbacks]

@@ -190,10 +190,15 @@ def is_attention_kernel_error(exc: BaseException) -> bool:
 
     Looks at the traceback: a frame of a registered transformers attention function, of a
     model's ``eager_attention_forward``, or of the sdpa/flash/flex integration modules.
-    Out-of-memory errors are never kernel errors (they are handled by splitting the batch).
+    Out-of-memory errors are never kernel errors (they are handled by splitting the batch). An
+    exception with a true ``attention_kernel_error`` attribute counts as one: what the other
+    ranks of a tensor-parallel group raise when one rank's kernel failed
+    (``worker.executor.parallel.forward``).
     """
     if isinstance(exc, torch.OutOfMemoryError):
         return False
+    if getattr(exc, "attention_kernel_error", False):  # a tensor-parallel rank's stand-in
+        return True
     codes = _kernel_codes()
     tb: TracebackType | None = exc.__traceback__
     while tb is not None:

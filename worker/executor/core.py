@@ -56,8 +56,11 @@ class StatelessExecutor:
     ``reference_model``: a ``*ForCausalLM`` (log-probs). ``reward_model``: a
     ``*ForSequenceClassification`` with ``num_labels=1`` (default adapter) or any model served
     through ``reward_adapter``; with an adapter and no reward model, the reference model is used
-    (one model, both surfaces). Implements ``worker.scorer.Scorer``.
+    (one model, both surfaces). Implements ``worker.scorer.Scorer``. ``forward_type`` builds
+    what runs the batches (a tensor-parallel executor, ``worker.executor.parallel``, sets its own).
     """
+
+    forward_type: Callable[..., BatchForward] = BatchForward
 
     def __init__(
         self,
@@ -82,9 +85,7 @@ class StatelessExecutor:
         self.reward_model = _place(reward_model, config, self.device)
         self.reward_adapter = reward_adapter
         self.model_name = model_name or _name_of(reference_model or reward_model)
-        self.reward_model_name = reward_model_name or (
-            _name_of(reward_model) if reward_model is not None else None
-        )
+        self.reward_model_name = reward_model_name or _name_of(reward_model)
         if (
             self.reference_model is not None
             and self.reference_model.get_output_embeddings() is None
@@ -98,9 +99,8 @@ class StatelessExecutor:
         self._listeners_lock = threading.Lock()
         self._load_fallbacks: list[FallbackEvent] = []
         self._last_fallback: FallbackEvent | None = None
-        forward = BatchForward(
-            config, self.device, self.reference_model, self.reward_model, reward_adapter
-        )
+        models = self.reference_model, self.reward_model
+        forward = self.forward_type(config, self.device, *models, reward_adapter)
         backend, events = backends.resolve_all(
             forward.models, config.attention_backend, self.device
         )

@@ -194,9 +194,33 @@ class BatchForward:
             rewarded = self.shared_adapter.from_hidden(model, batch, hidden)
         picked, labels, sizes = self._scored_rows(hidden, batch, ordered)
         del hidden  # the LM-head chunks below need only the scored rows
+        arrays = self.head_outputs(picked, labels, ordered, replace(spec, temperature=temp))
+        split = {name: torch.split(value, sizes) for name, value in arrays.items()}
+        for k, j in enumerate(order):
+            got = {name: parts[k] for name, parts in split.items()}
+            if "logps" in got:
+                scores[j].logps = self._host(got.pop("logps"))
+            if spec != LOGPS_ONLY:
+                scores[j].arrays = {name: value.cpu().numpy() for name, value in got.items()}
+        return rewarded
+
+    def head_outputs(
+        self,
+        picked: torch.Tensor,
+        labels: torch.Tensor,
+        ordered: list[PreparedSequence],
+        spec: TokenOutputs,
+    ) -> dict[str, torch.Tensor]:
+        """The LM head over the scored rows ``picked`` ``[N, H]`` predicting ``labels`` ``[N]``:
+        the arrays ``spec`` asks for (``spec.temperature`` is the call's), keyed as in
+        ``head.teacher``, each ``[N, ...]``; ``ordered`` carries the per-position gather ids.
+        Log-probs alone take the fast path (tiles on CPU, else whole-vocabulary blocks)."""
+        model = self.reference_model
+        assert model is not None
         head = model.get_output_embeddings()
         tile = self.config.vocab_tile(self.device.type) if tileable(head) else 0
-        if spec == LOGPS_ONLY:
+        temp = spec.temperature
+        if replace(spec, temperature=1.0) == LOGPS_ONLY:
             # CPU: [rows, tile] slices reduced in cache; else whole-vocabulary blocks
             by = (
                 partial(tiled_token_logps, tile=tile, native_ok=self.config.native_head)
@@ -211,10 +235,7 @@ class BatchForward:
                 chunk_tokens=self._chunk_rows(head, 1.0 if _f32(head) else 1.5, tile or None),
                 transform=self.transform,
             )  # [N]
-            for j, row in zip(order, torch.split(logps, sizes), strict=True):
-                scores[j].logps = self._host(row)
-            return rewarded
-        spec = replace(spec, temperature=temp)
+            return {"logps": logps}
         gather = None
         if spec.gather_width:
             rows = [s.gather_ids for s in ordered]
@@ -223,7 +244,7 @@ class BatchForward:
         vocab = int(getattr(head, "out_features", 0)) or self.vocab_size
         tiled = tile and spec.sampling is None and "rank" not in spec.outputs
         width = tile if tiled else vocab  # the blocks' columns
-        arrays = chunked_token_outputs(
+        return chunked_token_outputs(
             picked,
             head,
             labels,
@@ -234,13 +255,6 @@ class BatchForward:
             vocab_tile=tile,
             native_ok=self.config.native_head,
         )
-        split = {name: torch.split(value, sizes) for name, value in arrays.items()}
-        for k, j in enumerate(order):
-            got = {name: parts[k] for name, parts in split.items()}
-            if "logps" in got:
-                scores[j].logps = self._host(got.pop("logps"))
-            scores[j].arrays = {name: value.cpu().numpy() for name, value in got.items()}
-        return rewarded
 
     def _chunk_rows(self, head: Any, units: float, vocab: int | None = None) -> int:
         """Rows per LM-head block: ``units`` float32 ``[rows, V]`` blocks within

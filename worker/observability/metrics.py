@@ -295,6 +295,25 @@ class WorkerMetrics:
             ["result"],
             registry=r,
         )
+        # --- tensor-parallel groups (serve --tensor-parallel N): docs/scaling.md
+        self.tp_ranks = Gauge(
+            "scoring_tp_ranks", "Ranks (devices) of this worker's tensor-parallel group.",
+            registry=r,
+        )  # fmt: skip
+        self.tp_rank_peak = Gauge(
+            "scoring_tp_rank_peak_bytes",
+            "Peak memory of each rank of the group during the last batch (CUDA peak allocated; "
+            "process RSS peak on CPU).",
+            ["rank"],
+            registry=r,
+        )
+        self.tp_collective_seconds = Counter(
+            "scoring_tp_collective_seconds",
+            "Seconds the leader spent in the group's collectives, by kind (broadcast, vote, "
+            "head, peaks).",
+            ["kind"],
+            registry=r,
+        )
         # --- state and build info
         self.up = Gauge("scoring_worker_up", "1 while the worker loop runs.", registry=r)
         # ready and model_loaded follow the HealthState once bind_health() has been called.
@@ -401,6 +420,16 @@ class WorkerMetrics:
             self.device_total.set(device_total_bytes)
         if now_s is not None:
             self.last_batch_timestamp.set(now_s)
+
+    def record_group(
+        self, rank_peak_bytes: tuple[int, ...], collective_s: Mapping[str, float]
+    ) -> None:
+        """Record one batch of a tensor-parallel group (its ``GroupReport`` numbers)."""
+        self.tp_ranks.set(len(rank_peak_bytes))
+        for rank, peak in enumerate(rank_peak_bytes):
+            self.tp_rank_peak.labels(rank=str(rank)).set(peak)
+        for kind, seconds in collective_s.items():
+            self.tp_collective_seconds.labels(kind=kind).inc(seconds)
 
     def record_job(self, outcome: str) -> None:
         """Count one finished job by outcome (``ok`` or an error code)."""

@@ -13,7 +13,13 @@ from typing import Any, Protocol, runtime_checkable
 from worker.modes import Mode
 from worker.scorer.inputs import SequenceInput
 from worker.scorer.options import DEFAULT_OPTIONS, ScoreOptions
-from worker.scorer.outputs import BatchMetrics, FallbackEvent, ScoreOutput, SequenceScore
+from worker.scorer.outputs import (
+    BatchMetrics,
+    FallbackEvent,
+    GroupReport,
+    ScoreOutput,
+    SequenceScore,
+)
 
 __all__ = [
     "DEFAULT_OPTIONS",
@@ -21,6 +27,7 @@ __all__ = [
     "OPTIONAL_INFO_KEYS",
     "BatchMetrics",
     "FallbackEvent",
+    "GroupReport",
     "ScoreOptions",
     "ScoreOutput",
     "Scorer",
@@ -39,8 +46,8 @@ INFO_KEYS: tuple[str, ...] = (
     "requested_backend",
 )
 #: Keys a scorer's ``info`` carries only when they apply (a reward model's head kind and its
-#: objectives' names); copied into results when present.
-OPTIONAL_INFO_KEYS: tuple[str, ...] = ("reward_head", "reward_objectives")
+#: objectives' names, a tensor-parallel group's size); copied into results when present.
+OPTIONAL_INFO_KEYS: tuple[str, ...] = ("reward_head", "reward_objectives", "tensor_parallel")
 
 
 @runtime_checkable

@@ -49,6 +49,19 @@ class SequenceScore:
     arrays: dict[str, np.ndarray] | None = None
 
 
+@dataclass(frozen=True)
+class GroupReport:
+    """A tensor-parallel group's side of one call: its ``size``, each rank's device and peak
+    memory during the call (rank order; CUDA peak allocated, or the process's peak RSS on CPU),
+    and the seconds the leader spent in the group's collectives, by kind (``broadcast``,
+    ``vote``, ``head``, ``peaks``; ``worker.executor.parallel.collectives``)."""
+
+    size: int
+    devices: tuple[str, ...]
+    rank_peak_bytes: tuple[int, ...]
+    collective_s: dict[str, float]
+
+
 @dataclass
 class BatchMetrics:
     """What one ``score`` call cost and how it ran."""
@@ -74,6 +87,8 @@ class BatchMetrics:
     packed_fill_tokens: int = 0
     # Per-job weights: which adapter/version ran, loads and residency (None: base only).
     weights: WeightsReport | None = None
+    # Tensor parallelism: the group's ranks and collectives (None: one process).
+    group: GroupReport | None = None
 
 
 @dataclass

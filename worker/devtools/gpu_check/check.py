@@ -13,8 +13,9 @@ Steps, each timed and limited (``STEPS``; the limits add up to less than ``DEFAU
 1. ``install``: the missing wheels unpacked into ``OUT/scratch/site``, put on every subprocess's
    ``PYTHONPATH``;
 2. ``env``; 3. ``pytest -m gpu tests/test_gpu.py``; 4. ``bench``; 5. ``oom``; 6. ``e2e``;
-   7. ``backends`` (last: flex_attention compiles, the slowest and least predictable step).
-   Steps 2 and 4-7 run as ``python -m worker.devtools.gpu_check.steps NAME`` processes, each
+   7. ``tp`` (TP=2 over NCCL; skipped with a note below two GPUs); 8. ``backends`` (last:
+   flex_attention compiles, the slowest and least predictable step). Steps 2 and 4-8 run as
+   ``python -m worker.devtools.gpu_check.steps NAME`` processes, each
    ending itself at a deadline inside its limit (``runner``).
 
 A failed step is recorded (error and traceback tail) and the run goes on. Every file is under
@@ -53,15 +54,16 @@ from worker.devtools.gpu_check.runner import (
     step_command,
 )
 
-#: The whole run's limit: 6 minutes (the step limits below add up to 350 s).
+#: The whole run's limit: 6 minutes (the step limits below add up to 355 s).
 DEFAULT_BUDGET_S = 360.0
 STEPS: tuple[StepSpec, ...] = (
     StepSpec("install", "unpack missing packages from the wheel folder", 20, False),
     StepSpec("env", "versions, device, capability, memory, bf16 peak", 15, False),
-    StepSpec("pytest", f"pytest -m gpu {PYTEST_TARGET}", 60, True),
-    StepSpec("bench", "executor vs naive loop: tokens/s, peak memory, MFU", 60, True),
-    StepSpec("oom", "out-of-memory split under a capped allocator", 45, True),
+    StepSpec("pytest", f"pytest -m gpu {PYTEST_TARGET}", 45, True),
+    StepSpec("bench", "executor vs naive loop: tokens/s, peak memory, MFU", 55, True),
+    StepSpec("oom", "out-of-memory split under a capped allocator", 35, True),
     StepSpec("e2e", "embedded Valkey + worker subprocess + ScoringClient", 70, True),
+    StepSpec("tp", "TP=2 over NCCL vs one GPU (skipped below two GPUs)", 35, True),
     StepSpec("backends", "sdpa vs flex_attention vs flash_attention_2", 80, True),
 )
 STEP_NAMES = tuple(s.name for s in STEPS)
@@ -138,6 +140,16 @@ def describe(name: str, opts: Options) -> list[str]:
             f"{opts.device} --dtype {dtype}` logging to {opts.out}/worker.log, jobs of 4 "
             "sequences via ScoringClient.score_many; expects every job answered with the "
             "in-process executor's logps; jobs/s",
+        ]
+    if name == "tp":
+        tp = gpu_shapes.tp_shape(opts.tiny)
+        backend = "NCCL" if opts.device.startswith("cuda") else "gloo (two CPU ranks)"
+        return [
+            f"model: {tp.describe()}; random {dtype} weights scored on one device, saved under "
+            f"{opts.out}/scratch, then two ranks over {backend} load it sharded "
+            "(ParallelExecutor) and score the same sequences; expects the one-device logps "
+            "within the dtype's tolerance; tokens/s and peak memory per rank. Needs two GPUs: "
+            "skipped with a note on a machine with one",
         ]
     return [
         f"model: {shape.describe()} (half the sequences); executor on sdpa, flash_attention_2 "

@@ -83,6 +83,16 @@ def summary(name: str, step: dict[str, Any]) -> str:
             f"{fmt_num(f.get('jobs_per_s'), 1)} jobs/s, "
             f"max |Δlogp| {fmt_diff(f.get('max_abs_logp_diff'))}"
         )
+    if name == "tp":
+        group, one = f.get("group") or {}, f.get("one_device") or {}
+        peaks = ", ".join(fmt_bytes(b) for b in group.get("rank_peak_allocated_bytes") or [])
+        return (
+            f"{f.get('ranks', 'n/a')} ranks over {f.get('backend', 'n/a')}: "
+            f"{fmt_num(group.get('tokens_per_s'))} vs {fmt_num(one.get('tokens_per_s'))} "
+            f"tokens/s on one device, peak per rank {peaks or 'n/a'} vs "
+            f"{fmt_bytes(one.get('peak_allocated_bytes'))}, "
+            f"max |Δlogp| {fmt_diff(f.get('max_abs_logp_diff'))}"
+        )
     if name == "backends":
         rows = f.get("rows") or {}
         return ", ".join(f"{b}: {r.get('status', 'n/a')}" for b, r in rows.items())

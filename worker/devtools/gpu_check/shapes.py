@@ -112,6 +112,16 @@ def e2e_shape(tiny: bool) -> Shape:
     return replace(shape, num_hidden_layers=2, sequences=24 if tiny else 128)
 
 
+def tp_shape(tiny: bool) -> Shape:
+    """The tensor-parallel step's model: the benchmark's shape with 2 layers at half its width
+    (hidden 1,024, 16 heads / 4 KV heads, MLP 4,096; the vocabulary of 128,256 kept, so the
+    vocabulary-parallel LM head folds a real one) and 32 sequences; ``TINY`` with 8."""
+    if tiny:
+        return replace(TINY, sequences=8)
+    return replace(FULL, hidden_size=1024, num_hidden_layers=2, num_attention_heads=16,
+                   num_key_value_heads=4, intermediate_size=4096, sequences=32)  # fmt: skip
+
+
 def dtype_for(device: str) -> str:
     """bfloat16 on CUDA (what production runs), float32 on CPU."""
     return "bfloat16" if device.startswith("cuda") else "float32"

@@ -9,7 +9,8 @@ says where it was. Steps: ``env`` (versions, device, the bf16 peak of the exact 
 ``bench`` (executor vs the naive in-trainer loop: tokens/s, peak memory, MFU, agreement),
 ``oom`` (a capped memory forces the executor's out-of-memory split; results must equal the
 uncapped run), ``backends`` (sdpa vs flex_attention vs flash_attention_2; the last two optional,
-each with its own deadline), ``e2e`` (``gpu_e2e``). A failed check raises ``CheckFailed`` after
+each with its own deadline), ``e2e`` (``gpu_e2e``), ``tp`` (TP=2 over NCCL against one GPU;
+``tp``, skipped below two GPUs). A failed check raises ``CheckFailed`` after
 its figures are written; a step that cannot run here raises ``Skip``. Every file a step writes
 is under ``OUT``.
 """
@@ -33,6 +34,7 @@ from worker.devtools.gpu_check import model as gm
 from worker.devtools.gpu_check import shapes as gs
 from worker.devtools.gpu_check.e2e import step_e2e
 from worker.devtools.gpu_check.record import CheckFailed, Setup, Skip, StepReport
+from worker.devtools.gpu_check.tp import step_tp
 from worker.errors import ConfigError
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
 
@@ -366,6 +368,7 @@ STEPS: dict[str, Callable[[Setup, StepReport], None]] = {
     "bench": step_bench,
     "oom": step_oom,
     "e2e": step_e2e,
+    "tp": step_tp,
     "backends": step_backends,
 }
 

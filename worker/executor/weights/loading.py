@@ -124,6 +124,7 @@ def load_model(
     trust_remote_code: bool = False,
     revision: str | None = None,
     reward_head: str = "auto",
+    distributed_config: Any = None,
 ) -> nn.Module:
     """Load a ``*ForCausalLM`` (``kind="causal"``) or a reward model (``"reward"``): the class
     ``reward_head`` names (``REWARD_HEAD_CLASSES``; ``auto``: the checkpoint's architecture).
@@ -131,6 +132,8 @@ def load_model(
     ``name_or_path`` may be a ``.gguf`` file (see ``split_gguf_path``). Loaded in eval mode on
     ``device`` with ``dtype``; any loading failure becomes ``ConfigError``, and so do weights the
     checkpoint lacks (transformers would initialise them at random): they are named.
+    ``distributed_config`` (a transformers ``DistributedConfig``, inside an initialised
+    ``torch.distributed`` group): each rank loads only its shard (``worker.executor.parallel``).
     """
     import transformers
 
@@ -148,6 +151,8 @@ def load_model(
         kwargs["revision"] = revision
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file
+    if distributed_config is not None:
+        kwargs["distributed_config"] = distributed_config
     log.info("loading %s model %s (gguf=%s, dtype=%s)", kind, name_or_path, gguf_file, dtype)
     try:
         if kind == "reward":
@@ -193,6 +198,7 @@ def load_models(
     trust_remote_code: bool = False,
     revision: str | None = None,
     reward_head: str = "auto",
+    distributed_config: Any = None,
 ) -> tuple[nn.Module | None, nn.Module | None]:
     """``(reference, reward)``: each named model loaded with ``load_model`` (``None`` when not
     named); at least one must be named (``ConfigError``)."""
@@ -203,6 +209,7 @@ def load_models(
         "dtype": dtype,
         "trust_remote_code": trust_remote_code,
         "revision": revision,
+        "distributed_config": distributed_config,
     }
     ref = rew = None
     if reference_model:
