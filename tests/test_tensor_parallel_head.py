@@ -163,3 +163,19 @@ def test_more_ranks_than_devices_are_refused() -> None:
         device_check(8, "cpu", 0, 2)
     device_check(2, "cpu", 0, 2)
     device_check(4, "auto", 8, 2)
+
+
+def test_outputs_a_group_cannot_fold_yet_are_refused_per_job() -> None:
+    """``rank`` and a sampler's ``processed_logps`` need the whole distribution on one rank: a
+    job asking for them gets ``bad_request`` naming what a group serves."""
+    from worker.errors import BadRequest
+    from worker.executor.parallel.executor import refuse_unsharded
+    from worker.scorer.options import ScoreOptions
+    from worker.scorer.teacher import Sampling, TokenOutputs
+
+    rank = TokenOutputs(outputs=frozenset({"logps", "rank"}))
+    sampled = TokenOutputs(outputs=frozenset({"processed_logps"}), sampling=Sampling(top_k=5))
+    for spec, word in ((rank, "rank"), (sampled, "processed_logps")):
+        with pytest.raises(BadRequest, match=word):
+            refuse_unsharded(ScoreOptions(outputs=spec))
+    refuse_unsharded(ScoreOptions(outputs=TokenOutputs(outputs=frozenset({"logps", "entropy"}))))

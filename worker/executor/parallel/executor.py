@@ -44,10 +44,16 @@ __all__ = ["ParallelExecutor", "refuse_unsharded"]
 
 def refuse_unsharded(options: ScoreOptions) -> None:
     """``BadRequest`` for what a group cannot serve yet: a sampler's ``processed_logps`` (its
-    support needs the whole vocabulary on one rank), a per-job adapter or version."""
+    support needs the whole vocabulary on one rank), ``rank`` (it needs the label's logit on
+    every shard first), a per-job adapter or version."""
     if options.outputs.sampling is not None:
         raise BadRequest(
             "processed_logps (a sampler's distribution) is not served under tensor "
+            "parallelism yet: ask for logps, entropy, topk or gather"
+        )
+    if "rank" in options.outputs.outputs:
+        raise BadRequest(
+            "rank (each token's 1-based rank in its distribution) is not served under tensor "
             "parallelism yet: ask for logps, entropy, topk or gather"
         )
     if options.adapter is not None or options.version is not None:

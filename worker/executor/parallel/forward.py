@@ -144,8 +144,8 @@ class ParallelForward(BatchForward):
         statistics, combine (``head``); the same arrays as ``BatchForward.head_outputs``."""
         shard = self.shard
         assert shard is not None and self.transform is not None
-        if spec.sampling is not None:
-            raise BadRequest("processed_logps is not served under tensor parallelism yet")
+        if spec.sampling is not None or "rank" in spec.outputs:
+            raise BadRequest("processed_logps and rank are not served under tensor parallelism yet")
         spec.check_vocab(shard.vocab)
         gather = None
         if spec.gather_width:
