@@ -210,6 +210,8 @@ class GroupWatch:
                     data = sock.recv(4096)
                 except BlockingIOError:
                     continue
+                except ConnectionResetError:  # it closed with our heartbeats unread: it exited
+                    data = b""
                 except OSError as exc:
                     self._fault(f"rank {peer}'s channel failed: {exc}", peer)
                 if not data:

@@ -46,6 +46,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -116,11 +117,26 @@ def _fatal(reason: str) -> NoReturn:
     os._exit(GROUP_FAULT_EXIT)
 
 
+def use_loopback(host: str) -> None:
+    """A group on one machine (its store on a loopback address) talks over the loopback
+    interface: gloo and NCCL's bootstrap otherwise bind to the address the hostname resolves
+    to, which a host without a network (or a network namespace with only ``lo``) does not have,
+    and the ranks then wait for each other forever. An interface set by the operator
+    (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``) is kept."""
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        return
+    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+    if names:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", names[0])
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", names[0])
+
+
 def init_group(spec: GroupSpec, store: Any = None) -> Comm:
     """Join the group: the default (TP) process group over the leader's ``TCPStore`` (``store``
     on the leader, which created it; a client on the others) and the gloo control group.
     Every rank calls it once, before loading."""
     timeout = datetime.timedelta(seconds=spec.timeout_s)
+    use_loopback(spec.host)
     if store is None:
         store = dist.TCPStore(spec.host, spec.port, spec.size, is_master=False, timeout=timeout)
     backend = "nccl" if spec.device_type == "cuda" else "gloo"
