@@ -45,10 +45,13 @@ def _sentinel(action: argparse.Action) -> str:
         return "0"
     if action.choices:
         return next(str(c) for c in action.choices if c != action.default)
-    if action.type is int or isinstance(action.default, int):
-        return str((action.default or 0) + 3)
-    if action.type is float or isinstance(action.default, float):
-        return str((action.default or 0.0) + 0.375)
+    default = action.default
+    if isinstance(default, str) and action.type in (int, float):
+        default = action.type(default)  # argparse converts a string default with the type
+    if action.type is int or isinstance(default, int):
+        return str((default or 0) + 3)
+    if action.type is float or isinstance(default, float):
+        return str((default or 0.0) + 0.375)
     return "probe-value"
 
 

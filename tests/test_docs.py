@@ -12,7 +12,8 @@ The world the pages assume, set up here once:
   database of its own, or the embedded one), and ``127.0.0.1:9400`` the worker's metrics port;
 * a worker serves queue ``default`` with both tiny models, as
   ``scoring-worker serve --reference-model ./models/tiny-llama --reward-model ./models/tiny-reward``
-  would.
+  would, and a gateway in front of it answers at ``localhost:8000`` (replaced by its port) with
+  the key in ``SCORING_GATEWAY_API_KEY``.
 
 A block that cannot run here is preceded by ``<!-- skip: next "why" -->`` (the reason is
 required: ``test_every_skip_says_why``). ``bash`` (and ``sh``) blocks run with
@@ -51,6 +52,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 DOC_URL = "redis://127.0.0.1:6379/0"
 DOC_METRICS = "127.0.0.1:9400"
+DOC_GATEWAYS = ("localhost:8000", "127.0.0.1:8000")
+"""How the pages address the gateway (``scoring-worker gateway --port 8000``)."""
+DOC_GATEWAY_KEY = "doc-gateway-key"
 DOC_DBS = (14, 15, 13)
 """Databases of the machine's Redis the doc blocks may use: a run takes the first one whose lock
 it sets, and flushes it before and after."""
@@ -73,10 +77,14 @@ class DocWorld:
     redis_url: str
     metrics: str
     env: dict[str, str]
+    gateway: str = ""
 
     def substitute(self, source: str) -> str:
         """A block's source with the documented addresses replaced by this run's."""
-        return source.replace(DOC_URL, self.redis_url).replace(DOC_METRICS, self.metrics)
+        out = source.replace(DOC_URL, self.redis_url).replace(DOC_METRICS, self.metrics)
+        for address in DOC_GATEWAYS:
+            out = out.replace(address, self.gateway)
+        return out
 
 
 WORLD: DocWorld | None = None
@@ -128,6 +136,25 @@ def _claim_doc_redis_url(base: str, token: str) -> str:
     raise AssertionError(f"databases {DOC_DBS} of {root} are all taken by other doc runs")
 
 
+def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 60) -> None:
+    """Wait until ``url`` answers 200 (fails early, with the log, if ``proc`` exits)."""
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the gateway exited ({proc.returncode}):\n{log.read_text()}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{url} did not answer within {timeout_s:.0f} s:\n{log.read_text()}")
+
+
 @pytest.fixture(scope="module")
 def world(machine_redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DocWorld]:
     """The tiny models, a clean database and a worker serving both models on ``default``."""
@@ -152,12 +179,24 @@ def world(machine_redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> I
          "--reward-model", str(served / "tiny-reward")],
         workdir / "worker.log",
     )  # fmt: skip
-    WORLD = DocWorld(workdir, url, f"127.0.0.1:{port}", env)
+    gateway_port = free_port()
+    env["SCORING_GATEWAY_API_KEY"] = DOC_GATEWAY_KEY
+    gateway_log = open(workdir / "gateway.log", "wb")  # noqa: SIM115 - closed below
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "worker", "gateway", "--redis-url", url, "--queue", "default",
+         "--port", str(gateway_port)],
+        env=env, stdout=gateway_log, stderr=subprocess.STDOUT, cwd=workdir,
+    )  # fmt: skip
+    WORLD = DocWorld(workdir, url, f"127.0.0.1:{port}", env, f"127.0.0.1:{gateway_port}")
     try:
         worker.wait_ready(120)
+        _wait_http(f"http://127.0.0.1:{gateway_port}/health", gateway, workdir / "gateway.log")
         yield WORLD
     finally:
         WORLD = None
+        gateway.terminate()
+        gateway.wait(30)
+        gateway_log.close()
         worker.signal(15)
         try:
             worker.wait_exit(30)
