@@ -93,3 +93,30 @@ def test_bench_entry_point_writes_table_and_json(
     for name in rows:
         assert name in printed
     assert f"wrote {out}" in printed and "peak MB" in printed
+
+
+def test_make_bench_runs_the_headline_with_its_short_presets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`make bench` (no --suite) gives each headline suite its preset, user arguments after it."""
+    calls: list[tuple[str, list[str]]] = []
+
+    class Suite:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def main(self, argv: list[str]) -> int:
+            calls.append((self.name, argv))
+            return 0
+
+    monkeypatch.setattr(bench_command.importlib, "import_module", Suite)
+    parser = argparse.ArgumentParser()
+    bench_command.configure(parser)
+    assert bench_command.run(parser.parse_args(["--", "--json", "x.json"])) == 0
+    by_module = {name.rsplit(".", 1)[-1]: argv for name, argv in calls}
+    assert by_module["naive"] == ["--rounds", "1", "--json", "x.json"]
+    assert by_module["floor"] == ["--reps", "1", "--json", "x.json"]
+    assert set(by_module) == {"naive", "executor", "floor", "e2e", "small"}
+    calls.clear()
+    assert bench_command.run(parser.parse_args(["--suite", "naive"])) == 0
+    assert calls == [("worker.devtools.bench.naive", [])]  # a named suite: its own defaults
