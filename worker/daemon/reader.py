@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 class EntryReader:
-    """Reads and reclaims the entries of one consumer on its job streams."""
+    """Reads and reclaims the entries of one consumer on its job streams (of every queue)."""
 
     def __init__(self, config: WorkerConfig, in_flight: InFlight, metrics: WorkerMetrics) -> None:
         self.config = config
@@ -32,14 +32,18 @@ class EntryReader:
         self._last_reclaim = 0.0
         self._suspects_waiting = False
 
-    def read(self, client: Any, room: int, block_ms: int) -> list[streams.Entry]:
-        """Up to ``room`` new entries, partitions in rotating order (``block_ms`` 0: no BLOCK)."""
-        if room <= 0:
+    def read(self, client: Any, rooms: dict[str, int], block_ms: int) -> list[streams.Entry]:
+        """New entries from the streams of each queue with room (``rooms``: queue -> entries;
+        one ``XREADGROUP`` with the largest room as its COUNT), partitions in rotating order
+        (``block_ms`` 0: no BLOCK)."""
+        cfg = self.config
+        wanted = [s for q in cfg.shares if rooms.get(q.name, 0) > 0 for s in q.streams]
+        room = max(rooms.values(), default=0)
+        if room <= 0 or not wanted:
             return []
         self._rotation += 1
-        cfg = self.config
         entries = streams.read_new(
-            client, cfg.streams, cfg.group, cfg.consumer, count=room, block_ms=block_ms,
+            client, wanted, cfg.group, cfg.consumer, count=room, block_ms=block_ms,
             rotation=self._rotation,
         )  # fmt: skip
         for e in entries:
