@@ -19,8 +19,8 @@ side in one run:
 The steady producer runs from the start of the burst until the burst's last result; its latency
 (result read minus submission, in this process) is reported as p50/p99/max over those jobs,
 with the time the burst took to drain. The bench starts its own ``redis-server`` (no
-persistence) unless ``--redis-url`` is given. About two minutes on 2 cores (``--quick``: a
-2,000-job burst, under a minute).
+persistence) unless ``--redis-url`` is given. About a minute on 2 cores (``--quick``: a
+2,000-job burst, seconds).
 """
 
 from __future__ import annotations
