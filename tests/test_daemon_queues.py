@@ -290,3 +290,21 @@ def test_serve_subprocess_drains_two_weighted_queues(
     )
     assert f"serving {sa},{sb} (group" in proc.log()
     assert pending_of(client, sa, GROUP) == 0 and pending_of(client, sb, GROUP) == 0
+
+
+@pytest.mark.timeout(120)
+def test_the_fairness_bench_runs_its_three_set_ups(
+    redis_url: str, key_prefix: str, cleanup_keys: None, capsys: pytest.CaptureFixture[str],
+    tmp_path: Any,
+) -> None:  # fmt: skip
+    """A smoke run of ``bench --suite fairness`` (tiny sizes; the figures are not asserted)."""
+    out = tmp_path / "fairness.json"
+    argv = ["bench", "--suite", "fairness", "--", "--redis-url", redis_url, "--prefix",
+            key_prefix, "--burst", "300", "--calibrate", "200", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    for row in ("one queue", "two queues 1:1", "two queues 3:1"):
+        assert row in text
+    report = json.loads(out.read_text())
+    assert [r["burst_jobs"] for r in report["results"]] == [300] * 3
+    assert all(r["errors"] == 0 and r["steady_jobs"] > 0 for r in report["results"])

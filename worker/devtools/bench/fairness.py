@@ -127,9 +127,9 @@ def _wait_results(client: Any, reply: str, n: int, proc: WorkerProcess, timeout_
 def capacity(url: str, args: argparse.Namespace, log: Path) -> float:
     """Jobs/s of the worker draining a backlog of ``args.calibrate`` jobs (one queue)."""
     client: Any = redis.Redis.from_url(url)
-    stream = keys.job_streams("calib")[0]
+    stream = keys.job_streams(f"{args.prefix}calib")[0]
     reply = keys.reply_stream(stream, "bench")
-    proc = _start_worker(url, ["--queue", "calib"], args, log)
+    proc = _start_worker(url, ["--queue", f"{args.prefix}calib"], args, log)
     try:
         client.xadd(stream, {"payload": _payload("w", reply)})
         _wait_results(client, reply, 1, proc, 120)  # up and serving
@@ -233,17 +233,19 @@ def run_scenario(
     )  # fmt: skip
 
 
-def scenarios(weights: tuple[int, int]) -> list[Scenario]:
-    """The three set-ups (``weights``: steady's and burst's in the third)."""
+def scenarios(weights: tuple[int, int], prefix: str = "") -> list[Scenario]:
+    """The three set-ups (``weights``: steady's and burst's in the third; ``prefix`` goes before
+    every queue name)."""
     s, b = weights
+    shared, steady, burst = f"{prefix}shared", f"{prefix}steady", f"{prefix}burst"
     return [
-        Scenario("one queue", ["--queue", "shared"], "shared", "shared"),
-        Scenario("two queues 1:1", ["--queue", "steady", "--queue", "burst"], "steady", "burst"),
+        Scenario("one queue", ["--queue", shared], shared, shared),
+        Scenario("two queues 1:1", ["--queue", steady, "--queue", burst], steady, burst),
         Scenario(
             f"two queues {s}:{b}",
-            ["--queue", f"steady:{s}", "--queue", f"burst:{b}"],
-            "steady",
-            "burst",
+            ["--queue", f"{steady}:{s}", "--queue", f"{burst}:{b}"],
+            steady,
+            burst,
         ),
     ]
 
@@ -264,6 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--noop-delay-ms", type=float, default=10.0, help="per-batch delay")
     p.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--calibrate", type=int, default=3000, help="jobs of the capacity run")
+    p.add_argument("--prefix", default="", help="put before every queue name (a shared Redis)")
     p.add_argument("--quick", action="store_true", help="a 2,000-job burst (a smoke run)")
     p.add_argument("--json", dest="json_path", default=None, help="write the figures here")
     args, _ = p.parse_known_args(argv)
@@ -278,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 cap = capacity(url, args, log)
                 rate = args.steady_share * cap
-                for sc in scenarios(args.weights):
+                for sc in scenarios(args.weights, args.prefix):
                     rows.append(run_scenario(url, sc, rate, args, log))
             except Exception:
                 print(log.read_text(errors="replace")[-4000:], file=sys.stderr)
