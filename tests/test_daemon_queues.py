@@ -203,6 +203,9 @@ def test_producers_of_each_queue_see_the_worker_live_and_get_results_and_info_sh
         assert beats[qa]["queues"] == f"{qa}:3,{qb}:1"
         assert main(["info", "--redis-url", redis_url, "--queue", qa]) == 0
         assert "weight 3 of" in capsys.readouterr().out
+        for queue in (qa, qb):  # the stats sample sums each queue's partitions
+            wait_until(lambda q=queue: _sample(worker, "scoring_queue_lag", queue=q, group=GROUP)
+                       == 0, 10, what=f"scoring_queue_lag of {queue}")  # type: ignore[misc]  # fmt: skip
     finally:
         worker.request_stop("test")
         thread.join(30)
