@@ -146,6 +146,36 @@ def test_a_queue_back_from_idle_gets_its_share_and_no_credit_for_the_idle_time()
     assert backlog.rooms(64, ahead=True, queued=True) == {"a": 0, "b": 0}
 
 
+@pytest.mark.timeout(30)
+def test_each_queue_is_read_with_its_own_room(
+    redis_url: str, key_prefix: str, cleanup_keys: None
+) -> None:
+    from worker.daemon.leases import InFlight
+    from worker.daemon.reader import EntryReader
+
+    client = redis.Redis.from_url(redis_url)
+    shares = queue_shares([(f"{key_prefix}a", 1), (f"{key_prefix}b", 1)], partitions=2)
+    for q in shares:
+        for s in q.streams:
+            streams.ensure_group(client, s, GROUP)
+            for i in range(20):
+                enqueue(client, s, f"{s}-{i}", "r", SEQ_A)
+    in_flight = InFlight()
+    reader = EntryReader(_config(shares), in_flight, WorkerMetrics(CollectorRegistry()))
+
+    def per_stream(entries: list[streams.Entry]) -> dict[str, int]:
+        return {s: sum(e.stream == s for e in entries) for q in shares for s in q.streams}
+
+    a, b = shares
+    got = per_stream(reader.read(client, {a.name: 3, b.name: 10}, 0))  # a full lane reads little
+    assert got == {a.streams[0]: 3, a.streams[1]: 3, b.streams[0]: 10, b.streams[1]: 10}
+    got = per_stream(reader.read(client, {a.name: 0, b.name: 4}, 0))  # none from a queue at 0
+    assert got == {a.streams[0]: 0, a.streams[1]: 0, b.streams[0]: 4, b.streams[1]: 4}
+    got = per_stream(reader.read(client, {a.name: 5, b.name: 5}, 0))  # equal rooms: one read
+    assert got == {s: 5 for q in shares for s in q.streams}
+    assert len(in_flight) == 6 + 20 + 8 + 20  # every entry read is held (leases renew it)
+
+
 @pytest.mark.timeout(60)
 def test_reclaim_and_dead_letters_stay_on_each_queue(
     redis_url: str, key_prefix: str, cleanup_keys: None

@@ -33,19 +33,27 @@ class EntryReader:
         self._suspects_waiting = False
 
     def read(self, client: Any, rooms: dict[str, int], block_ms: int) -> list[streams.Entry]:
-        """New entries from the streams of each queue with room (``rooms``: queue -> entries;
-        one ``XREADGROUP`` with the largest room as its COUNT), partitions in rotating order
-        (``block_ms`` 0: no BLOCK)."""
+        """New entries from the streams of each queue with room (``rooms``: queue -> at most
+        that many entries per stream), partitions in rotating order (``block_ms`` 0: no BLOCK).
+        One ``XREADGROUP`` when every queue read has the same room (always for one queue);
+        otherwise one non-blocking read per queue, so each gets exactly its own COUNT."""
         cfg = self.config
-        wanted = [s for q in cfg.shares if rooms.get(q.name, 0) > 0 for s in q.streams]
-        room = max(rooms.values(), default=0)
-        if room <= 0 or not wanted:
+        wanted = {q.name: q.streams for q in cfg.shares if rooms.get(q.name, 0) > 0}
+        if not wanted:
             return []
         self._rotation += 1
-        entries = streams.read_new(
-            client, wanted, cfg.group, cfg.consumer, count=room, block_ms=block_ms,
-            rotation=self._rotation,
-        )  # fmt: skip
+        counts = {rooms[name] for name in wanted}
+        reads = (
+            [([s for ss in wanted.values() for s in ss], counts.pop(), block_ms)]
+            if len(counts) == 1
+            else [(list(ss), rooms[name], 0) for name, ss in wanted.items()]
+        )
+        entries: list[streams.Entry] = []
+        for keys_, count, block in reads:
+            entries += streams.read_new(
+                client, keys_, cfg.group, cfg.consumer, count=count, block_ms=block,
+                rotation=self._rotation,
+            )  # fmt: skip
         for e in entries:
             self._in_flight.add(e.stream, e.id)
         return entries
