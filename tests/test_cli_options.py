@@ -73,7 +73,8 @@ def test_serve_keeps_its_queue_flags_beside_the_shared_ones() -> None:
     args = build_parser("serve").parse_args(
         ["serve", "--queue", "q", "--partitions", "2", "--group", "g", "--stream", "a:{x}:jobs"]
     )
-    assert (args.queue, args.partitions, args.group, args.stream) == ("q", 2, "g", "a:{x}:jobs")
+    # serve's --queue is repeatable (NAME[:WEIGHT] each): a list, here of one
+    assert (args.queue, args.partitions, args.group, args.stream) == (["q"], 2, "g", "a:{x}:jobs")
 
 
 def test_enqueue_modes_are_the_protocol_modes() -> None:

@@ -7,9 +7,12 @@ flags: a command adds them with :func:`add_redis_args` / :func:`add_queue_args` 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
+from typing import Any
 
 from worker import keys
 from worker.config import DEFAULT_REDIS_URL, RedisSettings, env_bool, env_get
+from worker.errors import ConfigError
 
 
 def add_redis_args(
@@ -67,18 +70,79 @@ def _env_partitions() -> int:
     return int(raw) if raw else 1
 
 
+class QueueAction(argparse.Action):
+    """``--queue NAME[:WEIGHT]``, repeatable: the first one given replaces the default list."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        current = getattr(namespace, self.dest, None)
+        items = [] if current is None or current is self.default else list(current)
+        setattr(namespace, self.dest, [*items, str(values)])
+
+
+def parse_queue_specs(values: Sequence[str] | str) -> list[tuple[str, int]]:
+    """``["train:3", "eval"]`` -> ``[("train", 3), ("eval", 1)]``; a ``ConfigError`` naming
+    the flag for a bad name, a weight that is not a positive integer, or a queue given twice."""
+    items = [values] if isinstance(values, str) else list(values)
+    hint = "--queue NAME[:WEIGHT], repeatable (env SCORING_QUEUE=a:3,b:1), weights >= 1"
+    out: list[tuple[str, int]] = []
+    for raw in items:
+        name, sep, weight = raw.strip().partition(":")
+        try:
+            keys.validate_queue(name)
+        except ConfigError as exc:
+            raise ConfigError(f"--queue {raw!r}: {exc}", hint=hint) from exc
+        if not sep:
+            out.append((name, 1))
+            continue
+        if not (weight.isascii() and weight.isdigit()) or int(weight) < 1:
+            raise ConfigError(f"--queue {raw!r}: the weight must be a positive integer",
+                              hint=hint)  # fmt: skip
+        out.append((name, int(weight)))
+    names = [n for n, _ in out]
+    for n in names:
+        if names.count(n) > 1:
+            raise ConfigError(f"--queue {n!r} is given more than once", hint=hint)
+    if not out:
+        raise ConfigError("--queue is empty", hint=hint)
+    return out
+
+
+def _env_queues() -> list[str]:
+    raw = env_get("QUEUE") or keys.DEFAULT_QUEUE
+    return [q.strip() for q in raw.split(",") if q.strip()] or [keys.DEFAULT_QUEUE]
+
+
 def add_queue_args(
-    parser: argparse.ArgumentParser, *, group: bool = True
+    parser: argparse.ArgumentParser, *, group: bool = True, multi: bool = False
 ) -> argparse._ArgumentGroup:
     """``--queue``, ``--partitions`` (and ``--group``); returns the argument group so a command
-    can add its own queue flags to it (``serve``: ``--stream``, ``--consumer``, ...)."""
+    can add its own queue flags to it (``serve``: ``--stream``, ``--consumer``, ...). ``multi``:
+    ``--queue`` is repeatable, ``NAME[:WEIGHT]`` each (a list; :func:`parse_queue_specs`)."""
     q = parser.add_argument_group("queue")
-    q.add_argument(
-        "--queue",
-        default=env_get("QUEUE", keys.DEFAULT_QUEUE),
-        help="logical queue name; its streams are derived from it "
-        f"(env SCORING_QUEUE; default {keys.DEFAULT_QUEUE!r})",
-    )
+    if multi:
+        q.add_argument(
+            "--queue",
+            action=QueueAction,
+            default=_env_queues(),
+            metavar="NAME[:WEIGHT]",
+            help="logical queue, repeatable with an optional weight (--queue train:3 --queue "
+            "eval:1: each backlogged queue gets its weight's share of the batches' tokens); its "
+            "streams are derived from it (env SCORING_QUEUE, comma-separated; default "
+            f"{keys.DEFAULT_QUEUE!r})",
+        )
+    else:
+        q.add_argument(
+            "--queue",
+            default=env_get("QUEUE", keys.DEFAULT_QUEUE),
+            help="logical queue name; its streams are derived from it "
+            f"(env SCORING_QUEUE; default {keys.DEFAULT_QUEUE!r})",
+        )
     q.add_argument(
         "--partitions",
         type=int,

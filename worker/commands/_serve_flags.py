@@ -41,7 +41,7 @@ def default_consumer() -> str:
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the serve flags (defaults come from ``SCORING_*`` env)."""
     add_redis_args(parser)
-    q = add_queue_args(parser)
+    q = add_queue_args(parser, multi=True)
     q.add_argument(
         "--stream",
         default=env_get("STREAM"),

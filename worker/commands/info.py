@@ -1,7 +1,8 @@
 """``scoring-worker info``: streams, groups, lag, pending, oldest pending age, consumers with idle
 time and dead-letter depth of a queue (all partitions), and the live workers with what each
-holds (model, resident adapters/versions with bytes and fingerprints, from their heartbeats), as
-a table or ``--json``."""
+holds (model, resident adapters/versions with bytes and fingerprints, from their heartbeats; a
+worker of several queues with its weight on each), as a table or ``--json``; ``--queue``
+repeated: one block per queue (``--json``: a list)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ from typing import Any
 
 import redis
 
-from worker.commands._options import add_queue_args, add_redis_args, redis_settings
+from worker.commands._options import (
+    add_queue_args,
+    add_redis_args,
+    parse_queue_specs,
+    redis_settings,
+)
 from worker.connections import connect
 from worker.streams.admin import known_queues, queue_exists, queue_info
 
@@ -20,7 +26,7 @@ from worker.streams.admin import known_queues, queue_exists, queue_info
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the info flags."""
     add_redis_args(parser)
-    add_queue_args(parser)
+    add_queue_args(parser, multi=True)  # several queues: one block each (weights are ignored)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument(
         "--list",
@@ -100,6 +106,8 @@ def _workers(workers: list[dict[str, Any]]) -> list[str]:
         held = w.get("resident") or {}
         adapters, versions = held.get("adapters") or {}, held.get("versions") or {}
         summary = f"{w.get('model', '-')} ({w.get('dtype', '-')}, {w.get('device', '-')})"
+        if w.get("queues") and "," in str(w["queues"]):  # a worker of several queues
+            summary += f"  weight {w.get('weight', '-')} of {w['queues']}"
         if w.get("tensor_parallel"):  # a tensor-parallel group: its size and devices
             devices = ", ".join(map(str, w.get("tensor_parallel_devices") or []))
             summary += f"  tensor parallel {w['tensor_parallel']}: {devices}"
@@ -119,27 +127,36 @@ def _workers(workers: list[dict[str, Any]]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the queue state. Exit 1 when Redis cannot be read, 2 when the queue is unknown
-    (no job stream, no group, no live worker: a typo, most likely; the known queues are named)."""
+    """Print the state of each queue asked for (``--queue`` repeatable). Exit 1 when Redis
+    cannot be read, 2 when a queue is unknown (no job stream, no group, no live worker: a
+    typo, most likely; the known queues are named)."""
     settings = redis_settings(args)
+    names = [name for name, _ in parse_queue_specs(args.queue)]
     client = connect(settings)
+    infos: list[dict[str, Any]] = []
     try:
         if args.list:
             queues = known_queues(client)
             print(json.dumps(queues) if args.json else "\n".join(queues) or "(no queues)")
             return 0
-        info = queue_info(client, args.queue, args.partitions, args.group)
-        queues = [] if queue_exists(info) else known_queues(client)
+        for name in names:
+            infos.append(queue_info(client, name, args.partitions, args.group))
+        missing = [i["queue"] for i in infos if not queue_exists(i)]
+        queues = known_queues(client) if missing else []
     except redis.RedisError as exc:
-        print(f"error: cannot read {args.queue!r} from Redis: {exc}", file=sys.stderr)
+        print(f"error: cannot read {', '.join(map(repr, names))} from Redis: {exc}",
+              file=sys.stderr)  # fmt: skip
         return 1
     finally:
         client.close()
-    if not queue_exists(info):
-        print(f"error: no queue {args.queue!r} on {settings.redacted_url}: no job stream, no "
+    if missing:
+        print(f"error: no queue {missing[0]!r} on {settings.redacted_url}: no job stream, no "
               "consumer group and no live worker", file=sys.stderr)  # fmt: skip
         known = ", ".join(queues) if queues else "none"
         print(f"  queues there: {known} (--queue NAME)", file=sys.stderr)
         return 2
-    print(json.dumps(info, indent=2) if args.json else render(info))
+    if args.json:
+        print(json.dumps(infos[0] if len(infos) == 1 else infos, indent=2))
+    else:
+        print("\n\n".join(render(i) for i in infos))
     return 0

@@ -13,13 +13,12 @@ import importlib.metadata
 import logging
 from typing import Any
 
-from worker import keys
 from worker.commands import _group
 from worker.commands._fleet import run_fleet, wants_fleet
-from worker.commands._options import redis_settings
+from worker.commands._options import parse_queue_specs, redis_settings
 from worker.commands._serve_flags import configure, default_consumer
 from worker.commands._weights import weights_config
-from worker.daemon.config import WorkerConfig
+from worker.daemon.config import QueueShare, WorkerConfig, queue_shares
 from worker.errors import ConfigError
 from worker.protocol import Limits
 from worker.scorer import Scorer
@@ -34,20 +33,29 @@ def flag_defaults() -> dict[str, Any]:
     return vars(parser.parse_args([]))
 
 
+def shares_from_args(args: argparse.Namespace) -> tuple[QueueShare, ...]:
+    """The weighted queues of ``--queue NAME[:WEIGHT]`` (repeatable) and ``--partitions``;
+    none with ``--stream`` (its streams are one queue). ``ConfigError`` for a bad value."""
+    specs = parse_queue_specs(args.queue)  # validated even when --stream overrides it
+    return () if args.stream else queue_shares(specs, args.partitions)
+
+
 def streams_from_args(args: argparse.Namespace) -> tuple[str, ...]:
-    """Job stream keys: ``--stream`` (comma-separated), else from ``--queue``/``--partitions``."""
+    """Job stream keys: ``--stream`` (comma-separated), else from ``--queue``/``--partitions``
+    (every partition of every queue, queue by queue)."""
     if args.stream:
         out = tuple(s.strip() for s in args.stream.split(",") if s.strip())
         if not out:
             raise ConfigError("--stream is empty")
         return out
-    return tuple(keys.job_streams(args.queue, args.partitions))
+    return tuple(s for q in shares_from_args(args) for s in q.streams)
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
     """The ``WorkerConfig`` for parsed serve args."""
     return WorkerConfig(
         streams=streams_from_args(args),
+        queues=shares_from_args(args),
         group=args.group,
         consumer=args.consumer or default_consumer(),
         max_batch_tokens=args.max_batch_tokens,
@@ -264,6 +272,7 @@ def build_info(scorer: Scorer) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Load the model once, then serve until drained/stopped."""
+    shares_from_args(args)  # a bad --queue fails here (exit 2), before any child starts
     if wants_fleet(args):
         return run_fleet(args, flag_defaults())
     if _group.is_follower():  # rank 1..N-1 of a tensor-parallel group

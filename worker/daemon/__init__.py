@@ -16,7 +16,8 @@ Modules, one role each:
 * ``context``: shared data (``Pending``, ``Reply``, ``DeadLetter``, ``Outbox``, ``JobContext``);
 * ``intake``: decode and validate an entry; ``jobs``: score a batch into results;
   ``writer``: write an outbox (result before ack, dead letters);
-* ``backlog``: held jobs and batch taking; ``reader``: read and reclaim entries;
+* ``backlog``: held jobs per queue and batch taking (several queues share the batches by weight);
+  ``reader``: read (per queue) and reclaim entries;
   ``link``: the loop's connection and backoff; ``stats``: stream gauges;
 * ``drain``: stop request, drain deadline, signal watcher; ``leases``: in-flight set and lease
   keeper; ``supervisor``: one child process per GPU / replica.

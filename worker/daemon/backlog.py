@@ -1,32 +1,81 @@
 """The backlog: decoded jobs this worker holds, waiting for a batch, and how a batch is taken.
 
-A batch is the oldest job plus the following jobs of the same ``(mode, temperature)`` that fit in
-``max_batch_tokens``. A *suspect* (an entry delivered more than ``isolate_after_deliveries`` times:
-its batch never finished, so it may crash the worker) always runs alone.
+A batch is jobs of one ``(mode, temperature, options)`` key that fit in ``max_batch_tokens``. A
+*suspect* (an entry delivered more than ``isolate_after_deliveries`` times: its batch never
+finished, so it may crash the worker) always runs alone.
+
+Jobs are held per queue (a *lane*; one lane for a worker of one queue, whatever its partitions).
+The lanes share the batches by weight, as weighted fair queueing over tokens: each lane keeps a
+virtual time, the tokens it was given divided by its weight. A batch starts with the head job of
+the lane whose virtual time is lowest (its key is the batch's key; a suspect there runs alone);
+the batch then grows one job at a time, each time from the lane with the lowest virtual time that
+still has a job of that key which fits. So while every lane is backlogged, lane ``i`` gets
+``weight_i / sum(weights)`` of the tokens (within one job, batch after batch); a lane with
+nothing to give leaves its share to the others, and a lane that was idle starts again at the
+lowest virtual time of the lanes still backlogged (or the last batch's), so idleness earns no
+credit to spend later.
+With one lane this is the oldest job plus the following jobs of its key that fit, in order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
+from worker.daemon.config import QueueShare
 from worker.daemon.context import Pending
 
 
-class Backlog:
-    """Pending jobs in arrival order, with token accounting and batch taking."""
+@dataclass
+class Lane:
+    """The jobs one queue has in the backlog, with its weight and virtual time."""
 
-    def __init__(self, *, max_batch_tokens: int, isolate_after_deliveries: int) -> None:
+    name: str
+    weight: int = 1
+    items: list[Pending] = field(default_factory=list)
+    vtime: float = 0.0  # tokens given to this lane / weight
+    mean_tokens: float = 0.0  # running mean of a job's tokens (sizes reads ahead)
+
+    def tokens(self) -> int:
+        """Tokens held in this lane."""
+        return sum(p.job.num_tokens for p in self.items)
+
+
+class Backlog:
+    """Pending jobs per queue, in arrival order, with token accounting and weighted batch taking."""
+
+    def __init__(
+        self,
+        *,
+        max_batch_tokens: int,
+        isolate_after_deliveries: int,
+        shares: Sequence[QueueShare] = (),
+    ) -> None:
         self.max_batch_tokens = max_batch_tokens
         self.isolate_after = isolate_after_deliveries
-        self._items: list[Pending] = []
+        specs = list(shares) or [QueueShare("default", ("*",))]
+        self.lanes = [Lane(q.name, q.weight) for q in specs]
+        self._floor = 0.0  # the virtual time of the last batch's lead lane
+        self._lane_of = {s: lane for q, lane in zip(specs, self.lanes, strict=True)
+                         for s in q.streams}  # fmt: skip
+
+    def lane_of(self, stream: str) -> Lane:
+        """The lane of job stream ``stream`` (the first lane for a stream of no queue)."""
+        return self._lane_of.get(stream, self.lanes[0])
 
     def append(self, pending: Pending) -> None:
-        """Queue a job at the end."""
-        self._items.append(pending)
+        """Queue a job at the end of its queue's lane."""
+        lane = self.lane_of(pending.entry.stream)
+        if not lane.items:  # back from idle: no credit for the time it had nothing
+            busy = [other.vtime for other in self.lanes if other.items]
+            lane.vtime = max(lane.vtime, min(busy) if busy else self._floor)
+        lane.items.append(pending)
+        n, mean = pending.job.num_tokens, lane.mean_tokens
+        lane.mean_tokens = n if mean == 0 else 0.9 * mean + 0.1 * n
 
     def tokens(self) -> int:
         """Tokens held, over every job."""
-        return sum(p.job.num_tokens for p in self._items)
+        return sum(lane.tokens() for lane in self.lanes)
 
     def full(self) -> bool:
         """True once the held jobs reach the token budget of one batch."""
@@ -38,45 +87,115 @@ class Backlog:
 
     def holds_suspect(self) -> bool:
         """True while a suspect waits here (the reader then claims no other)."""
-        return any(self.is_suspect(p) for p in self._items)
+        return any(self.is_suspect(p) for p in self)
 
     def held_ids(self) -> set[tuple[str, str]]:
         """``(stream, entry_id)`` of every job held."""
-        return {(p.entry.stream, p.entry.id) for p in self._items}
+        return {(p.entry.stream, p.entry.id) for p in self}
+
+    def _lead(self) -> Lane | None:
+        """The backlogged lane whose turn it is (lowest virtual time; ties: the first lane)."""
+        busy = [lane for lane in self.lanes if lane.items]
+        return min(busy, key=lambda lane: lane.vtime) if busy else None
+
+    def head(self) -> Pending | None:
+        """The job the next batch starts with (None when nothing is held)."""
+        lead = self._lead()
+        return lead.items[0] if lead is not None else None
+
+    def rooms(self, room: int, *, ahead: bool, queued: bool = False) -> dict[str, int]:
+        """How many entries to read per lane, each at most ``room``. ``ahead`` (a batch
+        computes): about what fills the lane to one batch's token budget by its mean job size
+        (nothing while a batch is ``queued``), so a bursting queue's read-ahead never crowds
+        out another's. Otherwise ``room``, but none for a lane holding a batch's budget
+        already when there are several (one lane: always ``room``)."""
+        out: dict[str, int] = {}
+        for lane in self.lanes:
+            left = self.max_batch_tokens - lane.tokens()
+            if ahead:
+                if left <= 0 or queued:
+                    out[lane.name] = 0
+                    continue
+                fit = int(left // lane.mean_tokens) if lane.mean_tokens > 0 else 1
+                out[lane.name] = min(room, max(1, fit))
+            else:
+                out[lane.name] = room if left > 0 or len(self.lanes) == 1 else 0
+        return out
 
     def take_batch(self) -> list[Pending]:
         """Remove and return the next batch (empty when nothing is held)."""
-        if not self._items:
+        lead = self._lead()
+        if lead is None:
             return []
-        first = self._items[0]
+        self._floor = max(self._floor, lead.vtime)
+        first = lead.items[0]
         if self.is_suspect(first):
             # Delivered again after its batch never finished (the worker died mid-batch): it
             # runs alone, so a job that crashes the process cannot take batch-mates with it to
             # the dead-letter stream.
-            del self._items[0]
+            del lead.items[0]
+            lead.vtime += first.job.num_tokens / lead.weight
             return [first]
         key = first.key
+        cursor = {id(lane): 0 for lane in self.lanes}
+        taken: dict[int, set[int]] = {id(lane): set() for lane in self.lanes}
         batch: list[Pending] = []
-        rest: list[Pending] = []
         tokens = 0
-        for p in self._items:
-            if self.is_suspect(p):
-                rest.append(p)
-                continue
-            n = p.job.num_tokens
-            if p.key == key and (not batch or tokens + n <= self.max_batch_tokens):
-                batch.append(p)
-                tokens += n
-            else:
-                rest.append(p)
-        self._items = rest
+
+        def next_fit(lane: Lane) -> int | None:
+            """Index of ``lane``'s next job that may join the batch (None: none left)."""
+            i = cursor[id(lane)]
+            while i < len(lane.items):
+                p = lane.items[i]
+                fits = not batch or tokens + p.job.num_tokens <= self.max_batch_tokens
+                if fits and p.key == key and not self.is_suspect(p):
+                    break
+                i += 1  # another key, a suspect or too big now: never fits this batch
+            cursor[id(lane)] = i
+            return i if i < len(lane.items) else None
+
+        while True:
+            best: tuple[float, int, Lane, int] | None = None
+            for order, lane in enumerate(self.lanes if batch else [lead]):
+                i = next_fit(lane)
+                if i is not None and (best is None or (lane.vtime, order) < best[:2]):
+                    best = (lane.vtime, order, lane, i)
+            if best is None:
+                break
+            _, _, lane, i = best
+            p = lane.items[i]
+            batch.append(p)
+            taken[id(lane)].add(i)
+            cursor[id(lane)] = i + 1
+            tokens += p.job.num_tokens
+            lane.vtime += p.job.num_tokens / lane.weight
+        for lane in self.lanes:
+            gone = taken[id(lane)]
+            if gone:
+                lane.items = [p for i, p in enumerate(lane.items) if i not in gone]
         return batch
 
+    def counts(self) -> dict[str, tuple[int, int]]:
+        """``{queue: (jobs, tokens)}`` held now, per lane."""
+        return {lane.name: (len(lane.items), lane.tokens()) for lane in self.lanes}
+
     def __len__(self) -> int:
-        return len(self._items)
+        return sum(len(lane.items) for lane in self.lanes)
 
     def __bool__(self) -> bool:
-        return bool(self._items)
+        return any(lane.items for lane in self.lanes)
 
     def __iter__(self) -> Iterator[Pending]:
-        return iter(list(self._items))
+        return iter([p for lane in self.lanes for p in lane.items])
+
+
+def batch_share(
+    batch: Sequence[Pending], queue_of: Callable[[str], str]
+) -> dict[str, tuple[int, int]]:
+    """``{queue: (jobs, tokens)}`` of one batch (``queue_of``: a job stream's queue)."""
+    out: dict[str, tuple[int, int]] = {}
+    for p in batch:
+        queue = queue_of(p.entry.stream)
+        jobs, tokens = out.get(queue, (0, 0))
+        out[queue] = (jobs + 1, tokens + p.job.num_tokens)
+    return out

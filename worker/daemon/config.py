@@ -3,13 +3,44 @@ flags and ``SCORING_*`` env, then passed down). Units are in field names."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from worker.errors import ConfigError
-from worker.keys import DEFAULT_GROUP
+from worker.keys import DEFAULT_GROUP, job_streams
+from worker.keys import queue_of as stream_queue
 from worker.protocol import Limits
 from worker.scorer.teacher import MAX_TOPK
 from worker.streams.durable import Durability
+
+
+@dataclass(frozen=True)
+class QueueShare:
+    """One queue of a worker: its name, its job streams and its weight (the worker's batches
+    are shared among its backlogged queues in proportion to the weights, by tokens)."""
+
+    name: str
+    streams: tuple[str, ...]
+    weight: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.streams:
+            raise ConfigError(f"queue {self.name!r} has no stream")
+        if isinstance(self.weight, bool) or not isinstance(self.weight, int) or self.weight < 1:
+            raise ConfigError(f"queue {self.name!r}: weight must be a positive integer, "
+                              f"got {self.weight!r}")  # fmt: skip
+
+
+def queue_shares(specs: Sequence[tuple[str, int]], partitions: int = 1) -> tuple[QueueShare, ...]:
+    """The ``QueueShare`` of each ``(queue, weight)``, its streams from ``partitions``
+    (``ConfigError`` for a bad name or weight, or a queue named twice)."""
+    names = [name for name, _ in specs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"queue {twice[0]!r} is named more than once",
+                          hint="give each queue once: --queue NAME[:WEIGHT]")  # fmt: skip
+    return tuple(QueueShare(n, tuple(job_streams(n, partitions)), w) for n, w in specs)
 
 
 @dataclass(frozen=True)
@@ -17,10 +48,13 @@ class WorkerConfig:
     """How a worker daemon consumes its streams (built by ``serve`` from flags/env).
 
     ``streams`` are the job stream keys (one per partition); ``dead_letter_stream`` None means
-    each stream's own ``...:dead`` stream (``worker.keys.dead_letter_stream``).
+    each stream's own ``...:dead`` stream (``worker.keys.dead_letter_stream``). ``queues``
+    groups the streams into weighted queues (``serve --queue a:3 --queue b:1``); empty: one
+    queue of weight 1 holds every stream (``shares``).
     """
 
     streams: tuple[str, ...]
+    queues: tuple[QueueShare, ...] = ()
     group: str = DEFAULT_GROUP
     consumer: str = "worker"
     max_batch_tokens: int = 16384
@@ -88,6 +122,28 @@ class WorkerConfig:
             raise ConfigError(f"max_topk must be at most {MAX_TOPK}, got {self.max_topk}")
         if self.max_jobs is not None and self.max_jobs <= 0:
             raise ConfigError(f"max_jobs must be > 0, got {self.max_jobs}")
+        if self.queues:
+            names = [q.name for q in self.queues]
+            held = [s for q in self.queues for s in q.streams]
+            if len(set(names)) != len(names) or len(set(held)) != len(held):
+                raise ConfigError("each queue, and each stream, may be named once")
+            if set(held) != set(self.streams):
+                raise ConfigError("the queues' streams must be the worker's streams")
+
+    @cached_property
+    def shares(self) -> tuple[QueueShare, ...]:
+        """The queues served, with their weights and streams (one queue unless ``queues``)."""
+        if self.queues:
+            return self.queues
+        return (QueueShare(stream_queue(self.streams[0]) or self.streams[0], self.streams),)
+
+    @cached_property
+    def _queue_by_stream(self) -> dict[str, str]:
+        return {s: q.name for q in self.shares for s in q.streams}
+
+    def queue_of(self, stream: str) -> str:
+        """The name of the queue ``stream`` belongs to (the first queue for any other stream)."""
+        return self._queue_by_stream.get(stream, self.shares[0].name)
 
     @property
     def durability(self) -> Durability:
@@ -106,4 +162,4 @@ class WorkerConfig:
         return max(ms / 1000.0, 0.05)
 
 
-__all__ = ["WorkerConfig"]
+__all__ = ["QueueShare", "WorkerConfig", "queue_shares"]

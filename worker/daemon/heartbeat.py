@@ -5,7 +5,8 @@ expires after ``ttl_s`` (a few stats intervals) unless renewed
 (:func:`worker.streams.write_heartbeat`): its consumer name and group, the scorer's identity
 (model, reward model, dtype, device, attention backend) and ``resident``, what the scorer holds
 beyond its served models (``Scorer.resident``: per-job adapters and versions with their bytes
-and fingerprints, and the residency budget). A worker that dies stops renewing and drops out
+and fingerprints, and the residency budget), its ``weight`` on that queue and every queue it
+serves with its weight (``queues``: ``a:3,b:1``). A worker that dies stops renewing and drops out
 of ``info`` once its heartbeat expires.
 """
 
@@ -46,6 +47,7 @@ class Heartbeat:
         consumer: str,
         scorer: Scorer,
         ttl_s: float,
+        weights: dict[str, int] | None = None,
     ) -> None:
         queues = (keys.queue_of(s) for s in job_streams)
         #: The logical queues (streams outside the ``scoring:{q}:jobs`` layout get none).
@@ -53,6 +55,9 @@ class Heartbeat:
         self.group = group
         self.consumer = consumer
         self.ttl_s = ttl_s
+        #: queue -> weight of a worker serving several queues (``weight`` and ``queues`` in
+        #: each queue's heartbeat: ``info`` shows how a worker shares itself)
+        self.weights = dict(weights or {})
         self._scorer = scorer
         self._host = socket.gethostname()
 
@@ -70,5 +75,8 @@ class Heartbeat:
         if not self.queues:
             return
         fields = self.fields()
+        served = ",".join(f"{q}:{w}" for q, w in self.weights.items())
         for queue in self.queues:
+            if queue in self.weights:
+                fields.update(weight=self.weights[queue], queues=served)
             streams.write_heartbeat(client, queue, self.consumer, fields, self.ttl_s)

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 class EntryReader:
-    """Reads and reclaims the entries of one consumer on its job streams."""
+    """Reads and reclaims the entries of one consumer on its job streams (of every queue)."""
 
     def __init__(self, config: WorkerConfig, in_flight: InFlight, metrics: WorkerMetrics) -> None:
         self.config = config
@@ -32,16 +32,28 @@ class EntryReader:
         self._last_reclaim = 0.0
         self._suspects_waiting = False
 
-    def read(self, client: Any, room: int, block_ms: int) -> list[streams.Entry]:
-        """Up to ``room`` new entries, partitions in rotating order (``block_ms`` 0: no BLOCK)."""
-        if room <= 0:
+    def read(self, client: Any, rooms: dict[str, int], block_ms: int) -> list[streams.Entry]:
+        """New entries from the streams of each queue with room (``rooms``: queue -> at most
+        that many entries per stream), partitions in rotating order (``block_ms`` 0: no BLOCK).
+        One ``XREADGROUP`` when every queue read has the same room (always for one queue);
+        otherwise one non-blocking read per queue, so each gets exactly its own COUNT."""
+        cfg = self.config
+        wanted = {q.name: q.streams for q in cfg.shares if rooms.get(q.name, 0) > 0}
+        if not wanted:
             return []
         self._rotation += 1
-        cfg = self.config
-        entries = streams.read_new(
-            client, cfg.streams, cfg.group, cfg.consumer, count=room, block_ms=block_ms,
-            rotation=self._rotation,
-        )  # fmt: skip
+        counts = {rooms[name] for name in wanted}
+        reads = (
+            [([s for ss in wanted.values() for s in ss], counts.pop(), block_ms)]
+            if len(counts) == 1
+            else [(list(ss), rooms[name], 0) for name, ss in wanted.items()]
+        )
+        entries: list[streams.Entry] = []
+        for keys_, count, block in reads:
+            entries += streams.read_new(
+                client, keys_, cfg.group, cfg.consumer, count=count, block_ms=block,
+                rotation=self._rotation,
+            )  # fmt: skip
         for e in entries:
             self._in_flight.add(e.stream, e.id)
         return entries

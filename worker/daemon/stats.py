@@ -1,7 +1,8 @@
 """Stream statistics sampled into the worker's gauges (so no extra exporter is needed).
 
 Every ``stats_interval_s`` the worker publishes, per job stream, its length, the group's lag,
-pending count and consumers, and the length of its dead-letter stream, from
+pending count and consumers, and the length of its dead-letter stream (and per queue the lag
+summed over its partitions), from
 :func:`worker.streams.stream_stats` (the same numbers ``scoring-worker info`` shows); trims
 the entries every group has acked (:func:`worker.streams.trim_acked`); and writes the worker's
 heartbeat (``worker.daemon.heartbeat``: what it serves and holds).
@@ -38,6 +39,7 @@ class StatsSampler:
         clock: Callable[[], float] = time.monotonic,
         heartbeat: Heartbeat | None = None,
         acked_upto: Callable[[str], str | None] | None = None,
+        queue_of: Callable[[str], str] | None = None,
     ) -> None:
         self.streams = streams_
         self.group = group
@@ -49,6 +51,7 @@ class StatsSampler:
         # the newest entry this worker acked per stream (None: trim nothing yet); None: no cap
         self._acked_upto = acked_upto
         self._last: float | None = None
+        self._queue_of = queue_of  # a stream's queue: scoring_queue_lag sums its partitions
 
     def maybe_sample(self, client: Any) -> bool:
         """Sample when ``interval_s`` has passed since the last time; True when it did."""
@@ -75,6 +78,7 @@ class StatsSampler:
 
     def _sample_streams(self, client: Any) -> None:
         m, group = self._metrics, self.group
+        lags: dict[str, int | None] = {}  # per queue; None: a partition cannot say
         for stream in self.streams:
             dead = self._dead_stream_of(stream)
             try:
@@ -92,6 +96,10 @@ class StatsSampler:
             else:  # unknown (Redis < 7 after reads, or trimmed): no series beats a stale one
                 with contextlib.suppress(KeyError):
                     m.stream_lag.remove(stream, group)
+            if self._queue_of is not None:
+                queue, lag = self._queue_of(stream), st["lag"]
+                before = lags.get(queue, 0)
+                lags[queue] = None if lag is None or before is None else before + int(lag)
             m.stream_pending.labels(stream=stream, group=group).set(st["pending"])
             m.stream_consumers.labels(stream=stream, group=group).set(st["consumers"])
             m.dead_letter_length.labels(stream=dead).set(dead_len)
@@ -104,3 +112,9 @@ class StatsSampler:
                 if streams.is_transient(exc):
                     raise
                 log.debug("trim of %s skipped: %s", stream, exc)
+        for queue, total in lags.items():
+            if total is not None:
+                m.queue_lag.labels(queue=queue, group=group).set(total)
+            else:
+                with contextlib.suppress(KeyError):
+                    m.queue_lag.remove(queue, group)

@@ -25,7 +25,7 @@ from typing import Any
 from worker import streams
 from worker.config import RedisSettings
 from worker.connections import connect
-from worker.daemon.backlog import Backlog
+from worker.daemon.backlog import Backlog, batch_share
 from worker.daemon.config import WorkerConfig
 from worker.daemon.context import JobContext, Outbox, Pending
 from worker.daemon.drain import DrainControl, SignalWatcher
@@ -77,6 +77,7 @@ class Worker:
         self.backlog = Backlog(
             max_batch_tokens=config.max_batch_tokens,
             isolate_after_deliveries=config.isolate_after_deliveries,
+            shares=config.shares,  # one lane per queue, sharing the batches by weight
         )
         self.drain = DrainControl(config.drain_timeout_s, health=self.health,
                                   metrics=self.metrics, held=self.in_flight.__len__)  # fmt: skip
@@ -92,16 +93,18 @@ class Worker:
             consumer=config.consumer,
             scorer=scorer,
             ttl_s=heartbeat_ttl_s(config.stats_interval_s),
+            weights={q.name: q.weight for q in config.shares},
         )
         self.stats = StatsSampler(config.streams, config.group, metrics=self.metrics,
                                   dead_stream_of=self.jobs.dead_stream_of,
                                   interval_s=config.stats_interval_s,
                                   heartbeat=heartbeat,
-                                  acked_upto=self.in_flight.done_upto)  # fmt: skip
+                                  acked_upto=self.in_flight.done_upto,
+                                  queue_of=config.queue_of)  # fmt: skip
         self.jobs_done = 0
         self.pipeline = BatchPipeline(partial(score_batch, self.jobs), threaded=config.pipeline)
         self._poll_s = POLL_MIN_S
-        self._job_tokens = 0.0  # running mean of a job's tokens (sizes reads ahead)
+        self.metrics.set_queue_weights({q.name: q.weight for q in config.shares})
         self.http: HealthServer | None = None
         scorer.add_fallback_listener(self._on_fallback)
 
@@ -240,9 +243,9 @@ class Worker:
             if self.reader.reclaim_due(suspect_held=suspect_held):
                 got += self._prepare(self.reader.reclaim(client, suspect_held=suspect_held), outbox)
             idle = not (self.backlog or got or stage.busy)
-            room = self._room_ahead() if stage.computing else self._room()
+            rooms = self._rooms(ahead=stage.computing)
             got += self._prepare(
-                self.reader.read(client, room, cfg.block_ms if idle else 0), outbox
+                self.reader.read(client, rooms, cfg.block_ms if idle else 0), outbox
             )
         self._flush(outbox)
         batch = self._submit() if stage.computing else []  # queued behind: before writing
@@ -262,6 +265,7 @@ class Worker:
             stage.wait(self._poll_s)
             self._poll_s = min(self._poll_s * 2, POLL_MAX_S)
         self.metrics.in_flight.set(len(self.in_flight))
+        self.metrics.set_queue_backlog(self.backlog.counts())
         if stage.busy:
             return False
         if cfg.max_jobs is not None and self.jobs_done >= cfg.max_jobs and not self.backlog:
@@ -283,13 +287,15 @@ class Worker:
         stage, backlog = self.pipeline, self.backlog
         if not backlog:
             return []
-        head_suspect = backlog.is_suspect(next(iter(backlog)))
+        head = backlog.head()
+        head_suspect = head is not None and backlog.is_suspect(head)
         if not stage.can_take(suspect=head_suspect):
             return []
         if stage.computing and not backlog.full():
             return []
         batch = backlog.take_batch()
         if batch:
+            self.metrics.record_queue_batch(batch_share(batch, self.config.queue_of))
             stage.submit(batch, suspect=backlog.is_suspect(batch[0]))
         return batch
 
@@ -299,8 +305,8 @@ class Worker:
         ~100 ms at hz 10, far coarser than max_wait_ms)."""
         got = 0
         deadline = time.monotonic() + self.config.max_wait_ms / 1000.0
-        while self.backlog and not self.backlog.full() and self._room() > 0:
-            more = self.reader.read(client, self._room(), 0)
+        while self.backlog and not self.backlog.full() and any(self._rooms().values()):
+            more = self.reader.read(client, self._rooms(), 0)
             if more:
                 got += self._prepare(more, outbox)
                 continue
@@ -317,14 +323,11 @@ class Worker:
             room = min(room, self.config.max_jobs - self.jobs_done - len(self.in_flight))
         return room
 
-    def _room_ahead(self) -> int:
-        """How many entries to read while a batch computes: about what fills the backlog to one
-        batch's token budget (by the mean job size seen so far), so at most one batch is ahead."""
-        left = self.config.max_batch_tokens - self.backlog.tokens()
-        if left <= 0 or self.pipeline.queued:
-            return 0
-        fit = int(left // self._job_tokens) if self._job_tokens > 0 else 1
-        return min(self._room(), max(1, fit))
+    def _rooms(self, *, ahead: bool = False) -> dict[str, int]:
+        """Entries to read per queue (``Backlog.rooms``): while a batch computes (``ahead``)
+        about what fills each queue's share of the backlog to one batch's token budget, so at
+        most one batch is ahead per queue."""
+        return self.backlog.rooms(self._room(), ahead=ahead, queued=self.pipeline.queued)
 
     def _prepare(self, entries: list[streams.Entry], outbox: Outbox) -> int:
         """Decode and validate entries: good jobs join the backlog, bad ones get answers."""
@@ -332,9 +335,6 @@ class Worker:
             outcome = prepare_entry(self.jobs, entry)
             if isinstance(outcome, Pending):
                 self.backlog.append(outcome)
-                tokens = outcome.job.num_tokens
-                mean = self._job_tokens
-                self._job_tokens = tokens if mean == 0 else 0.9 * mean + 0.1 * tokens
             else:
                 outbox.add(outcome)
         return len(entries)

@@ -125,7 +125,7 @@ class OutboxWriter:
 
     def _finish(self, entry: streams.Entry, outcome: str) -> int:
         self.ctx.in_flight.done(entry.stream, entry.id)
-        self.ctx.metrics.record_job(outcome)
+        self.ctx.metrics.record_job(outcome, self.ctx.config.queue_of(entry.stream))
         if entry.enqueued_ms:
             e2e = max(time.time() - entry.enqueued_ms / 1000.0, 0.0)
             self.ctx.metrics.end_to_end_seconds.observe(e2e)

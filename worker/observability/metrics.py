@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from worker.errors import ERROR_CODES
+from worker.observability.queue_metrics import QueueMetrics
 
 if TYPE_CHECKING:
     from worker.observability.health import HealthState
@@ -43,7 +44,7 @@ RESULT_BYTES_BUCKETS = tuple(float(2**p) for p in range(10, 31, 2))  # 1 KiB .. 
 
 # The metric definitions: a declarative table (one constructor call per exported metric, with its
 # name, help and labels), followed by a few recording helpers; its length is the catalogue's.
-class WorkerMetrics:
+class WorkerMetrics(QueueMetrics):
     """Every metric a worker exports. Pass a fresh ``CollectorRegistry`` in tests."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -269,6 +270,7 @@ class WorkerMetrics:
         self.in_flight = Gauge(
             "scoring_in_flight_jobs", "Jobs this worker holds right now.", registry=r
         )
+        self.build_queue_metrics(r)  # per queue (serve --queue a:3 --queue b:1)
         # --- per-job weights (adapters, versions): docs/models.md
         self.weights_loads = Counter(
             "scoring_weights_loads_total",
@@ -431,8 +433,10 @@ class WorkerMetrics:
         for kind, seconds in collective_s.items():
             self.tp_collective_seconds.labels(kind=kind).inc(seconds)
 
-    def record_job(self, outcome: str) -> None:
-        """Count one finished job by outcome (``ok`` or an error code)."""
+    def record_job(self, outcome: str, queue: str | None = None) -> None:
+        """Count one finished job by outcome (``ok`` or an error code), and by ``queue``."""
         if outcome not in JOB_OUTCOMES:
             outcome = "internal"
         self.jobs.labels(outcome=outcome).inc()
+        if queue is not None:
+            self.queue_jobs.labels(queue=queue, outcome=outcome).inc()

@@ -5,6 +5,7 @@
   distillation-outputs row); ``floor``: the executor against the floor of one forward per
   sequence; ``naive``: end to end through Redis and a worker against the naive way.
 * ``e2e``: queue overhead (in-process vs a pipelined worker); ``small``: latency of small jobs;
-  ``capacity``: the queue's jobs/s with the no-op scorer; ``soak``: a long run's drift.
+  ``capacity``: the queue's jobs/s with the no-op scorer; ``soak``: a long run's drift;
+  ``fairness``: one worker's weighted queues under a burst.
 * ``adapters``: per-job LoRA adapters on SmolLM2.
 """
