@@ -36,9 +36,9 @@ def test_scale_down_waits_for_the_window_then_follows_the_policy() -> None:
     state = hpa.HpaState(min_replicas=1, max_replicas=16, scale_down=rules)
     assert state.decide(0.0, 8, 8) == 8
     assert state.decide(15.0, 8, 2) == 8  # the window still holds the 8 of t = 0
-    assert state.decide(300.0, 8, 2) == 8  # t = 0 is the window's edge: still in
-    assert state.decide(301.0, 8, 2) == 7  # one pod per 60 s
-    assert state.decide(330.0, 7, 2) == 7
+    assert state.decide(299.0, 8, 2) == 8
+    assert state.decide(300.0, 8, 2) == 7  # t = 0 left the window (strictly after the cutoff)
+    assert state.decide(330.0, 7, 2) == 7  # one pod per 60 s
     assert state.decide(361.0, 7, 2) == 6
     assert state.decide(1000.0, 6, 0) == 5  # never below minReplicas, one pod at a time
 

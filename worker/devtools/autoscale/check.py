@@ -5,6 +5,7 @@ runs the same with the test Redis): one arrival trace of RL-like bursts is repla
 
 1. through real ``serve --scorer noop`` processes with a fixed per-token cost
    (``--noop-us-per-token``) and per-batch cost (``--noop-delay-ms``), at a fixed replica count,
+   each burst in one ``MULTI``/``EXEC`` (Redis serves the blocked workers after it),
    on a real Redis; each job's latency is its result entry's id minus its job entry's id (Redis's
    own clock, to the millisecond), and the arrival times replayed are the job entries' ids too;
 2. through :func:`worker.devtools.autoscale.sim.replay` with the same arrivals, sizes, costs,
@@ -171,7 +172,10 @@ def run_real(
         done.setdefault(res.id, _ms(entry_id))
     client.delete(stream, reply, keys.dead_letter_stream(stream))
     t0 = min(ids.values())
-    stamped = [((ids[f"j{i}"] - t0) / 1000.0, tokens) for i, (_t, tokens) in enumerate(arrivals)]
+    burst_ms: dict[float, int] = {}  # a burst's jobs share one EXEC: its first entry's time
+    for i, (offset, _tokens) in enumerate(arrivals):
+        burst_ms[offset] = min(burst_ms.get(offset, ids[f"j{i}"]), ids[f"j{i}"])
+    stamped = [((burst_ms[t] - t0) / 1000.0, tokens) for t, tokens in arrivals]
     latencies = [(done[f"j{i}"] - ids[f"j{i}"]) / 1000.0 for i in range(len(arrivals))]
     return Measured(replicas, stamped, latencies)
 
@@ -179,7 +183,7 @@ def run_real(
 def _replay(
     client: redis.Redis, stream: str, reply: str, arrivals: Sequence[tuple[float, int]]
 ) -> dict[str, int]:
-    """XADD each job at its offset (a burst in one pipeline); job id -> entry id ms."""
+    """XADD each job at its offset (a burst in one MULTI/EXEC); job id -> entry id ms."""
     rng = random.Random(11)
     payloads = [
         encode_job(
@@ -196,7 +200,7 @@ def _replay(
     while i < len(arrivals):
         at = arrivals[i][0]
         time.sleep(max(0.0, start + at - time.monotonic()))
-        pipe = client.pipeline(transaction=False)
+        pipe = client.pipeline(transaction=True)  # one burst lands at once (MULTI/EXEC)
         first = i
         while i < len(arrivals) and arrivals[i][0] == at:
             pipe.xadd(stream, {b"payload": payloads[i]})

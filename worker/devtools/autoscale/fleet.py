@@ -92,6 +92,17 @@ class Stream:
         else:
             self.undelivered.append(job)
 
+    def add_many(self, jobs: list[Job]) -> None:
+        """``MULTI`` + one ``XADD`` per job + ``EXEC``: blocked readers are served after the
+        transaction, first blocked first, each with up to its read's count; the rest waits."""
+        jobs = list(jobs)
+        while jobs and self._blocked:
+            event, count = self._blocked.popleft()
+            got, jobs = jobs[:count], jobs[count:]
+            self.pending += len(got)
+            event.succeed(got)
+        self.undelivered.extend(jobs)
+
     def read(self, count: int) -> list[Job]:
         """``XREADGROUP COUNT count`` without BLOCK: up to ``count`` entries (maybe none)."""
         n = min(count, len(self.undelivered))

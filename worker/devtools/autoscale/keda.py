@@ -28,6 +28,7 @@ Follows KEDA's ``pkg/scalers/redis_streams_scaler.go`` and its documentation
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from worker.devtools.autoscale.hpa import DEFAULT_SCALE_DOWN, DEFAULT_SCALE_UP, Policy, Rules
@@ -49,6 +50,7 @@ class ScaledObject:
     scale_down_policies: tuple[Policy, ...] = DEFAULT_SCALE_DOWN.policies
     scale_up: Rules = DEFAULT_SCALE_UP
     combine: str = "max"  # "max": one HPA metric per trigger; "sum": scalingModifiers lag + pending
+    partitions: int = 1  # partition streams, each with its own lag and pending trigger
 
     def __post_init__(self) -> None:
         if self.lag_count <= 0 or (self.pending_count is not None and self.pending_count <= 0):
@@ -57,6 +59,8 @@ class ScaledObject:
             raise ValueError(f"need 0 <= minReplicaCount <= maxReplicaCount >= 1: {self}")
         if self.polling_interval_s <= 0 or self.cooldown_s < 0:
             raise ValueError("pollingInterval must be > 0 and cooldownPeriod >= 0")
+        if self.partitions < 1:
+            raise ValueError(f"partitions must be >= 1: {self}")
         if self.combine not in ("max", "sum") or (self.combine == "sum" and not self.pending_count):
             raise ValueError(f"combine is 'max' or 'sum' (with a pending trigger): {self}")
 
@@ -71,22 +75,28 @@ class ScaledObject:
         return max(self.min_replicas, 1)
 
     def metrics(self, lag: int, pending: int) -> list[tuple[float, float]]:
-        """``(value, target)`` of each external metric the HPA reads: one per trigger, or with
-        ``combine="sum"`` the one composite metric ``lag + pending`` of KEDA's
-        ``scalingModifiers`` (``formula``, ``target`` = lagCount)."""
+        """``(value, target)`` of each external metric the HPA reads, from the queue's total lag
+        and pending entries spread evenly over the partitions: one metric per trigger (the
+        partitions' triggers read ``1 / partitions`` each, and the HPA takes the largest), or
+        with ``combine="sum"`` the one composite metric of KEDA's ``scalingModifiers``, the sum
+        of every trigger's value (``formula``) against ``target`` = lagCount."""
         if self.combine == "sum":
             return [(float(lag + pending), float(self.lag_count))]
-        out = [(float(lag), float(self.lag_count))]
+        out = [(lag / self.partitions, float(self.lag_count))]
         if self.pending_count is not None:
-            out.append((float(pending), float(self.pending_count)))
+            out.append((pending / self.partitions, float(self.pending_count)))
         return out
 
     def active(self, lag: int, pending: int) -> bool:
-        """True when some trigger is active: the lag trigger while ``lag > activationLagCount``,
-        the pending trigger (no activation field set, so 0) while anything is pending."""
-        if self.combine == "sum":  # activationTarget of the composite metric
+        """True when some trigger is active: a lag trigger while its lag is
+        ``> activationLagCount``, a pending trigger (no activation field set, so 0) while
+        anything is pending; the composite metric while it is ``> activationTarget``."""
+        if self.combine == "sum":
             return lag + pending > self.activation_lag_count
-        return lag > self.activation_lag_count or (self.pending_count is not None and pending > 0)
+        busiest = math.ceil(lag / self.partitions)
+        return busiest > self.activation_lag_count or (
+            self.pending_count is not None and pending > 0
+        )
 
 
 @dataclass

@@ -23,6 +23,7 @@ RECOMMENDED = ScaledObject(
     pending_count=64,
     scale_down_window_s=300,
     scale_down_policies=(Policy("Pods", 1, 60),),
+    partitions=4,
 )
 
 

@@ -11,6 +11,7 @@ serves ``startup_s`` after it is created.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -178,7 +179,8 @@ def mean_result(runs: Sequence[RunResult]) -> RunResult:
 
 def replay(arrivals: Sequence[tuple[float, int]], replicas: int, profile: Profile) -> list[float]:
     """Latency of each job of a trace ``[(added_s, tokens)]`` (sorted) through ``replicas``
-    ready workers at a fixed count; in the trace's order."""
+    ready workers at a fixed count; in the trace's order. Jobs with the same ``added_s`` arrive
+    in one transaction (``Stream.add_many``)."""
     env = simpy.Environment()
     stream = Stream(env)
     fleet = Fleet(env, stream, Profile(**{**profile.__dict__, "startup_s": 0.0}))
@@ -189,9 +191,10 @@ def replay(arrivals: Sequence[tuple[float, int]], replicas: int, profile: Profil
     def producer() -> Process:
         for job in jobs:
             job.added_s += offset
-            if job.added_s > env.now:
-                yield env.timeout(job.added_s - env.now)
-            stream.add(job)
+        for at, burst in itertools.groupby(jobs, key=lambda j: j.added_s):
+            if at > env.now:
+                yield env.timeout(at - env.now)
+            stream.add_many(list(burst))
 
     done = env.process(producer())
     env.run(until=done)

@@ -76,7 +76,7 @@ class Grid:
     down_policy: tuple[str, ...] = tuple(SCALE_DOWN_POLICIES)
     combine: tuple[str, ...] = ("max", "sum")
 
-    def settings(self, max_replicas: int) -> Iterator[ScaledObject]:
+    def settings(self, max_replicas: int, partitions: int) -> Iterator[ScaledObject]:
         """Every ScaledObject of the grid."""
         for poll, lag, mn, win, pol, comb in itertools.product(
             self.polling_s,
@@ -91,6 +91,7 @@ class Grid:
                 lag_count=lag,
                 min_replicas=mn,
                 max_replicas=max_replicas,
+                partitions=partitions,
                 scale_down_window_s=win,
                 scale_down_policies=SCALE_DOWN_POLICIES[pol],
                 combine=comb,
@@ -171,6 +172,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="pod creation to /readyz, s (default: SmolLM2-135M on CPU, slowest)",
     )
     p.add_argument("--max-batch-tokens", type=int, default=16384, help="the worker's budget")
+    p.add_argument(
+        "--partitions",
+        type=int,
+        default=4,
+        help="partition streams of the queue (default 4: SCORING_PARTITIONS in "
+        "ops/k8s/deployment.yaml), each with a lag and a pending trigger",
+    )
+    p.add_argument(
+        "--read-count",
+        type=int,
+        default=64,
+        help="entries a worker reads per stream at once (WorkerConfig.read_count)",
+    )
     p.add_argument("--max-replicas", type=int, default=16, help="maxReplicaCount")
     p.add_argument(
         "--trainer-devices",
@@ -197,19 +211,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the sweep, print the tables, write the plots; 1 when the pick is not RECOMMENDED."""
     args = parse_args(argv)
     phases = [float(x) for x in args.gen_s.split(",") if x.strip()]
+    read = args.read_count * args.partitions  # XREADGROUP COUNT n over P streams: n from each
     profile = Profile(
         s_per_token=args.us_per_token / 1e6,
         startup_s=args.startup_s,
         max_batch_tokens=args.max_batch_tokens,
+        read_count=read,
     )
     workload = RlWorkload(gen_s=phases[0], prompts=args.prompts, group=args.group, steps=args.steps)
     grid = QUICK_GRID if args.quick else Grid()
+    fleet = {"max_replicas": args.max_replicas, "partitions": args.partitions}
     settings = list(
         dict.fromkeys(
             [
-                *grid.settings(args.max_replicas),
-                replace(RECOMMENDED, max_replicas=args.max_replicas),
-                replace(SHIPPED_BEFORE, max_replicas=args.max_replicas),
+                *grid.settings(args.max_replicas, args.partitions),
+                replace(RECOMMENDED, **fleet),
+                replace(SHIPPED_BEFORE, **fleet),
             ]
         )
     )
@@ -221,6 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"autoscale sweep: {len(settings)} settings x {len(phases)} generation phases, "
         f"{workload.rollouts} rollouts per step, {args.steps} steps (first not counted), "
         f"{args.us_per_token:g} us/token, start-up {args.startup_s:g} s, "
+        f"{args.partitions} partitions (a worker reads up to {read} entries at once), "
         f"maxReplicaCount {args.max_replicas}, cost = pod-s + {args.trainer_devices:g} x wait "
         f"({time.monotonic() - started:.0f} s)"
     )
@@ -234,9 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"pick ({label(chosen)})": results[chosen],
         f"pick with min {twin.min_replicas}": results.get(twin)
         or run_grid([twin], phases, workload, profile)[twin],
-        f"shipped before ({label(SHIPPED_BEFORE)})": results[
-            replace(SHIPPED_BEFORE, max_replicas=args.max_replicas)
-        ],
+        f"shipped before ({label(SHIPPED_BEFORE)})": results[replace(SHIPPED_BEFORE, **fleet)],
     }
     print(format_rows(results, ranked, phases, args.trainer_devices, named))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -256,7 +272,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for spec, runs in results.items()
     ]
     (args.out / "results.json").write_text(json.dumps(dump, indent=1, default=str))
-    same = replace(chosen, max_replicas=RECOMMENDED.max_replicas) == RECOMMENDED
+    same = (
+        replace(chosen, max_replicas=RECOMMENDED.max_replicas, partitions=RECOMMENDED.partitions)
+        == RECOMMENDED
+    )
     print(
         f"pick: {label(chosen)}; "
         + (
