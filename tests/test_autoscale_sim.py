@@ -3,6 +3,7 @@ queueing core's reads and batches, one run end to end, and the sweep's smoke run
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,14 @@ def test_sweep_quick_run_prints_the_tables_and_writes_the_plot(
     assert "trainer wait / step" in out and "pick:" in out
     assert (tmp_path / "autoscale.png").stat().st_size > 10_000
     assert (tmp_path / "results.json").exists()
+
+
+def test_an_activation_above_a_small_batch_strands_it_at_zero_replicas() -> None:
+    """KEDA's activation wins over the scaling target: at zero replicas a tail batch of 16 jobs
+    under activationLagCount 64 never wakes the fleet; with 0 it does."""
+    profile = Profile(s_per_token=1e-4, startup_s=5.0)
+    work = RlWorkload(gen_s=300.0, prompts=16, group=8, steps=2, tail_jobs=16)
+    spec = ScaledObject(cooldown_s=60, scale_down_window_s=60, combine="sum")
+    assert not simulate(spec, work, profile).stranded
+    stranded = simulate(replace(spec, activation_lag_count=64), work, profile)
+    assert stranded.stranded and stranded.cost(8.0) == float("inf")

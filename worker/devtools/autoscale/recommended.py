@@ -14,15 +14,16 @@ from worker.devtools.autoscale.hpa import Policy
 from worker.devtools.autoscale.keda import ScaledObject
 
 RECOMMENDED = ScaledObject(
-    polling_interval_s=5,
-    cooldown_s=300,
+    polling_interval_s=15,
+    cooldown_s=60,
     min_replicas=0,
     max_replicas=16,
-    lag_count=64,
+    lag_count=256,  # the composite metric's target: 64 entries per stream x 4 partitions
     activation_lag_count=0,
     pending_count=64,
-    scale_down_window_s=300,
+    scale_down_window_s=60,
     scale_down_policies=(Policy("Pods", 1, 60),),
+    combine="sum",
     partitions=4,
 )
 
@@ -38,6 +39,7 @@ def manifest_fields(spec: ScaledObject) -> dict[str, Any]:
             {"type": p.kind, "value": p.value, "periodSeconds": int(p.period_s)}
             for p in spec.scale_down_policies
         ],
+        # the lag triggers' target, or with combine="sum" the scalingModifiers' target
         "lagCount": str(spec.lag_count),
         "activationLagCount": str(spec.activation_lag_count),
         "pendingEntriesCount": str(spec.pending_count),

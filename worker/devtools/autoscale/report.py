@@ -68,9 +68,13 @@ def format_rows(
         best = sorted(results, key=lambda s: results[s][g].cost(trainer_devices))[:3]
         out.extend(row(label(s), g, results[s][g], trainer_devices) for s in best)
     out += ["", "ranking (mean cost relative to each phase's best; lower is better):"]
-    out.extend(f"  {score:.3f}  {label(spec)}" for score, spec in ranked[:10])
+    out.extend(f"  {score:.2f}  {label(spec)}" for score, spec in ranked[:10])
     worst = ranked[-1]
-    out.append(f"  ... {len(ranked)} settings, worst {worst[0]:.3f}: {label(worst[1])}")
+    stranded = sum(1 for runs in results.values() if any(r.stranded for r in runs.values()))
+    out.append(
+        f"  ... {len(ranked)} settings, worst {worst[0]:.2f}: {label(worst[1])}; "
+        f"{stranded} stranded jobs at some phase (an activation above the tail batch)"
+    )
     return "\n".join(out)
 
 

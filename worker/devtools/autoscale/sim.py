@@ -24,6 +24,9 @@ from worker.devtools.autoscale.hpa import SYNC_PERIOD_S, HpaState, metric_propos
 from worker.devtools.autoscale.keda import Operator, ScaledObject
 from worker.devtools.autoscale.workload import RlWorkload, Trainer
 
+STRANDED_AFTER_S = 3600.0
+"""A step whose scores take longer than this (beyond its generation phase) counts as stranded."""
+
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0-100), linear between the closest ranks (numpy's default)."""
@@ -61,9 +64,13 @@ class RunResult:
     step_s: float  # mean wall time of a step (generation + wait)
     samples: list[Sample] = field(default_factory=list)
     events: list[tuple[float, int, int, str]] = field(default_factory=list)
+    stranded: bool = False  # some job never got its result (the run did not finish)
 
     def cost(self, trainer_devices: float) -> float:
-        """Device-seconds per step: the fleet's pods plus the trainer's devices while they wait."""
+        """Device-seconds per step: the fleet's pods plus the trainer's devices while they wait
+        (infinite when the run stranded jobs)."""
+        if self.stranded:
+            return math.inf
         return self.pod_s_per_step + trainer_devices * self.wait_s
 
 
@@ -145,8 +152,25 @@ def simulate(
     samples: list[Sample] = []
     if trace:
         env.process(_sampler(env, fleet, samples, sample_s))
-    env.run(until=trainer.process)
-    steady = trainer.steps[1:]
+    limit_s = (workload.steps + 1) * (workload.gen_s + STRANDED_AFTER_S)
+    env.run(until=simpy.AnyOf(env, [trainer.process, env.timeout(limit_s)]))
+    stranded = trainer.process.is_alive
+    steady = trainer.steps[1 : workload.steps]
+    if len(steady) < workload.steps - 1 or any(st.done_s == 0 for st in steady):
+        inf = math.inf
+        return RunResult(
+            inf,
+            inf,
+            inf,
+            inf,
+            inf,
+            inf,
+            inf,
+            inf,
+            samples=samples,
+            events=control.events,
+            stranded=True,
+        )
     start, end = steady[0].gen_start_s, steady[-1].done_s
     n = len(steady)
     latencies = [j.done_s - j.added_s for st in steady for j in st.jobs if j.done_s is not None]
@@ -164,6 +188,7 @@ def simulate(
         step_s=(end - start) / n,
         samples=samples,
         events=control.events,
+        stranded=stranded,
     )
 
 
@@ -171,10 +196,16 @@ def mean_result(runs: Sequence[RunResult]) -> RunResult:
     """The mean of runs of one setting at several phases (samples and events of the first)."""
     if len(runs) == 1:
         return runs[0]
-    names = [f for f in RunResult.__dataclass_fields__ if f not in ("samples", "events")]
+    skip = ("samples", "events", "stranded")
+    names = [f for f in RunResult.__dataclass_fields__ if f not in skip]
     values = {f: statistics.fmean(getattr(r, f) for r in runs) for f in names}
     values["wait_max_s"] = max(r.wait_max_s for r in runs)
-    return RunResult(**values, samples=runs[0].samples, events=runs[0].events)
+    return RunResult(
+        **values,
+        samples=runs[0].samples,
+        events=runs[0].events,
+        stranded=any(r.stranded for r in runs),
+    )
 
 
 def replay(arrivals: Sequence[tuple[float, int]], replicas: int, profile: Profile) -> list[float]:

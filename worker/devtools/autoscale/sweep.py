@@ -72,7 +72,7 @@ class Grid:
     activation: tuple[int, ...] = (0, 64)
     cooldown_s: tuple[float, ...] = (60, 300, 900)
     min_replicas: tuple[int, ...] = (0, 1)
-    window_s: tuple[float, ...] = (60, 300, 900)
+    window_s: tuple[float, ...] = (60, 300)
     down_policy: tuple[str, ...] = tuple(SCALE_DOWN_POLICIES)
     combine: tuple[str, ...] = ("max", "sum")
 
@@ -125,7 +125,7 @@ def pick(
         spec, runs = item
         score = statistics.fmean(runs[g].cost(trainer_devices) / best[g] for g in phases)
         events = statistics.fmean(runs[g].scale_events_per_step for g in phases)
-        return round(score, 3), round(events, 2), -spec.polling_interval_s
+        return round(score, 2), round(events, 1), -spec.polling_interval_s
 
     ranked = sorted(results.items(), key=key)
     return [(key(item)[0], item[0]) for item in ranked]

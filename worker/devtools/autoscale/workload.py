@@ -3,7 +3,10 @@
 A step is a generation phase of ``gen_s`` seconds (the policy samples; the scoring queue gets
 nothing), then the B x G rollouts of the step are submitted at once (over ``spread_s`` when set),
 and the trainer waits until every one of them has its score; the next generation phase starts
-then. A rollout is one job of ``prompt + completion`` tokens, both drawn uniformly from their
+then. After the steps comes one more generation phase and a small tail batch of ``tail_jobs``
+jobs (an evaluation, a last partial step): it counts in no figure, but a setting that leaves it
+unserved (an ``activationLagCount`` above its size at zero replicas) strands the run. A
+rollout is one job of ``prompt + completion`` tokens, both drawn uniformly from their
 ranges with a fixed seed (defaults: the ragged RL lengths of the ``naive`` benchmark, prompts
 64-256 and completions 16-768 tokens).
 """
@@ -30,6 +33,7 @@ class RlWorkload:
     completion_tokens: tuple[int, int] = (16, 768)
     spread_s: float = 0.0
     seed: int = 7
+    tail_jobs: int = 16  # a last, small batch (an evaluation, a partial step); 0: none
 
     def __post_init__(self) -> None:
         if self.gen_s < 0 or self.prompts <= 0 or self.group <= 0 or self.steps < 2:
@@ -41,14 +45,16 @@ class RlWorkload:
         return self.prompts * self.group
 
     def sizes(self) -> list[list[int]]:
-        """Tokens of every rollout, per step (the same for every setting: fixed seed)."""
+        """Tokens of every rollout, per step (the same for every setting: fixed seed); the tail
+        batch last, when there is one."""
         rng = random.Random(self.seed)
+        steps = [self.rollouts] * self.steps + ([self.tail_jobs] if self.tail_jobs else [])
         return [
             [
                 rng.randint(*self.prompt_tokens) + rng.randint(*self.completion_tokens)
-                for _ in range(self.rollouts)
+                for _ in range(n)
             ]
-            for _ in range(self.steps)
+            for n in steps
         ]
 
 
