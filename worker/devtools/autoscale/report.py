@@ -73,7 +73,7 @@ def format_rows(
     stranded = sum(1 for runs in results.values() if any(r.stranded for r in runs.values()))
     out.append(
         f"  ... {len(ranked)} settings, worst {worst[0]:.2f}: {label(worst[1])}; "
-        f"{stranded} stranded jobs at some phase (an activation above the tail batch)"
+        f"{stranded} settings stranded the tail batch at some phase (an activation above its size)"
     )
     return "\n".join(out)
 
