@@ -139,3 +139,21 @@ def test_an_activation_above_a_small_batch_strands_it_at_zero_replicas() -> None
     assert not simulate(spec, work, profile).stranded
     stranded = simulate(replace(spec, activation_lag_count=64), work, profile)
     assert stranded.stranded and stranded.cost(8.0) == float("inf")
+
+
+def test_noop_scorer_sleeps_per_batch_and_per_token() -> None:
+    """``--noop-us-per-token``: a batch of 3,000 tokens at 10 µs/token and 5 ms/batch takes at
+    least 35 ms (a lower bound only: never flaky under load)."""
+    import time
+
+    from worker.scorer.inputs import SequenceInput
+    from worker.scorer.noop import NoopScorer
+
+    scorer = NoopScorer(delay_ms=5.0, us_per_token=10.0)
+    seqs = [SequenceInput(list(range(1, 1001)), 1) for _ in range(3)]
+    started = time.perf_counter()
+    out = scorer.score(seqs)
+    assert time.perf_counter() - started >= 0.035
+    assert len(out.scores) == 3
+    with pytest.raises(ValueError):
+        NoopScorer(us_per_token=-1.0)
