@@ -721,3 +721,23 @@ def test_keda_scaledobjects_carry_the_simulations_recommendation(path: str) -> N
         for lag, _pending in pairs.values():
             assert lag["metadata"]["lagCount"] == want["lagCount"]
             assert lag["metadata"]["activationLagCount"] == want["activationLagCount"]
+
+
+def test_keda_prometheus_scaledobject_follows_the_recommendation() -> None:
+    """The Prometheus variant sums lag and pending already (the pick's metric): its threshold is
+    the pick's target, its behavior the pick's; minReplicaCount stays >= 1 (gauges cannot wake a
+    fleet from zero)."""
+    from worker.devtools.autoscale.recommended import RECOMMENDED, manifest_fields
+
+    want = manifest_fields(RECOMMENDED)
+    (so,) = _k8s("ScaledObject", "keda-scaledobject-prometheus.yaml")
+    spec = so["spec"]
+    (trigger,) = spec["triggers"]
+    assert RECOMMENDED.combine == "sum"
+    assert trigger["metadata"]["threshold"] == want["lagCount"]
+    assert trigger["metadata"]["activationThreshold"] == want["activationLagCount"]
+    assert spec["pollingInterval"] == want["pollingInterval"]
+    down = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
+    assert down["stabilizationWindowSeconds"] == want["stabilizationWindowSeconds"]
+    assert down["policies"] == want["scaleDownPolicies"]
+    assert spec["minReplicaCount"] >= 1
