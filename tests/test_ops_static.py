@@ -681,3 +681,63 @@ def test_ci_run_ends_no_process_by_name() -> None:
     code = [line.split("#", 1)[0] for line in CI_RUN.read_text().splitlines()]
     for word in ("pkill", "killall", "systemctl"):
         assert not any(word in line for line in code), word
+
+
+@pytest.mark.parametrize("path", ["keda-scaledobject.yaml", "keda-scaledobject-cluster.yaml"])
+def test_keda_scaledobjects_carry_the_simulations_recommendation(path: str) -> None:
+    """The values ``scoring-worker bench --suite autoscale`` picks (``RECOMMENDED``) are what
+    ``ops/k8s`` ships: docs/operations.md, "Autoscaling settings", shows why."""
+    from worker.devtools.autoscale.recommended import RECOMMENDED, manifest_fields
+
+    want = manifest_fields(RECOMMENDED)
+    (so,) = _k8s("ScaledObject", path)
+    spec = so["spec"]
+    down = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
+    got = {
+        "pollingInterval": spec["pollingInterval"],
+        "cooldownPeriod": spec["cooldownPeriod"],
+        "minReplicaCount": spec["minReplicaCount"],
+        "stabilizationWindowSeconds": down["stabilizationWindowSeconds"],
+        "scaleDownPolicies": down["policies"],
+    }
+    for key in got:
+        assert got[key] == want[key], (
+            f"{path}: {key} is {got[key]}, the simulation picks {want[key]}"
+        )
+    pairs = _lag_and_pending_by_stream(spec["triggers"])
+    assert len(pairs) == RECOMMENDED.partitions
+    modifiers = spec["advanced"].get("scalingModifiers")
+    if RECOMMENDED.combine == "sum":
+        # One composite metric: the sum of every trigger's value against one target.
+        assert modifiers is not None, f"{path}: the pick scales on lag + pending (scalingModifiers)"
+        names = [t["name"] for t in spec["triggers"]]
+        assert sorted(re.findall(r"[A-Za-z_]\w*", modifiers["formula"])) == sorted(names)
+        assert set(re.sub(r"[A-Za-z_]\w*|\s", "", modifiers["formula"])) == {"+"}
+        assert modifiers["target"] == want["lagCount"]
+        assert modifiers["activationTarget"] == want["activationLagCount"]
+        assert modifiers.get("metricType", "AverageValue") == "AverageValue"
+    else:
+        assert modifiers is None
+        for lag, _pending in pairs.values():
+            assert lag["metadata"]["lagCount"] == want["lagCount"]
+            assert lag["metadata"]["activationLagCount"] == want["activationLagCount"]
+
+
+def test_keda_prometheus_scaledobject_follows_the_recommendation() -> None:
+    """The Prometheus variant sums lag and pending already (the pick's metric): its threshold is
+    the pick's target, its behavior the pick's; minReplicaCount stays >= 1 (gauges cannot wake a
+    fleet from zero)."""
+    from worker.devtools.autoscale.recommended import RECOMMENDED, manifest_fields
+
+    want = manifest_fields(RECOMMENDED)
+    (so,) = _k8s("ScaledObject", "keda-scaledobject-prometheus.yaml")
+    spec = so["spec"]
+    (trigger,) = spec["triggers"]
+    assert RECOMMENDED.combine == "sum"
+    assert trigger["metadata"]["threshold"] == want["lagCount"]
+    assert trigger["metadata"]["activationThreshold"] == want["activationLagCount"]
+    assert spec["pollingInterval"] == want["pollingInterval"]
+    down = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
+    assert down["stabilizationWindowSeconds"] == want["stabilizationWindowSeconds"]
+    assert down["policies"] == want["scaleDownPolicies"]
+    assert spec["minReplicaCount"] >= 1

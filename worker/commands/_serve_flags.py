@@ -161,6 +161,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=_env_float("NOOP_DELAY_MS", 0.0),
         help="noop scorer only: sleep this long per batch",
     )
+    m.add_argument(
+        "--noop-us-per-token",
+        type=float,
+        default=_env_float("NOOP_US_PER_TOKEN", 0.0),
+        help="noop scorer only: also sleep this many microseconds per token of the batch (a "
+        "fixed per-token cost, for replaying traces against the autoscaling simulation)",
+    )
     add_weights_args(parser)  # per-job adapters and versions
     t = parser.add_argument_group("tensor parallelism (one model over several devices)")
     t.add_argument(

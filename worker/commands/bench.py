@@ -11,8 +11,8 @@ over 3 resident LoRA adapters vs one model, cold adapter loads, a full-model swi
 ``gateway`` (the HTTP gateway vs ``score_many``: one-sample requests on the no-op scorer, SmolLM2
 log-prob requests), ``tensor-parallel`` (the per-rank memory of a model sharded over 1 and 2
 gloo ranks), ``fairness`` (a steady producer's latency while another bursts 20,000 jobs, one worker:
-one queue, two queues with equal weights, two with weights). Extra arguments after ``--`` go to
-the suite's own ``main``.
+one queue, two queues with equal weights, two with weights), ``autoscale`` (the KEDA/HPA simulation's sweep over RL workloads: the settings
+``ops/k8s`` ships). Extra arguments after ``--`` go to the suite's own ``main``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ SUITES = {
     "gateway": "worker.devtools.bench.gateway",
     "tensor-parallel": "worker.devtools.bench.tensor_parallel",
     "fairness": "worker.devtools.bench.fairness",
+    "autoscale": "worker.devtools.autoscale.sweep",
 }
 
 HEADLINE: dict[str, tuple[str, ...]] = {

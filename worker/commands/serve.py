@@ -183,7 +183,7 @@ def build_scorer(args: argparse.Namespace, group: Any = None) -> Scorer:
     if args.scorer == "noop":
         from worker.scorer.noop import NoopScorer
 
-        return NoopScorer(delay_ms=args.noop_delay_ms)
+        return NoopScorer(delay_ms=args.noop_delay_ms, us_per_token=args.noop_us_per_token)
     check_models(args)
     if group is not None:
         from worker.executor.parallel.group import GroupScorer

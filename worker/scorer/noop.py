@@ -6,7 +6,11 @@ scores: ``logps[i] = -log(vocab_size) - (token_i % 7) / 100 / temperature`` for 
 ``reward = (sum(tokens) % 1000) / 1000`` (``messages``: over the bytes of their contents, ``text``
 over its bytes; a
 process-reward ``step`` job: ``(token % 10) / 10`` at each step). ``delay_ms`` sleeps per
-``score`` call (tests use it to make a batch deterministically slow). Implements
+``score`` call (tests use it to make a batch deterministically slow) and ``us_per_token`` adds that
+many microseconds per token of the batch (every token of every sequence), so a batch costs
+``delay_ms / 1000 + us_per_token * tokens / 1e6`` seconds: a worker with a fixed per-token cost,
+which the autoscaling simulation's check replays traces through
+(``worker/devtools/autoscale/check.py``). Implements
 ``worker.scorer.Scorer``; a call without a mode scores ``reference``, without a temperature 1.0.
 """
 
@@ -37,11 +41,21 @@ class NoopScorer:
     """Scores nothing: returns deterministic values computed from the tokens."""
 
     def __init__(
-        self, *, vocab_size: int = 32000, max_positions: int = 1 << 20, delay_ms: float = 0.0
+        self,
+        *,
+        vocab_size: int = 32000,
+        max_positions: int = 1 << 20,
+        delay_ms: float = 0.0,
+        us_per_token: float = 0.0,
     ) -> None:
+        if delay_ms < 0 or us_per_token < 0:
+            raise ValueError(
+                f"delay_ms and us_per_token must be >= 0, got {delay_ms}, {us_per_token}"
+            )
         self.vocab_size = vocab_size
         self.max_positions = max_positions
         self.delay_ms = delay_ms
+        self.us_per_token = us_per_token
         self._listeners: list[Callable[[FallbackEvent], None]] = []
         #: Every mode (tests may narrow it).
         self.modes: tuple[Mode, ...] = MODES
@@ -121,8 +135,11 @@ class NoopScorer:
         """Deterministic pseudo-scores (see the module docstring)."""
         start = time.perf_counter()
         mode, temperature = _call_args(mode, temperature)
-        if self.delay_ms > 0:
-            time.sleep(self.delay_ms / 1000.0)
+        cost_s = self.delay_ms / 1000.0
+        if self.us_per_token > 0:
+            cost_s += self.us_per_token * sum(len(s.tokens) for s in seqs) / 1e6
+        if cost_s > 0:
+            time.sleep(cost_s)
         base = -math.log(self.vocab_size)
         out: list[SequenceScore] = []
         real = scored = 0
