@@ -146,6 +146,19 @@ def test_a_queue_back_from_idle_gets_its_share_and_no_credit_for_the_idle_time()
     assert backlog.rooms(64, ahead=True, queued=True) == {"a": 0, "b": 0}
 
 
+def test_a_worker_reads_about_one_batch_not_a_fixed_count_once_it_knows_the_job_size() -> None:
+    """Once a job was seen, a read (idle or not) asks for what completes the token budget by the
+    mean job size, so a burst spreads over the fleet instead of one worker holding 64 jobs."""
+    (a,) = queue_shares([("a", 1)])
+    backlog = Backlog(max_batch_tokens=100, isolate_after_deliveries=2, shares=(a,))
+    assert backlog.rooms(64, ahead=False) == {"a": 64}  # no job seen yet: the read count
+    backlog.append(_pending(a.streams[0], "j0", [5] * 30))  # 30 tokens held, mean 30
+    assert backlog.rooms(64, ahead=False) == {"a": 3}  # ceil(70 / 30): one job past the budget
+    assert backlog.rooms(2, ahead=False) == {"a": 2}  # never above the read count
+    backlog.take_batch()
+    assert backlog.rooms(64, ahead=False) == {"a": 4}  # idle again: ceil(100 / 30)
+
+
 @pytest.mark.timeout(30)
 def test_each_queue_is_read_with_its_own_room(
     redis_url: str, key_prefix: str, cleanup_keys: None
@@ -167,13 +180,14 @@ def test_each_queue_is_read_with_its_own_room(
         return {s: sum(e.stream == s for e in entries) for q in shares for s in q.streams}
 
     a, b = shares
+    # a queue's room is split over its two partitions (rounded up): about room entries in all
     got = per_stream(reader.read(client, {a.name: 3, b.name: 10}, 0))  # a full lane reads little
-    assert got == {a.streams[0]: 3, a.streams[1]: 3, b.streams[0]: 10, b.streams[1]: 10}
+    assert got == {a.streams[0]: 2, a.streams[1]: 2, b.streams[0]: 5, b.streams[1]: 5}
     got = per_stream(reader.read(client, {a.name: 0, b.name: 4}, 0))  # none from a queue at 0
-    assert got == {a.streams[0]: 0, a.streams[1]: 0, b.streams[0]: 4, b.streams[1]: 4}
-    got = per_stream(reader.read(client, {a.name: 5, b.name: 5}, 0))  # equal rooms: one read
-    assert got == {s: 5 for q in shares for s in q.streams}
-    assert len(in_flight) == 6 + 20 + 8 + 20  # every entry read is held (leases renew it)
+    assert got == {a.streams[0]: 0, a.streams[1]: 0, b.streams[0]: 2, b.streams[1]: 2}
+    got = per_stream(reader.read(client, {a.name: 6, b.name: 6}, 0))  # equal rooms: one read
+    assert got == {s: 3 for q in shares for s in q.streams}
+    assert len(in_flight) == 4 + 10 + 4 + 12  # every entry read is held (leases renew it)
 
 
 @pytest.mark.timeout(60)

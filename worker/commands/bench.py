@@ -10,9 +10,10 @@ bfloat16 on the CPU), ``capacity`` (queue throughput with the no-op scorer), ``a
 over 3 resident LoRA adapters vs one model, cold adapter loads, a full-model switch per job),
 ``gateway`` (the HTTP gateway vs ``score_many``: one-sample requests on the no-op scorer, SmolLM2
 log-prob requests), ``tensor-parallel`` (the per-rank memory of a model sharded over 1 and 2
-gloo ranks), ``fairness`` (a steady producer's latency while another bursts 20,000 jobs, one worker:
-one queue, two queues with equal weights, two with weights), ``autoscale`` (the KEDA/HPA simulation's sweep over RL workloads: the settings
-``ops/k8s`` ships). Extra arguments after ``--`` go to the suite's own ``main``.
+gloo ranks), ``fairness`` (a steady producer's latency while another bursts 20,000 jobs, one
+worker: one queue, two queues with equal weights, two with weights), ``autoscale`` (the KEDA/HPA
+simulation's sweep over RL workloads: the settings ``ops/k8s`` ships). Extra arguments after
+``--`` go to the suite's own ``main``.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ With one lane this is the oldest job plus the following jobs of its key that fit
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -118,8 +119,14 @@ class Backlog:
                     continue
                 fit = int(left // lane.mean_tokens) if lane.mean_tokens > 0 else 1
                 out[lane.name] = min(room, max(1, fit))
+            elif left <= 0 and len(self.lanes) > 1:
+                out[lane.name] = 0
+            elif lane.mean_tokens > 0 and left > 0:
+                # about what completes one budget (one job past it: the batch is full then), so
+                # a worker holds one batch, not ``room`` jobs that other workers could start
+                out[lane.name] = min(room, max(1, math.ceil(left / lane.mean_tokens)))
             else:
-                out[lane.name] = room if left > 0 or len(self.lanes) == 1 else 0
+                out[lane.name] = room
         return out
 
     def take_batch(self) -> list[Pending]:

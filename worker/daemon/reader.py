@@ -33,8 +33,9 @@ class EntryReader:
         self._suspects_waiting = False
 
     def read(self, client: Any, rooms: dict[str, int], block_ms: int) -> list[streams.Entry]:
-        """New entries from the streams of each queue with room (``rooms``: queue -> at most
-        that many entries per stream), partitions in rotating order (``block_ms`` 0: no BLOCK).
+        """New entries from the streams of each queue with room (``rooms``: queue -> about that
+        many entries over its streams, split evenly, rounded up), partitions in rotating order
+        (``block_ms`` 0: no BLOCK).
         One ``XREADGROUP`` when every queue read has the same room (always for one queue);
         otherwise one non-blocking read per queue, so each gets exactly its own COUNT."""
         cfg = self.config
@@ -42,11 +43,14 @@ class EntryReader:
         if not wanted:
             return []
         self._rotation += 1
-        counts = {rooms[name] for name in wanted}
+        # XREADGROUP's COUNT is per stream: a queue's room is split over its partitions, so a
+        # read takes about ``room`` entries in all, not ``room`` from each partition
+        per_stream = {name: -(-rooms[name] // len(ss)) for name, ss in wanted.items()}
+        counts = set(per_stream.values())
         reads = (
             [([s for ss in wanted.values() for s in ss], counts.pop(), block_ms)]
             if len(counts) == 1
-            else [(list(ss), rooms[name], 0) for name, ss in wanted.items()]
+            else [(list(ss), per_stream[name], 0) for name, ss in wanted.items()]
         )
         entries: list[streams.Entry] = []
         for keys_, count, block in reads:

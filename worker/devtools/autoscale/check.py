@@ -12,11 +12,11 @@ runs the same with the test Redis): one arrival trace of RL-like bursts is repla
    token budget and replica count.
 
 The p50 and p99 latencies of the two must agree within ``REL_TOLERANCE`` of the measured value
-or ``ABS_TOLERANCE_S``, whichever is larger. The trace has bursts smaller than one worker's read
-(64 entries), which one worker takes whole however many run, and a burst larger than two reads,
-which spreads: a core that ignored batching (each job alone), the read size (an ideal shared
-queue) or the replica count misses by more than the tolerance (the test shows each such change
-failing on the same measured runs).
+or ``ABS_TOLERANCE_S``, whichever is larger. The trace has bursts smaller than one worker's
+first read (64 entries), which one worker takes whole however many run, and a larger burst,
+which spreads as each worker reads about one batch ahead: a core that ignored batching (each job
+alone), the read size (an ideal shared queue) or the replica count misses by more than the
+tolerance (the test shows each such change failing on the same measured runs).
 """
 
 from __future__ import annotations

@@ -4,10 +4,11 @@ The model follows the daemon (``worker/daemon/worker.py``, ``backlog.py``), not 
 
 - **reads**: an idle worker blocks on the stream (``XREADGROUP ... BLOCK``); Redis serves blocked
   readers one entry each, first blocked first, as entries arrive. A worker then *fills*: it reads
-  up to ``read_count`` (64) entries per read, without blocking, until its backlog holds one batch's
-  token budget, waiting at most ``max_wait_s`` for more when the stream is empty. So one worker
-  can hold up to 64 entries beyond its batch: a burst of N jobs spreads over about N / 65 workers
-  at most, and workers that start later find nothing to read (lag 0, everything pending);
+  about what completes one batch's token budget by the mean job size seen (``read_count``, 64 in
+  all over the partitions, before any job was seen), without blocking, until its backlog holds
+  the budget, waiting at most ``max_wait_s`` for more when the stream is empty. So one worker
+  holds about one batch beyond the one it computes (its first read up to 64 entries): workers
+  that start later find what the earlier ones did not take;
 - **batches**: the oldest held job plus each following one that fits the token budget; a batch
   costs ``batch_overhead_s + s_per_token * tokens`` (tokens: every token of every sequence);
 - **pipelining**: while a batch computes, the worker reads ahead what fills its backlog to one
@@ -24,6 +25,7 @@ KEDA's redis-streams triggers read.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -184,10 +186,19 @@ class Worker:
             self._mean_tokens = job.tokens if m == 0 else 0.9 * m + 0.1 * job.tokens
         self.backlog.extend(jobs)
 
+    def _room(self) -> int:
+        """Entries to read now: about what completes the budget by the mean job size seen
+        (``Backlog.rooms``), ``read_count`` before any job was seen."""
+        count = self.profile.read_count
+        if self._mean_tokens <= 0:
+            return count
+        left = self.profile.max_batch_tokens - self._held_tokens()
+        return min(count, max(1, math.ceil(left / self._mean_tokens)))
+
     def _fill(self) -> None:
-        budget, count = self.profile.max_batch_tokens, self.profile.read_count
-        while self._held_tokens() < budget:
-            got = self.stream.read(count)
+        budget = self.profile.max_batch_tokens
+        while budget - self._held_tokens() > 0:
+            got = self.stream.read(self._room())
             if not got:
                 return
             self._take(got)
@@ -210,7 +221,7 @@ class Worker:
             if not self.backlog:
                 if self.stopping:
                     break
-                waiting = self._waiting = self.stream.read_blocking(p.read_count)
+                waiting = self._waiting = self.stream.read_blocking(self._room())
                 try:
                     got = yield waiting
                 except simpy.Interrupt:

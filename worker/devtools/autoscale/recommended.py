@@ -18,11 +18,11 @@ RECOMMENDED = ScaledObject(
     cooldown_s=60,
     min_replicas=0,
     max_replicas=16,
-    lag_count=256,  # the composite metric's target: 64 entries per stream x 4 partitions
+    lag_count=64,  # the composite metric's target: what one worker reads at once (read_count)
     activation_lag_count=0,
     pending_count=64,
     scale_down_window_s=60,
-    scale_down_policies=(Policy("Pods", 1, 60),),
+    scale_down_policies=(Policy("Percent", 100, 15),),
     combine="sum",
     partitions=4,
 )

@@ -211,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the sweep, print the tables, write the plots; 1 when the pick is not RECOMMENDED."""
     args = parse_args(argv)
     phases = [float(x) for x in args.gen_s.split(",") if x.strip()]
-    read = args.read_count * args.partitions  # XREADGROUP COUNT n over P streams: n from each
+    read = args.read_count  # the daemon splits a read's count over the partitions
     profile = Profile(
         s_per_token=args.us_per_token / 1e6,
         startup_s=args.startup_s,
