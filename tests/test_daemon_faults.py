@@ -248,15 +248,16 @@ def test_slow_batch_keeps_its_lease_and_second_signal_exits_at_once(
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("handback", [True, False], ids=["handback", "no-handback"])
 def test_sigterm_drains_in_flight_batch_and_exits_0(
-    redis_url: str, key_prefix: str, cleanup_keys: None, tmp_path: Path
+    redis_url: str, key_prefix: str, cleanup_keys: None, tmp_path: Path, handback: bool
 ) -> None:
     client = redis.Redis.from_url(redis_url)
     stream = keys.job_streams(key_prefix)[0]
     reply = keys.reply_stream(stream, "c")
     worker = WorkerProc(
         noop_args(redis_url, key_prefix, "drainer", "--noop-delay-ms", "1500",
-                  "--max-batch-tokens", "12"),
+                  "--max-batch-tokens", "12", *(() if handback else ("--no-handback",))),
         tmp_path / "w.log",
     )  # fmt: skip
     try:
@@ -269,13 +270,19 @@ def test_sigterm_drains_in_flight_batch_and_exits_0(
         worker.signal(signal.SIGTERM)
         assert worker.wait_exit(30) == 0
         assert time.monotonic() - t0 < 20
-        assert pending_of(client, stream, GROUP, "drainer") == 0
         answered = {decode_result(f[b"payload"]).id for _, f in client.xrange(reply)}
         assert answered, "the in-flight batch was written before exit"
-        # whatever was not answered was never read: it is still waiting in the stream for others
+        # whatever was not answered was handed back (pending, claimable at once, delivery not
+        # counted) or never read: it is still waiting for others
         info = streams.stream_stats(client, stream, GROUP)
-        assert info["pending"] == 0
-        assert len(answered) + (info["lag"] or 0) == len(ids)
+        rows = client.xpending_range(stream, GROUP, "-", "+", 100, consumername="drainer")
+        assert all(r["times_delivered"] == 0 for r in rows)
+        assert all(r["time_since_delivered"] > 24 * 3600 * 1000 for r in rows)
+        assert len(answered) + len(rows) + (info["lag"] or 0) == len(ids)
+        if handback:
+            assert len(answered) <= 6  # the computing batch (3 jobs), and one more at most
+        else:
+            assert rows == []
         assert "draining (SIGTERM)" in worker.log()
     finally:
         worker.stop()

@@ -10,7 +10,9 @@ bfloat16 on the CPU), ``capacity`` (queue throughput with the no-op scorer), ``a
 over 3 resident LoRA adapters vs one model, cold adapter loads, a full-model switch per job),
 ``gateway`` (the HTTP gateway vs ``score_many``: one-sample requests on the no-op scorer, SmolLM2
 log-prob requests), ``tensor-parallel`` (the per-rank memory of a model sharded over 1 and 2
-gloo ranks). Extra arguments after ``--`` go to the suite's own ``main``.
+gloo ranks), ``coldstart`` (process start to ``/readyz`` and to the first result, by phase, for a
+safetensors and a GGUF checkpoint, with and without ``--warmup``). Extra arguments after ``--``
+go to the suite's own ``main``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ SUITES = {
     "adapters": "worker.devtools.bench.adapters",
     "gateway": "worker.devtools.bench.gateway",
     "tensor-parallel": "worker.devtools.bench.tensor_parallel",
+    "coldstart": "worker.devtools.bench.coldstart",
 }
 
 HEADLINE = ("naive", "executor", "floor", "e2e", "small", "dtype")

@@ -59,6 +59,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         forget_consumer=not args.keep_consumer,
         dead_letter_stream=args.dead_letter_stream,
         drain_timeout_s=args.drain_timeout_s,
+        handback=args.handback,
         batch_timeout_s=args.batch_timeout_s,
         result_maxlen=args.result_maxlen,
         reply_ttl_s=args.reply_ttl_s,
@@ -262,8 +263,30 @@ def build_info(scorer: Scorer) -> dict[str, Any]:
     return out
 
 
+def wants_warmup(args: argparse.Namespace, scorer: Scorer) -> bool:
+    """``--warmup``/``--no-warmup`` as given; unset (auto): on when the scorer runs on CUDA."""
+    if args.warmup is not None:
+        return bool(args.warmup)
+    return str(scorer.info.get("device") or "").startswith("cuda")
+
+
+def import_executor(args: argparse.Namespace) -> None:
+    """Import torch, transformers and the executor (the ``import`` phase of a cold start; the
+    no-op scorer needs none of them)."""
+    if args.scorer == "noop":
+        return
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import worker.executor  # noqa: F401
+
+
 def run(args: argparse.Namespace) -> int:
     """Load the model once, then serve until drained/stopped."""
+    from worker.observability.startup import StartupClock, process_age_s
+
+    clock = StartupClock()
+    clock.add("interpreter", process_age_s())  # the interpreter and the CLI, up to here
     if wants_fleet(args):
         return run_fleet(args, flag_defaults())
     if _group.is_follower():  # rank 1..N-1 of a tensor-parallel group
@@ -282,9 +305,17 @@ def run(args: argparse.Namespace) -> int:
         health = HealthState()
         # Up before the model loads: /healthz answers 200 and /readyz 503 while loading.
         http = start_http(config, metrics, health)
+        with clock.phase("import"):
+            import_executor(args)
         scorer = build_scorer(args, group)
+        for phase, seconds in getattr(scorer, "startup_seconds", {}).items():
+            clock.add(phase, seconds)
+        if wants_warmup(args, scorer):
+            from worker.scorer.warmup import run_warmup
+
+            clock.add("warmup", run_warmup(scorer, max_batch_tokens=config.max_batch_tokens))
         metrics.set_build_info(build_info(scorer))
-        worker = Worker(config, settings, scorer, metrics=metrics, health=health)
+        worker = Worker(config, settings, scorer, metrics=metrics, health=health, startup=clock)
         worker.http = http
         worker.install_signal_handlers()
         code = worker.run()

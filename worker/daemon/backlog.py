@@ -72,6 +72,15 @@ class Backlog:
         self._items = rest
         return batch
 
+    def take_all(self) -> list[Pending]:
+        """Remove and return every job held, oldest first (a draining worker hands them back)."""
+        items, self._items = self._items, []
+        return items
+
+    def put_front(self, items: list[Pending]) -> None:
+        """Hold ``items`` again ahead of the rest, in their order (a hand-back that failed)."""
+        self._items[:0] = items
+
     def __len__(self) -> int:
         return len(self._items)
 

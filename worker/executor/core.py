@@ -81,8 +81,13 @@ class StatelessExecutor:
         if reward_model is None and reward_adapter is not None:
             reward_model = reference_model
         head, reward_adapter = resolve_head(reward_model, reward_adapter, config.reward_index)
+        #: seconds of the load phases (``worker.observability.startup``): ``from_pretrained``
+        #: adds ``model_read``; placement and the self-check probe are timed here
+        self.startup_seconds: dict[str, float] = {}
+        started = time.perf_counter()
         self.reference_model = _place(reference_model, config, self.device)
         self.reward_model = _place(reward_model, config, self.device)
+        self.startup_seconds["placement"] = time.perf_counter() - started
         self.reward_adapter = reward_adapter
         self.model_name = model_name or _name_of(reference_model or reward_model)
         self.reward_model_name = reward_model_name or _name_of(reward_model)
@@ -100,6 +105,7 @@ class StatelessExecutor:
         self._load_fallbacks: list[FallbackEvent] = []
         self._last_fallback: FallbackEvent | None = None
         models = self.reference_model, self.reward_model
+        started = time.perf_counter()
         forward = self.forward_type(config, self.device, *models, reward_adapter)
         backend, events = backends.resolve_all(
             forward.models, config.attention_backend, self.device
@@ -111,6 +117,7 @@ class StatelessExecutor:
             {id(m): m for model in forward.models for m in (model, backbone_of(model))}.values()
         )
         packed, unmasked, refused = allowed_layouts(forward, modes=self.modes, backend=backend)
+        self.startup_seconds["self_check"] = time.perf_counter() - started
         for event in refused:
             log.warning("%s layout disabled: %s", event.requested, event.message)
             self._on_load_fallback(event)
@@ -164,6 +171,7 @@ class StatelessExecutor:
         (``auto``: its config's architecture). Tokenizers stored with the models are loaded
         (the reward model's renders ``messages``; the two are compared)."""
         device = resolve_device(config.device)
+        timings: dict[str, float] = {}
         ref, rew = load_models(
             reference_model,
             reward_model,
@@ -174,9 +182,12 @@ class StatelessExecutor:
             trust_remote_code=trust_remote_code,
             revision=revision,
             reward_head=reward_head,
+            timings=timings,
         )
+        started = time.perf_counter()
         tokenizers = load_tokenizers(reference_model, reward_model, gguf_file, reward_gguf_file)
-        return cls(
+        timings["model_read"] = timings.get("model_read", 0.0) + time.perf_counter() - started
+        executor = cls(
             config,
             ref,
             rew,
@@ -186,6 +197,9 @@ class StatelessExecutor:
             weights=weights,
             tokenizers=tokenizers,
         )
+        for phase, seconds in timings.items():
+            executor.startup_seconds[phase] = executor.startup_seconds.get(phase, 0.0) + seconds
+        return executor
 
     def _on_load_fallback(self, event: FallbackEvent) -> None:
         self._load_fallbacks.append(event)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -125,6 +126,7 @@ def load_model(
     revision: str | None = None,
     reward_head: str = "auto",
     distributed_config: Any = None,
+    timings: dict[str, float] | None = None,
 ) -> nn.Module:
     """Load a ``*ForCausalLM`` (``kind="causal"``) or a reward model (``"reward"``): the class
     ``reward_head`` names (``REWARD_HEAD_CLASSES``; ``auto``: the checkpoint's architecture).
@@ -134,6 +136,8 @@ def load_model(
     checkpoint lacks (transformers would initialise them at random): they are named.
     ``distributed_config`` (a transformers ``DistributedConfig``, inside an initialised
     ``torch.distributed`` group): each rank loads only its shard (``worker.executor.parallel``).
+    ``timings``: seconds of ``model_read`` and ``placement`` are added to it (the cold-start
+    phases, ``worker.observability.startup``).
     """
     import transformers
 
@@ -153,7 +157,12 @@ def load_model(
         kwargs["gguf_file"] = gguf_file
     if distributed_config is not None:
         kwargs["distributed_config"] = distributed_config
+    elif device.type == "cuda":
+        # Straight to the device: each safetensors tensor is copied to the GPU as it is read,
+        # instead of the whole model built in host memory first and copied over after.
+        kwargs["device_map"] = str(device)
     log.info("loading %s model %s (gguf=%s, dtype=%s)", kind, name_or_path, gguf_file, dtype)
+    started = time.perf_counter()
     try:
         if kind == "reward":
             if reward_head == "auto":
@@ -168,8 +177,12 @@ def load_model(
     missing = sorted(info.get("missing_keys") or ())
     if missing:
         raise ConfigError(missing_weights_message(name_or_path, kind, reward_head, missing))
+    read = time.perf_counter()
     model.to(device)
     model.eval()
+    if timings is not None:
+        timings["model_read"] = timings.get("model_read", 0.0) + read - started
+        timings["placement"] = timings.get("placement", 0.0) + time.perf_counter() - read
     return model
 
 
@@ -199,9 +212,10 @@ def load_models(
     revision: str | None = None,
     reward_head: str = "auto",
     distributed_config: Any = None,
+    timings: dict[str, float] | None = None,
 ) -> tuple[nn.Module | None, nn.Module | None]:
     """``(reference, reward)``: each named model loaded with ``load_model`` (``None`` when not
-    named); at least one must be named (``ConfigError``)."""
+    named); at least one must be named (``ConfigError``). ``timings``: see ``load_model``."""
     if not reference_model and not reward_model:
         raise ConfigError("from_pretrained needs reference_model and/or reward_model")
     common: dict[str, Any] = {
@@ -210,6 +224,7 @@ def load_models(
         "trust_remote_code": trust_remote_code,
         "revision": revision,
         "distributed_config": distributed_config,
+        "timings": timings,
     }
     ref = rew = None
     if reference_model:
