@@ -73,7 +73,7 @@ def test_warmup_runs_before_ready_and_phases_are_published(
         log = w.log()
         serving = re.search(r"serving .* \(group ", log)
         assert serving is not None
-        warm = re.search(r"warm-up: one reference forward of 256 tokens", log)
+        warm = re.search(r"warm-up: one both forward of 256 tokens", log)
         figures = _metrics(w)
         if warmup:
             assert warm is not None and warm.start() < serving.start(), log

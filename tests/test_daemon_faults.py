@@ -236,6 +236,7 @@ def test_slow_batch_keeps_its_lease_and_second_signal_exits_at_once(
         # a second signal during a drain exits at once; the held entry stays pending
         enqueue(client, stream, "abandoned", reply, [{"tokens": [1, 2, 3], "prompt_len": 1}])
         wait_until(lambda: pending_of(client, stream, GROUP, "owner") == 1, 10, what="read")
+        time.sleep(0.3)  # its batch started (read but not started, it would be handed back)
         t0 = time.monotonic()
         worker.signal(signal.SIGTERM)
         worker.wait_log(r"draining \(SIGTERM\)", 5)
@@ -266,6 +267,7 @@ def test_sigterm_drains_in_flight_batch_and_exits_0(
         for job_id in ids:
             enqueue(client, stream, job_id, reply, [{"tokens": [1, 2, 3, 4], "prompt_len": 2}])
         wait_until(lambda: pending_of(client, stream, GROUP, "drainer") > 0, 10, what="read")
+        time.sleep(0.3)  # the first batch computes (1.5 s)
         t0 = time.monotonic()
         worker.signal(signal.SIGTERM)
         assert worker.wait_exit(30) == 0

@@ -101,7 +101,7 @@ def _drain_one(
     wait_until(lambda: a.pipeline.started_s is not None, 10, what="a's first batch")
     b = _worker(redis_url, stream, "b", handback=handback)
     tb = _start(b)
-    wait_until(lambda: b.health.started and (b.handbacks.looks > 0 or not handback), 10,
+    wait_until(lambda: b.health.started and (b.handback.watch.looks > 0 or not handback), 10,
                what="b serving")  # fmt: skip
     done_before = a.jobs_done
     a.request_stop("test")
@@ -128,12 +128,13 @@ def test_stopping_worker_hands_back_and_the_other_takes_them_at_once(
     # after the stop: the computing batch, one more that started before the hand-back ran, and
     # one finished but not yet written when the stop came
     assert done_by_a <= seen["done_before"] + 3
-    assert a.handed_back == JOBS - done_by_a > 0
+    assert a.handback.given == JOBS - done_by_a > 0
     assert a.metrics.registry.get_sample_value("scoring_entries_handed_back_total") == (
-        a.handed_back
+        a.handback.given
     )
     assert sum(1 for w in seen["by"].values() if w == "b") == JOBS - done_by_a
-    assert b.metrics.registry.get_sample_value("scoring_entries_reclaimed_total") == (a.handed_back)
+    reclaimed = b.metrics.registry.get_sample_value("scoring_entries_reclaimed_total")
+    assert reclaimed == a.handback.given
     # b's periodic reclaim is 30 s away: only the hand-back watch explains the pickup
     assert seen["answered_s"] < 15
     assert "a" not in seen["consumers"]  # the drained consumer was forgotten
@@ -144,5 +145,5 @@ def test_without_handback_the_stopping_worker_drains_its_whole_backlog(
     redis_url: str, key_prefix: str, cleanup_keys: None
 ) -> None:
     a, _b, seen = _drain_one(redis_url, key_prefix, handback=False)
-    assert a.handed_back == 0
+    assert a.handback.given == 0
     assert all(w == "a" for w in seen["by"].values())  # it read them all and answered them

@@ -315,8 +315,9 @@ def run(args: argparse.Namespace) -> int:
 
             clock.add("warmup", run_warmup(scorer, max_batch_tokens=config.max_batch_tokens))
         metrics.set_build_info(build_info(scorer))
-        worker = Worker(config, settings, scorer, metrics=metrics, health=health, startup=clock)
+        worker = Worker(config, settings, scorer, metrics=metrics, health=health)
         worker.http = http
+        worker.startup = clock
         worker.install_signal_handlers()
         code = worker.run()
     except BaseException:

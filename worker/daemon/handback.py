@@ -18,8 +18,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from worker import streams
+from worker.daemon.backlog import Backlog
+from worker.daemon.config import WorkerConfig
 from worker.daemon.context import Pending
 from worker.daemon.leases import InFlight
+from worker.daemon.pipeline import BatchPipeline
+from worker.observability.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +78,9 @@ class HandBackWatch:
         self.looks = 0  # how often the counters were read
 
     def due(self, client: Any, now: float | None = None) -> bool:
-        """True when a counter moved since the last look (read at most every ``poll_s``).
-
-        The first look only learns the counters: a worker reclaims when it starts anyway."""
+        """True when a counter moved since the last look (read at most every ``poll_s``); on the
+        first look, when any counter exists (a hand-back may have come between this worker's
+        reclaim at start and this look; one reclaim too many costs one ``XAUTOCLAIM``)."""
         now = time.monotonic() if now is None else now
         if now - self._last < self.poll_s:
             return False
@@ -84,8 +88,8 @@ class HandBackWatch:
         self.looks += 1
         moved = False
         for stream, marks in streams.handback_marks(client, self._streams).items():
-            before = self._seen.get(stream)
-            if before is not None and any(before.get(k) != v for k, v in marks.items()):
+            before = self._seen.get(stream, {})
+            if any(before.get(k) != v for k, v in marks.items()):
                 moved = True
             self._seen[stream] = marks
             givers = [g for g in marks if g != self._consumer]
@@ -103,4 +107,51 @@ class HandBackWatch:
                          ",".join(gone))  # fmt: skip
 
 
-__all__ = ["POLL_S", "HandBackWatch", "give_back"]
+class HandBack:
+    """Both sides of the hand-back in one worker; with ``config.handback`` False neither runs
+    (``--no-handback``: the whole backlog is drained, other workers' hand-backs are not watched)."""
+
+    def __init__(self, config: WorkerConfig, in_flight: InFlight, metrics: WorkerMetrics) -> None:
+        self.enabled = config.handback
+        self._group, self._consumer = config.group, config.consumer
+        self._in_flight = in_flight
+        self._metrics = metrics
+        self.watch = HandBackWatch(config.streams, group=config.group, consumer=config.consumer)
+        self.given = 0  # jobs this worker handed back
+        self._failed = False
+
+    def give(self, client: Any, pipeline: BatchPipeline, backlog: Backlog, *,
+             stopping: bool) -> None:  # fmt: skip
+        """When ``stopping`` (draining): hand every job read but not started (the batch queued
+        behind the computing one, the backlog) back to the group; only the computing batch is
+        left to finish. A hand-back that fails (Redis away) keeps the jobs in the backlog, and
+        the worker drains them itself, as with ``--no-handback``."""
+        if not (stopping and self.enabled) or self._failed:
+            return
+        pendings = pipeline.take_queued() + backlog.take_all()
+        if not pendings:
+            return
+        try:
+            handed = give_back(client, pendings, group=self._group, consumer=self._consumer,
+                               in_flight=self._in_flight)  # fmt: skip
+        except Exception as exc:  # finish them here rather than leave them idle
+            backlog.put_front(pendings)
+            self._failed = True
+            log.warning("hand-back of %d jobs failed (%s); draining them here", len(pendings),
+                        exc)  # fmt: skip
+            return
+        self.given += handed
+        self._metrics.handed_back.inc(handed)
+        log.info("handed back %d jobs read but not started (draining)", handed)
+
+    def due(self, client: Any) -> bool:
+        """True when another worker handed entries back: reclaim now (``HandBackWatch.due``)."""
+        return self.enabled and self.watch.due(client)
+
+    def after_reclaim(self, client: Any) -> None:
+        """Forget the givers that hold nothing any more (``HandBackWatch.forget_givers``)."""
+        if self.enabled:
+            self.watch.forget_givers(client)
+
+
+__all__ = ["POLL_S", "HandBack", "HandBackWatch", "give_back"]

@@ -29,7 +29,7 @@ from worker.daemon.backlog import Backlog
 from worker.daemon.config import WorkerConfig
 from worker.daemon.context import JobContext, Outbox, Pending
 from worker.daemon.drain import DrainControl, SignalWatcher
-from worker.daemon.handback import HandBackWatch, give_back
+from worker.daemon.handback import HandBack
 from worker.daemon.heartbeat import Heartbeat, heartbeat_ttl_s
 from worker.daemon.intake import prepare_entry
 from worker.daemon.jobs import score_batch
@@ -67,10 +67,9 @@ class Worker:
         metrics: WorkerMetrics | None = None,
         health: HealthState | None = None,
         client_factory: Callable[[], Any] | None = None,
-        startup: StartupClock | None = None,
     ) -> None:
         self.config = config
-        self.startup = startup or StartupClock()  # the phases serve timed; published at ready
+        self.startup = StartupClock()  # serve sets the one it timed; published at ready
         self.redis_settings = redis_settings
         self.scorer = scorer
         self.metrics = metrics or WorkerMetrics()
@@ -89,18 +88,11 @@ class Worker:
         self.link = RedisLink(factory, config, health=self.health, metrics=self.metrics,
                               wait=self.drain.wait)  # fmt: skip
         self.reader = EntryReader(config, self.in_flight, self.metrics)
-        self.handbacks = HandBackWatch(config.streams, group=config.group,
-                                       consumer=config.consumer)  # fmt: skip
-        self.handed_back = 0  # jobs this worker handed back on drain
-        self._handback_failed = False
+        self.handback = HandBack(config, self.in_flight, self.metrics)  # drain: give back
         self.writer = OutboxWriter(self.jobs)
-        heartbeat = Heartbeat(
-            config.streams,
-            group=config.group,
-            consumer=config.consumer,
-            scorer=scorer,
-            ttl_s=heartbeat_ttl_s(config.stats_interval_s),
-        )
+        heartbeat = Heartbeat(config.streams, group=config.group, consumer=config.consumer,
+                              scorer=scorer,
+                              ttl_s=heartbeat_ttl_s(config.stats_interval_s))  # fmt: skip
         self.stats = StatsSampler(config.streams, config.group, metrics=self.metrics,
                                   dead_stream_of=self.jobs.dead_stream_of,
                                   interval_s=config.stats_interval_s,
@@ -163,24 +155,19 @@ class Worker:
 
     def _serve(self) -> int:
         cfg = self.config
-        with self.startup.phase("connect"):
-            self._start_serving()
-            while not self._connect():
-                if self.drain.stopping:
-                    return 0
-            leases = LeaseKeeper(
-                self.link.factory, self.in_flight, group=cfg.group, consumer=cfg.consumer,
-                interval_s=cfg.lease_interval_s, metrics=self.metrics, health=self.health,
-                busy=self.busy,
-            ).start()  # fmt: skip
+        self._start_serving()
+        while not self._connect():
+            if self.drain.stopping:
+                return 0
+        leases = LeaseKeeper(
+            self.link.factory, self.in_flight, group=cfg.group, consumer=cfg.consumer,
+            interval_s=cfg.lease_interval_s, metrics=self.metrics, health=self.health,
+            busy=self.busy,
+        ).start()  # fmt: skip
         self.health.started = True
-        self.startup.mark("ready")
-        self.metrics.set_startup(self.startup.phases, self.startup.until)
-        log.info("startup: %s", self.startup.summary())
-        log.info(
-            "worker %s serving %s (group %s) on %s",
-            cfg.consumer, ",".join(cfg.streams), cfg.group, self.redis_settings.redacted_url,
-        )  # fmt: skip
+        self.startup.ready(self.metrics)  # the start-up phases (the last: connect): published
+        log.info("worker %s serving %s (group %s) on %s", cfg.consumer, ",".join(cfg.streams),
+                 cfg.group, self.redis_settings.redacted_url)  # fmt: skip
         try:
             self._loop()
             self.link.forget_consumer()
@@ -242,8 +229,7 @@ class Worker:
         cfg, client, stage = self.config, self.link.client, self.pipeline
         if self.batch_started_s is None or self.busy():  # a wedged batch leaves the beat stale
             self.health.beat("loop")
-        if self.drain.stopping and cfg.handback and not self._handback_failed:
-            self._hand_back(client)
+        self.handback.give(client, stage, self.backlog, stopping=self.drain.stopping)
         self.stats.maybe_sample(client)
         outbox = Outbox()
         got = 0
@@ -251,11 +237,9 @@ class Worker:
         may_read = not self.drain.stopping and not stage.suspect_running
         if may_read:
             suspect_held = self.backlog.holds_suspect() or stage.suspect_running
-            due = self.reader.reclaim_due(suspect_held=suspect_held)
-            if (cfg.handback and self.handbacks.due(client)) or due:  # handed back: take now
+            if self.reader.reclaim_due(suspect_held=suspect_held) or self.handback.due(client):
                 got += self._prepare(self.reader.reclaim(client, suspect_held=suspect_held), outbox)
-                if cfg.handback:
-                    self.handbacks.forget_givers(client)
+                self.handback.after_reclaim(client)
             idle = not (self.backlog or got or stage.busy)
             room = self._room_ahead() if stage.computing else self._room()
             got += self._prepare(
@@ -286,27 +270,6 @@ class Worker:
         if cfg.burst and not got and not batch and not self.backlog:
             return self.reader.drained(client)
         return False
-
-    def _hand_back(self, client: Any) -> None:
-        """Draining: hand every job read but not started (the backlog, the queued batch) back to
-        the group, so another worker takes it now; only the computing batch is finished here.
-        A hand-back that fails keeps the jobs, and this worker drains them itself."""
-        pendings = self.pipeline.take_queued() + self.backlog.take_all()
-        if not pendings:
-            return
-        cfg = self.config
-        try:
-            handed = give_back(client, pendings, group=cfg.group, consumer=cfg.consumer,
-                               in_flight=self.in_flight)  # fmt: skip
-        except Exception as exc:  # Redis away: finish them here rather than leave them idle
-            self.backlog.put_front(pendings)
-            self._handback_failed = True
-            log.warning("hand-back of %d jobs failed (%s); draining them here", len(pendings),
-                        exc)  # fmt: skip
-            return
-        self.handed_back += handed
-        self.metrics.handed_back.inc(handed)
-        log.info("handed back %d jobs read but not started (draining)", handed)
 
     def _write_done(self) -> None:
         """Write the replies of the batches the compute stage finished (and ack them)."""
@@ -390,6 +353,4 @@ class Worker:
                         return
         finally:
             self.jobs_done += outbox.finished
-            if outbox.finished and "first_result" not in self.startup.until:
-                self.startup.mark("first_result")
-                self.metrics.set_startup({}, self.startup.until)
+            self.startup.first_result(self.metrics, outbox.finished)

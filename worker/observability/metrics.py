@@ -207,11 +207,8 @@ class WorkerMetrics:
             "Entries taken over from dead consumers (XAUTOCLAIM).",
             registry=r,
         )
-        self.handed_back = Counter(
-            "scoring_entries_handed_back_total",
-            "Entries read but not started that a draining worker handed back to the group.",
-            registry=r,
-        )
+        self.handed_back = Counter("scoring_entries_handed_back_total", "Entries read, not "
+                                   "started, handed back on drain.", registry=r)  # fmt: skip
         self.dead_lettered = Counter(
             "scoring_dead_lettered_total",
             "Entries moved to the dead-letter stream.",
@@ -332,19 +329,10 @@ class WorkerMetrics:
             "scoring_worker_draining", "1 while draining after SIGTERM.", registry=r
         )
         # --- cold start (worker.observability.startup)
-        self.startup_phase = Gauge(
-            "scoring_startup_phase_seconds",
-            "Duration of each start-up phase (interpreter, import, model_read, placement, "
-            "self_check, warmup, connect).",
-            ["phase"],
-            registry=r,
-        )
-        self.startup = Gauge(
-            "scoring_startup_seconds",
-            "Seconds from process start until the worker was ready, and until its first result.",
-            ["until"],
-            registry=r,
-        )
+        self.startup_phase = Gauge("scoring_startup_phase_seconds", "Duration of each start-up "
+                                   "phase.", ["phase"], registry=r)  # fmt: skip
+        self.startup = Gauge("scoring_startup_seconds", "Seconds from process start until "
+                             "ready / the first result.", ["until"], registry=r)  # fmt: skip
         self.last_batch_timestamp = Gauge(
             "scoring_last_batch_timestamp_seconds",
             "Unix time of the last finished batch.",
@@ -385,13 +373,6 @@ class WorkerMetrics:
         base = {"python": platform.python_version()}
         base.update({k: "" if v is None else str(v) for k, v in info.items()})
         self.build.info(base)
-
-    def set_startup(self, phases: Mapping[str, float], until: Mapping[str, float]) -> None:
-        """Publish the start-up phases and milestones (``worker.observability.startup``)."""
-        for phase, seconds in phases.items():
-            self.startup_phase.labels(phase=phase).set(seconds)
-        for name, seconds in until.items():
-            self.startup.labels(until=name).set(seconds)
 
     def set_backend(self, backend: str) -> None:
         """Mark ``backend`` as the active attention backend (others go to 0)."""

@@ -16,9 +16,16 @@ the token budget before ready, ``--warmup``), ``connect`` (Redis, groups, the le
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from worker.observability.metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
 
 PHASES: tuple[str, ...] = (
     "interpreter", "import", "model_read", "placement", "self_check", "warmup", "connect",
@@ -49,6 +56,7 @@ class StartupClock:
     def __init__(self) -> None:
         self.phases: dict[str, float] = {}
         self.until: dict[str, float] = {}  # "ready", "first_result": seconds since start
+        self._last = time.perf_counter()  # when the last phase ended
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -60,8 +68,9 @@ class StartupClock:
             self.add(name, time.perf_counter() - started)
 
     def add(self, name: str, seconds: float) -> None:
-        """Add ``seconds`` to phase ``name``."""
+        """Add ``seconds`` to phase ``name`` (a phase that ended just now)."""
         self.phases[name] = self.phases.get(name, 0.0) + max(float(seconds), 0.0)
+        self._last = time.perf_counter()
 
     def mark(self, until: str) -> float:
         """Record that ``until`` (``ready``, ``first_result``) happened now; seconds since the
@@ -69,6 +78,29 @@ class StartupClock:
         if until not in self.until:
             self.until[until] = process_age_s()
         return self.until[until]
+
+    def ready(self, metrics: WorkerMetrics) -> None:
+        """The worker turned ready: what passed since the last phase is ``connect`` (the worker
+        built, Redis connected, groups created, the lease thread started); mark it, publish
+        every phase, log the summary line."""
+        self.add("connect", time.perf_counter() - self._last)
+        self.mark("ready")
+        self.publish(metrics)
+        log.info("startup: %s", self.summary())
+
+    def first_result(self, metrics: WorkerMetrics, answered: int) -> None:
+        """``answered`` jobs were answered just now: the first time any were, mark and publish
+        it."""
+        if answered and "first_result" not in self.until:
+            self.mark("first_result")
+            self.publish(metrics)
+
+    def publish(self, metrics: WorkerMetrics) -> None:
+        """Set ``scoring_startup_phase_seconds`` and ``scoring_startup_seconds``."""
+        for phase, seconds in self.phases.items():
+            metrics.startup_phase.labels(phase=phase).set(seconds)
+        for until, seconds in self.until.items():
+            metrics.startup.labels(until=until).set(seconds)
 
     def summary(self) -> str:
         """``ready after 4.21 s: interpreter 0.30 s, import 2.10 s, ...`` (phases in order)."""

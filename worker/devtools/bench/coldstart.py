@@ -103,7 +103,7 @@ def one_start(
             tokens = [(i * 37 + 5) % 1000 + 1 for i in range(128)]
             job = encode_job(f"{tag}-0", "reference", reply, [{"tokens": tokens, "prompt_len": 64}])
             client.xadd(stream, {"payload": job})
-            got = client.xread({reply: "0-0"}, count=1, block=600_000)
+            got: Any = client.xread({reply: "0-0"}, count=1, block=600_000)
             first = time.perf_counter() - started
             if not got:
                 raise RuntimeError(f"no result; see {log_path}")

@@ -12,9 +12,11 @@ touches the network (``local_files_only=True``). Before anything loads,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -74,6 +76,17 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.float32
+
+
+@contextlib.contextmanager
+def timed(phases: dict[str, float], name: str) -> Iterator[None]:
+    """Add the seconds the block takes to ``phases[name]`` (the cold-start phases,
+    ``worker.observability.startup``)."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        phases[name] = phases.get(name, 0.0) + time.perf_counter() - started
 
 
 def split_gguf_path(name_or_path: str, gguf_file: str | None = None) -> tuple[str, str | None]:
@@ -162,27 +175,25 @@ def load_model(
         # instead of the whole model built in host memory first and copied over after.
         kwargs["device_map"] = str(device)
     log.info("loading %s model %s (gguf=%s, dtype=%s)", kind, name_or_path, gguf_file, dtype)
-    started = time.perf_counter()
-    try:
-        if kind == "reward":
-            if reward_head == "auto":
-                config = transformers.AutoConfig.from_pretrained(name_or_path, **kwargs)
-                reward_head = reward_head_of(getattr(config, "architectures", None))
-            if reward_head not in REWARD_HEAD_CLASSES:
-                raise ConfigError(f"unknown reward head {reward_head!r}")
-            cls = getattr(transformers, REWARD_HEAD_CLASSES[reward_head])
-        model, info = cls.from_pretrained(name_or_path, output_loading_info=True, **kwargs)
-    except (OSError, ValueError, KeyError, ImportError) as exc:
-        raise ConfigError(f"cannot load {kind} model {name_or_path!r}: {exc}") from exc
+    phases = {} if timings is None else timings
+    with timed(phases, "model_read"):
+        try:
+            if kind == "reward":
+                if reward_head == "auto":
+                    config = transformers.AutoConfig.from_pretrained(name_or_path, **kwargs)
+                    reward_head = reward_head_of(getattr(config, "architectures", None))
+                if reward_head not in REWARD_HEAD_CLASSES:
+                    raise ConfigError(f"unknown reward head {reward_head!r}")
+                cls = getattr(transformers, REWARD_HEAD_CLASSES[reward_head])
+            model, info = cls.from_pretrained(name_or_path, output_loading_info=True, **kwargs)
+        except (OSError, ValueError, KeyError, ImportError) as exc:
+            raise ConfigError(f"cannot load {kind} model {name_or_path!r}: {exc}") from exc
     missing = sorted(info.get("missing_keys") or ())
     if missing:
         raise ConfigError(missing_weights_message(name_or_path, kind, reward_head, missing))
-    read = time.perf_counter()
-    model.to(device)
-    model.eval()
-    if timings is not None:
-        timings["model_read"] = timings.get("model_read", 0.0) + read - started
-        timings["placement"] = timings.get("placement", 0.0) + time.perf_counter() - read
+    with timed(phases, "placement"):
+        model.to(device)
+        model.eval()
     return model
 
 
