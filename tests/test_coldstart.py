@@ -119,3 +119,34 @@ def test_a_model_worker_publishes_every_load_phase(
         assert figures["ready"] >= loading
     finally:
         w.stop()
+
+
+def test_the_quick_probe_runs_fewer_forwards_and_agrees_with_the_full_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reference mode on a causal model: the layouts are checked against one masked reference
+    forward (2 executor forwards instead of 5, plus 1 reference forward instead of 3), with the
+    same verdict as the full probe."""
+    from tests.support.models import tiny_causal
+    from worker.executor import ExecutorConfig, StatelessExecutor, selfcheck
+    from worker.executor.forward import BatchForward
+
+    layouts: list[str] = []
+    compute = BatchForward.compute
+
+    def counting(self: BatchForward, *args: object, **kwargs: object) -> object:
+        layouts.append(str(kwargs["layout"]))
+        return compute(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(BatchForward, "compute", counting)
+    model = tiny_causal("llama", seed=0)
+    config = ExecutorConfig(mode="reference", device="cpu")
+    quick = StatelessExecutor(config, model)
+    quick_layouts, verdict = list(layouts), (quick.layout, quick.load_fallbacks)
+    quick.close()
+    layouts.clear()
+    monkeypatch.setattr(selfcheck, "_quick_check", lambda *args, **kwargs: None)
+    full = StatelessExecutor(config, model)
+    assert quick_layouts == ["unmasked", "packed"]
+    assert layouts == ["unmasked"] * 4 + ["packed"]  # 3 one by one, the bucket, the packed row
+    assert verdict == (full.layout, full.load_fallbacks)

@@ -271,14 +271,21 @@ def wants_warmup(args: argparse.Namespace, scorer: Scorer) -> bool:
 
 
 def import_executor(args: argparse.Namespace) -> None:
-    """Import torch, transformers and the executor (the ``import`` phase of a cold start; the
-    no-op scorer needs none of them)."""
+    """Import torch, transformers' loading machinery (which transformers imports lazily, on the
+    first ``from_pretrained``) and the executor: the ``import`` phase of a cold start, so that
+    ``model_read`` is the checkpoint's reading. The no-op scorer needs none of them."""
     if args.scorer == "noop":
         return
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
+    import contextlib
+    import importlib
 
-    import worker.executor  # noqa: F401
+    modules = ["torch", "transformers.modeling_utils", "worker.executor.core"]
+    named = (args.reference_model, args.reward_model, args.gguf_file, args.reward_gguf_file)
+    if any(str(name or "").lower().endswith(".gguf") for name in named):
+        modules += ["transformers.modeling_gguf_pytorch_utils", "gguf"]
+    for name in modules:
+        with contextlib.suppress(ImportError):  # a missing one fails at load, with its message
+            importlib.import_module(name)
 
 
 def run(args: argparse.Namespace) -> int:

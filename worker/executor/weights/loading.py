@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from worker.errors import ConfigError
+from worker.executor.weights.gguf_cache import shared_gguf_parses
 from worker.executor.weights.source import check_model_source, offline
 
 log = logging.getLogger(__name__)
@@ -176,7 +177,8 @@ def load_model(
         kwargs["device_map"] = str(device)
     log.info("loading %s model %s (gguf=%s, dtype=%s)", kind, name_or_path, gguf_file, dtype)
     phases = {} if timings is None else timings
-    with timed(phases, "model_read"):
+    parses = shared_gguf_parses() if gguf_file is not None else contextlib.nullcontext()
+    with timed(phases, "model_read"), parses:
         try:
             if kind == "reward":
                 if reward_head == "auto":
