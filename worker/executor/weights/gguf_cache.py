@@ -28,10 +28,11 @@ from typing import Any
 def shared_gguf_parses() -> Iterator[None]:
     """Inside the block each GGUF file is parsed once and each tensor-name map built once."""
     try:
-        import gguf
+        import gguf as gguf_module
     except ImportError:  # no GGUF support installed: nothing to share
         yield
         return
+    gguf: Any = gguf_module  # its names are replaced for the block
     reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict[tuple[str, str], Any] = {}
 
