@@ -145,7 +145,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="starts per configuration (median)")
     p.add_argument("--models", default="tiny,gguf", help="comma-separated: tiny, gguf")
     p.add_argument("--max-batch-tokens", type=int, default=4096, help="the token budget")
-    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument(
+        "--threads", type=int, default=1,
+        help="torch intra-op threads (1: with more, OpenMP spin-waits on a loaded machine made "
+        "the probe vary tenfold between starts)",
+    )  # fmt: skip
     p.add_argument(
         "--baseline-tree", type=Path, default=None,
         help="a source tree (an older commit) to run side by side with this one",
