@@ -147,3 +147,9 @@ def test_without_handback_the_stopping_worker_drains_its_whole_backlog(
     a, _b, seen = _drain_one(redis_url, key_prefix, handback=False)
     assert a.handback.given == 0
     assert all(w == "a" for w in seen["by"].values())  # it read them all and answered them
+
+
+def test_the_handback_key_shares_the_streams_slot() -> None:
+    for stream in ("scoring:{q}:jobs", "scoring:{q:3}:jobs", "plain-jobs", "a:b:jobs"):
+        assert keys.same_slot(stream, keys.handback_key(stream)), stream
+    assert keys.handback_key("scoring:{q}:jobs") == "scoring:{q}:handback"
