@@ -236,6 +236,7 @@ def test_slow_batch_keeps_its_lease_and_second_signal_exits_at_once(
         # a second signal during a drain exits at once; the held entry stays pending
         enqueue(client, stream, "abandoned", reply, [{"tokens": [1, 2, 3], "prompt_len": 1}])
         wait_until(lambda: pending_of(client, stream, GROUP, "owner") == 1, 10, what="read")
+        time.sleep(0.3)  # its batch started (read but not started, it would be handed back)
         t0 = time.monotonic()
         worker.signal(signal.SIGTERM)
         worker.wait_log(r"draining \(SIGTERM\)", 5)
@@ -248,15 +249,16 @@ def test_slow_batch_keeps_its_lease_and_second_signal_exits_at_once(
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("handback", [True, False], ids=["handback", "no-handback"])
 def test_sigterm_drains_in_flight_batch_and_exits_0(
-    redis_url: str, key_prefix: str, cleanup_keys: None, tmp_path: Path
+    redis_url: str, key_prefix: str, cleanup_keys: None, tmp_path: Path, handback: bool
 ) -> None:
     client = redis.Redis.from_url(redis_url)
     stream = keys.job_streams(key_prefix)[0]
     reply = keys.reply_stream(stream, "c")
     worker = WorkerProc(
         noop_args(redis_url, key_prefix, "drainer", "--noop-delay-ms", "1500",
-                  "--max-batch-tokens", "12"),
+                  "--max-batch-tokens", "12", *(() if handback else ("--no-handback",))),
         tmp_path / "w.log",
     )  # fmt: skip
     try:
@@ -265,17 +267,24 @@ def test_sigterm_drains_in_flight_batch_and_exits_0(
         for job_id in ids:
             enqueue(client, stream, job_id, reply, [{"tokens": [1, 2, 3, 4], "prompt_len": 2}])
         wait_until(lambda: pending_of(client, stream, GROUP, "drainer") > 0, 10, what="read")
+        time.sleep(0.3)  # the first batch computes (1.5 s)
         t0 = time.monotonic()
         worker.signal(signal.SIGTERM)
         assert worker.wait_exit(30) == 0
         assert time.monotonic() - t0 < 20
-        assert pending_of(client, stream, GROUP, "drainer") == 0
         answered = {decode_result(f[b"payload"]).id for _, f in client.xrange(reply)}
         assert answered, "the in-flight batch was written before exit"
-        # whatever was not answered was never read: it is still waiting in the stream for others
+        # whatever was not answered was handed back (pending, claimable at once, delivery not
+        # counted) or never read: it is still waiting for others
         info = streams.stream_stats(client, stream, GROUP)
-        assert info["pending"] == 0
-        assert len(answered) + (info["lag"] or 0) == len(ids)
+        rows = client.xpending_range(stream, GROUP, "-", "+", 100, consumername="drainer")
+        assert all(r["times_delivered"] == 0 for r in rows)
+        assert all(r["time_since_delivered"] > 24 * 3600 * 1000 for r in rows)
+        assert len(answered) + len(rows) + (info["lag"] or 0) == len(ids)
+        if handback:
+            assert len(answered) <= 6  # the computing batch (3 jobs), and one more at most
+        else:
+            assert rows == []
         assert "draining (SIGTERM)" in worker.log()
     finally:
         worker.stop()

@@ -133,14 +133,17 @@ def test_no_pipeline_reads_nothing_while_a_batch_computes(
 
 
 @pytest.mark.timeout(60)
-def test_drain_finishes_the_computing_batch_and_the_one_ahead(
-    redis_url: str, key_prefix: str, cleanup_keys: None
+@pytest.mark.parametrize("handback", [True, False], ids=["handback", "no-handback"])
+def test_drain_finishes_the_computing_batch_and_hands_back_the_one_ahead(
+    redis_url: str, key_prefix: str, cleanup_keys: None, handback: bool
 ) -> None:
+    """The computing batch is finished; the one queued behind it is handed back to the group
+    (``handback=False``: finished too)."""
     client = redis.Redis.from_url(redis_url)
     stream = keys.job_streams(key_prefix)[0]
     reply = keys.reply_stream(stream, "c")
     scorer = GatedScorer()
-    worker = _worker(redis_url, stream, scorer)
+    worker = _worker(redis_url, stream, scorer, handback=handback)
     thread = threading.Thread(target=worker.run)
     thread.start()
     try:
@@ -150,6 +153,8 @@ def test_drain_finishes_the_computing_batch_and_the_one_ahead(
         enqueue(client, stream, "c", reply, SEQ)
         wait_until(lambda: worker.pipeline.queued, 10, what="b read ahead")
         worker.request_stop("test")
+        if handback:  # a still computes: b is handed back before a finishes
+            wait_until(lambda: worker.handback.given == 1, 10, what="b handed back")
         scorer.gate.release()
         scorer.gate.release()
         thread.join(20)
@@ -158,10 +163,18 @@ def test_drain_finishes_the_computing_batch_and_the_one_ahead(
         for _ in range(3):
             scorer.gate.release()
         thread.join(20)
-    results, _ = collect(client, reply, ["a", "b"], timeout=5)
-    assert results["a"].ok and results["b"].ok
-    assert pending_of(client, stream, GROUP) == 0  # both acked; c was never read
-    assert client.xinfo_groups(stream)[0]["lag"] == 1
+    assert client.xinfo_groups(stream)[0]["lag"] == 1  # c was never read
+    if not handback:
+        results, _ = collect(client, reply, ["a", "b"], timeout=5)
+        assert results["a"].ok and results["b"].ok
+        assert pending_of(client, stream, GROUP) == 0  # both acked
+        return
+    results, _ = collect(client, reply, ["a"], timeout=5)
+    assert results["a"].ok and len(scorer.calls) == 1  # b never started
+    (row,) = client.xpending_range(stream, GROUP, "-", "+", 10)
+    assert row["time_since_delivered"] > 24 * 3600 * 1000  # claimable by anyone at once
+    assert row["times_delivered"] == 0  # and its delivery not counted
+    assert worker.handback.given == 1
 
 
 @pytest.mark.timeout(60)

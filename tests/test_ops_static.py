@@ -411,6 +411,12 @@ def test_deployment_gpu_probes_grace_and_consumer_name() -> None:
     assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     drain = float(env["SCORING_DRAIN_TIMEOUT_S"])
     assert drain < pod["terminationGracePeriodSeconds"] <= drain + 60
+    # the rule written beside it: drain = 2 x batch time + 5, grace = drain + 10
+    m = re.search(r"batch time B = (\d+(?:\.\d+)?) s", (K8S / "deployment.yaml").read_text())
+    assert m, "deployment.yaml states the batch time its grace period comes from"
+    batch_s = float(m.group(1))
+    assert drain == 2 * batch_s + 5
+    assert pod["terminationGracePeriodSeconds"] == drain + 10
     assert int(env["SCORING_METRICS_PORT"]) == ports["metrics"]
     assert env["SCORING_METRICS_HOST"] == "0.0.0.0"
     annotations = dep["spec"]["template"]["metadata"]["annotations"]

@@ -96,3 +96,23 @@ def test_cross_slot_reply_write_failure_keeps_the_entry_pending(
     finally:
         for key in (job, other, bad_reply, good_reply):
             client.delete(key)
+
+
+@pytest.mark.timeout(60)
+def test_hand_back_on_cluster(redis_cluster: ClusterInfo) -> None:  # noqa: F811
+    """The hand-back script (stream + its hand-back hash, one slot) and the counters the other
+    workers poll (one pipeline over partitions on several nodes)."""
+    client = redis_cluster.client()
+    parts = keys.job_streams(f"hb{uuid.uuid4().hex[:8]}", 4)
+    for p in parts:
+        streams.ensure_group(client, p, G)
+        client.xadd(p, {"payload": b"x"})
+    got = streams.read_new(client, parts, G, "leaving", count=10, block_ms=100)
+    for e in got:
+        assert streams.hand_back(client, e.stream, G, "leaving", [e.id]) == [e.id]
+    assert streams.handback_marks(client, parts) == {p: {"leaving": 1} for p in parts}
+    for p in parts:
+        claimed, _ = streams.reclaim_idle(client, p, G, "taker", min_idle_ms=30000, count=10,
+                                          use_autoclaim=True)  # fmt: skip
+        assert [c.deliveries for c in claimed] == [1]
+        assert streams.forget_givers(client, p, G, ["leaving"]) == ["leaving"]

@@ -55,6 +55,15 @@ def dead_letter_stream(job_stream: str) -> str:
     return f"{_base(job_stream)}:dead"
 
 
+def handback_key(job_stream: str) -> str:
+    """The hash where draining workers note that they handed entries of ``job_stream`` back
+    (field: consumer name, value: a counter the other workers watch), in the stream's slot: its
+    hash tag, or, for a stream key without one, the whole key as the tag."""
+    if hash_tag(job_stream) is None:
+        return f"{{{job_stream}}}:handback"
+    return f"{_base(job_stream)}:handback"
+
+
 def reply_stream(job_stream: str, client_id: str) -> str:
     """A producer's reply stream sharing ``job_stream``'s hash tag."""
     return f"{_base(job_stream)}:replies:{client_id}"

@@ -133,6 +133,7 @@ class Fleet:
         templates: list[Template],
         expected: list[list[np.ndarray]],
         atol: float = 1e-4,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.workdir = Path(workdir)
         self.queue = "faults"
@@ -148,6 +149,7 @@ class Fleet:
         self.templates = templates
         self.expected = expected
         self.atol = atol
+        self.extra_args = extra_args
         self.workers: list[WorkerProc] = []
         self.retired: list[WorkerProc] = []
         self._spawned = 0
@@ -176,6 +178,7 @@ class Fleet:
         else:
             assert self.model_dir is not None
             args += ["--reference-model", self.model_dir]
+        args += list(self.extra_args)
         w = WorkerProc(args, self.workdir / f"{name}.log")
         w.name = name  # type: ignore[attr-defined]
         with self.lock:

@@ -173,3 +173,61 @@ def test_slow_batch_longer_than_claim_idle(
         fleet.stop()
     _assert_held(report)
     assert report.duplicated == 0, report
+
+
+def _drain_fleet(tmp_path: Path, *, handback: bool, delay_ms: int, claim_idle_ms: int) -> Fleet:
+    from tests.faults.drain import JOB_TOKENS
+
+    extra = ("--max-batch-tokens", str(2 * JOB_TOKENS), "--block-ms", "100")
+    return Fleet(
+        tmp_path / ("handback" if handback else "no-handback"),
+        workers=2,
+        noop_delay_ms=delay_ms,
+        claim_idle_ms=claim_idle_ms,
+        max_wait_ms=5,
+        templates=[],
+        expected=[],
+        extra_args=extra + (() if handback else ("--no-handback",)),
+    )
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_hands_back_unstarted_jobs(tmp_path: Path, faults_full: bool) -> None:
+    """SIGTERM a worker holding a burst of jobs (two jobs a batch), SIGKILL it at a grace period
+    shorter than draining the whole burst, with the hand-back and without (``--no-handback``):
+    with it the worker exits within one batch time + 2 s and the other worker answers the
+    handed-back jobs at once, far before the claim idle time; nothing is lost either way."""
+    from tests.faults.drain import measure_drain
+
+    jobs, delay_ms = (60, 400) if faults_full else (32, 300)
+    claim_idle_ms, grace_s = 8000, 3.0
+    reports = {}
+    for handback in (False, True):
+        fleet = _drain_fleet(tmp_path, handback=handback, delay_ms=delay_ms,
+                             claim_idle_ms=claim_idle_ms)  # fmt: skip
+        try:
+            fleet.start()
+            mode = "handback" if handback else "no-handback"
+            reports[mode] = report = measure_drain(fleet, mode=mode, jobs=jobs, grace_s=grace_s)
+            harness.REPORTS.append({
+                "scenario": f"sigterm-{mode}", "jobs": jobs, "lost": report.lost,
+                "duplicated": report.duplicated, "altered": 0, "errors": 0, "unknown": 0,
+                "time_s": round(report.last_s or 0.0, 1), "faults": [report.line()],
+            })  # fmt: skip
+            assert not fleet.logs_have_traceback()
+        finally:
+            fleet.stop()
+    for r in reports.values():
+        print(r.line())
+    before, after = reports["no-handback"], reports["handback"]
+    assert before.lost == 0 and after.lost == 0, (before, after)
+    # With the hand-back: out within one batch + 2 s, cleanly, and the jobs it held are taken by
+    # the other worker well before the claim idle time (they did not wait for their leases).
+    assert not after.killed and after.exit_code == 0, after
+    assert after.exit_s <= after.batch_s + 2.0, after
+    assert after.answered_by_other >= after.held - 4, after  # all but the in-flight batch
+    assert after.pickup_s is not None and after.pickup_s < claim_idle_ms / 1000 / 2, after
+    # Without: the whole backlog does not fit the grace period, the kill leaves entries that
+    # wait out the claim idle time.
+    assert before.killed, before
+    assert before.pickup_s is not None and before.pickup_s >= claim_idle_ms / 1000 - 1, before

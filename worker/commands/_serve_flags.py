@@ -33,6 +33,14 @@ def _env_float(name: str, default: float) -> float:
     return float(raw) if raw not in (None, "") else default
 
 
+def _env_warmup() -> bool | None:
+    """``SCORING_WARMUP``: unset or ``auto`` -> None (on for CUDA), else a boolean."""
+    raw = env_get("WARMUP")
+    if raw in (None, "") or str(raw).strip().lower() == "auto":
+        return None
+    return env_bool(raw)
+
+
 def default_consumer() -> str:
     """``POD_NAME`` when set (Kubernetes), else ``<hostname>-<pid>``."""
     return os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
@@ -271,6 +279,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=_env_float("DRAIN_TIMEOUT_S", 60.0),
         help="on SIGTERM, how long the worker may take to finish its in-flight batch and write "
         "the results before it exits",
+    )
+    b.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=_env_warmup(),
+        help="before turning ready, score one batch at --max-batch-tokens so the first real "
+        "batch does not pay for the allocator's growth (default: auto, on for CUDA devices, "
+        "off on CPU; env SCORING_WARMUP=1/0/auto)",
+    )
+    b.add_argument(
+        "--no-handback",
+        dest="handback",
+        action="store_false",
+        default=env_bool(env_get("HANDBACK"), default=True),
+        help="on SIGTERM, finish the whole read-ahead backlog instead of handing the jobs read "
+        "but not started back to the group for another worker (env SCORING_HANDBACK=0; "
+        "default: hand back, finish only the computing batch)",
     )
     b.add_argument(
         "--batch-timeout-s",

@@ -12,8 +12,9 @@ over 3 resident LoRA adapters vs one model, cold adapter loads, a full-model swi
 log-prob requests), ``tensor-parallel`` (the per-rank memory of a model sharded over 1 and 2
 gloo ranks), ``fairness`` (a steady producer's latency while another bursts 20,000 jobs, one
 worker: one queue, two queues with equal weights, two with weights), ``autoscale`` (the KEDA/HPA
-simulation's sweep over RL workloads: the settings ``ops/k8s`` ships). Extra arguments after
-``--`` go to the suite's own ``main``.
+simulation's sweep over RL workloads: the settings ``ops/k8s`` ships), ``coldstart`` (process
+start to ``/readyz`` and to the first result, by phase, for a safetensors and a GGUF checkpoint,
+with and without ``--warmup``). Extra arguments after ``--`` go to the suite's own ``main``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ SUITES = {
     "tensor-parallel": "worker.devtools.bench.tensor_parallel",
     "fairness": "worker.devtools.bench.fairness",
     "autoscale": "worker.devtools.autoscale.sweep",
+    "coldstart": "worker.devtools.bench.coldstart",
 }
 
 HEADLINE: dict[str, tuple[str, ...]] = {

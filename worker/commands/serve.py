@@ -67,6 +67,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         forget_consumer=not args.keep_consumer,
         dead_letter_stream=args.dead_letter_stream,
         drain_timeout_s=args.drain_timeout_s,
+        handback=args.handback,
         batch_timeout_s=args.batch_timeout_s,
         result_maxlen=args.result_maxlen,
         reply_ttl_s=args.reply_ttl_s,
@@ -270,8 +271,37 @@ def build_info(scorer: Scorer) -> dict[str, Any]:
     return out
 
 
+def wants_warmup(args: argparse.Namespace, scorer: Scorer) -> bool:
+    """``--warmup``/``--no-warmup`` as given; unset (auto): on when the scorer runs on CUDA."""
+    if args.warmup is not None:
+        return bool(args.warmup)
+    return str(scorer.info.get("device") or "").startswith("cuda")
+
+
+def import_executor(args: argparse.Namespace) -> None:
+    """Import torch, transformers' loading machinery (which transformers imports lazily, on the
+    first ``from_pretrained``) and the executor: the ``import`` phase of a cold start, so that
+    ``model_read`` is the checkpoint's reading. The no-op scorer needs none of them."""
+    if args.scorer == "noop":
+        return
+    import contextlib
+    import importlib
+
+    modules = ["torch", "transformers.modeling_utils", "worker.executor.core"]
+    named = (args.reference_model, args.reward_model, args.gguf_file, args.reward_gguf_file)
+    if any(str(name or "").lower().endswith(".gguf") for name in named):
+        modules += ["transformers.modeling_gguf_pytorch_utils", "gguf"]
+    for name in modules:
+        with contextlib.suppress(ImportError):  # a missing one fails at load, with its message
+            importlib.import_module(name)
+
+
 def run(args: argparse.Namespace) -> int:
     """Load the model once, then serve until drained/stopped."""
+    from worker.observability.startup import StartupClock, process_age_s
+
+    clock = StartupClock()
+    clock.add("interpreter", process_age_s())  # the interpreter and the CLI, up to here
     shares_from_args(args)  # a bad --queue fails here (exit 2), before any child starts
     if wants_fleet(args):
         return run_fleet(args, flag_defaults())
@@ -291,10 +321,19 @@ def run(args: argparse.Namespace) -> int:
         health = HealthState()
         # Up before the model loads: /healthz answers 200 and /readyz 503 while loading.
         http = start_http(config, metrics, health)
+        with clock.phase("import"):
+            import_executor(args)
         scorer = build_scorer(args, group)
+        for phase, seconds in getattr(scorer, "startup_seconds", {}).items():
+            clock.add(phase, seconds)
+        if wants_warmup(args, scorer):
+            from worker.scorer.warmup import run_warmup
+
+            clock.add("warmup", run_warmup(scorer, max_batch_tokens=config.max_batch_tokens))
         metrics.set_build_info(build_info(scorer))
         worker = Worker(config, settings, scorer, metrics=metrics, health=health)
         worker.http = http
+        worker.startup = clock
         worker.install_signal_handlers()
         code = worker.run()
     except BaseException:

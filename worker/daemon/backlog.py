@@ -186,6 +186,21 @@ class Backlog:
         """``{queue: (jobs, tokens)}`` held now, per lane."""
         return {lane.name: (len(lane.items), lane.tokens()) for lane in self.lanes}
 
+    def take_all(self) -> list[Pending]:
+        """Remove and return every job held, oldest read first (a draining worker hands them
+        back); the lanes' virtual times stay as they are."""
+        items = [p for lane in self.lanes for p in lane.items]
+        for lane in self.lanes:
+            lane.items = []
+        return sorted(items, key=lambda p: p.read_at_s)
+
+    def put_front(self, items: list[Pending]) -> None:
+        """Hold ``items`` again ahead of the rest of their lanes, in their order (a hand-back
+        that failed)."""
+        for lane in self.lanes:
+            mine = [p for p in items if self.lane_of(p.entry.stream) is lane]
+            lane.items[:0] = mine
+
     def __len__(self) -> int:
         return sum(len(lane.items) for lane in self.lanes)
 

@@ -70,6 +70,9 @@ class WorkerConfig:
     forget_consumer: bool = True
     dead_letter_stream: str | None = None
     drain_timeout_s: float = 60.0
+    # on drain, hand the jobs read but not started back to the group (another worker takes them
+    # at once) and watch for other workers' hand-backs; False: drain the whole backlog (before)
+    handback: bool = True
     batch_timeout_s: float = 1800.0  # /healthz fails once one batch computes longer than this
     result_maxlen: int = 10000
     reply_ttl_s: int = 3600  # a reply stream without a TTL gets this one (0: none)

@@ -1,8 +1,10 @@
 """Drain control: the stop request, the drain deadline, and the signal watcher.
 
 SIGTERM/SIGINT (or :meth:`DrainControl.request_stop`) turn readiness false at once, stop reading,
-let the worker finish what it holds, and arm a deadline of ``drain_timeout_s``: a worker still
-serving when it passes exits the process with status 1 (its held entries are reclaimed by others).
+let the worker finish its computing batch (handing the rest back, :mod:`worker.daemon.handback`;
+or finishing all it holds with ``handback=False``), and arm a deadline of ``drain_timeout_s``: a
+worker still serving when it passes exits the process with status 1 (its held entries are
+reclaimed by others).
 A second signal exits at once. A deadline that fires while no worker is serving is ignored, so an
 in-process worker stopped outside ``run()`` never takes its host process down later.
 """
@@ -65,7 +67,7 @@ class DrainControl:
     def request_stop(self, reason: str = "requested") -> None:
         """Stop reading, finish what is held, exit the loop (readiness goes false at once)."""
         if not self._stop.is_set():
-            log.info("draining (%s): finishing %d held jobs", reason, self._held())
+            log.info("draining (%s): %d jobs held", reason, self._held())
         self._stop.set()
         self._health.draining = True
         self._metrics.draining.set(1)

@@ -27,6 +27,9 @@ class InFlight:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        #: held by the lease keeper through one renewal round (its snapshot and its renewals),
+        #: so a hand-back after ``discard`` is never followed by a renewal of a stale snapshot
+        self.renewal = threading.Lock()
         self._ids: dict[str, set[str]] = {}
         # per stream, the newest entry (ms, seq) this worker answered and acked
         self._done: dict[str, tuple[int, int]] = {}
@@ -140,13 +143,15 @@ class LeaseKeeper:
         if self._client is None:
             self._client = self._factory()
         total = 0
-        for stream, ids in self._in_flight.snapshot().items():
-            renewed = streams.renew_leases(self._client, stream, self._group, self._consumer, ids)
-            total += len(renewed)
-            # Entries acked since the snapshot are not pending any more: not lost, just done.
-            lost = self._in_flight.held(stream, set(ids) - set(renewed))
-            if lost:
-                log.warning("%d in-flight entries of %s are no longer ours", len(lost), stream)
+        with self._in_flight.renewal:
+            for stream, ids in self._in_flight.snapshot().items():
+                renewed = streams.renew_leases(self._client, stream, self._group, self._consumer,
+                                               ids)  # fmt: skip
+                total += len(renewed)
+                # Entries acked since the snapshot are not pending any more: not lost, just done.
+                lost = self._in_flight.held(stream, set(ids) - set(renewed))
+                if lost:
+                    log.warning("%d in-flight entries of %s are no longer ours", len(lost), stream)
         if total:
             self._metrics.leases_renewed.inc(total)
         return total

@@ -109,6 +109,23 @@ class BatchPipeline:
             self._thread.start()
         self._inbox.put_nowait(batch)
 
+    def take_queued(self) -> list[Pending]:
+        """Take back the batch queued behind the computing one, if the compute thread has not
+        started it (empty: none, or it started); a draining worker hands its jobs back."""
+        with self._lock:
+            if self._queued is None or not self.threaded:
+                return []
+            try:
+                batch = self._inbox.get_nowait()
+            except queue.Empty:  # the compute thread took it and is about to start it
+                return []
+            if batch is None:  # a close() in the slot: nothing was queued after all
+                self._inbox.put_nowait(None)
+                return []
+            self._queued = None
+            self._suspects.discard(id(batch))
+            return batch
+
     def wait(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for a batch to finish; True when replies wait to be taken."""
         return self._ready.wait(timeout_s)

@@ -29,6 +29,7 @@ from worker.daemon.backlog import Backlog, batch_share
 from worker.daemon.config import WorkerConfig
 from worker.daemon.context import JobContext, Outbox, Pending
 from worker.daemon.drain import DrainControl, SignalWatcher
+from worker.daemon.handback import HandBack
 from worker.daemon.heartbeat import Heartbeat, heartbeat_ttl_s
 from worker.daemon.intake import prepare_entry
 from worker.daemon.jobs import score_batch
@@ -40,6 +41,7 @@ from worker.daemon.stats import StatsSampler
 from worker.daemon.writer import OutboxWriter
 from worker.observability.health import HealthServer, HealthState
 from worker.observability.metrics import WorkerMetrics
+from worker.observability.startup import StartupClock
 from worker.scorer import FallbackEvent, Scorer
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,7 @@ class Worker:
         client_factory: Callable[[], Any] | None = None,
     ) -> None:
         self.config = config
+        self.startup = StartupClock()  # serve sets the one it timed; published at ready
         self.redis_settings = redis_settings
         self.scorer = scorer
         self.metrics = metrics or WorkerMetrics()
@@ -86,6 +89,7 @@ class Worker:
         self.link = RedisLink(factory, config, health=self.health, metrics=self.metrics,
                               wait=self.drain.wait)  # fmt: skip
         self.reader = EntryReader(config, self.in_flight, self.metrics)
+        self.handback = HandBack(config, self.in_flight, self.metrics)  # drain: give back
         self.writer = OutboxWriter(self.jobs)
         heartbeat = Heartbeat(
             config.streams,
@@ -168,10 +172,9 @@ class Worker:
             busy=self.busy,
         ).start()  # fmt: skip
         self.health.started = True
-        log.info(
-            "worker %s serving %s (group %s) on %s",
-            cfg.consumer, ",".join(cfg.streams), cfg.group, self.redis_settings.redacted_url,
-        )  # fmt: skip
+        self.startup.ready(self.metrics)  # the start-up phases (the last: connect): published
+        log.info("worker %s serving %s (group %s) on %s", cfg.consumer, ",".join(cfg.streams),
+                 cfg.group, self.redis_settings.redacted_url)  # fmt: skip
         try:
             self._loop()
             self.link.forget_consumer()
@@ -233,6 +236,7 @@ class Worker:
         cfg, client, stage = self.config, self.link.client, self.pipeline
         if self.batch_started_s is None or self.busy():  # a wedged batch leaves the beat stale
             self.health.beat("loop")
+        self.handback.give(client, stage, self.backlog, stopping=self.drain.stopping)
         self.stats.maybe_sample(client)
         outbox = Outbox()
         got = 0
@@ -240,8 +244,9 @@ class Worker:
         may_read = not self.drain.stopping and not stage.suspect_running
         if may_read:
             suspect_held = self.backlog.holds_suspect() or stage.suspect_running
-            if self.reader.reclaim_due(suspect_held=suspect_held):
+            if self.reader.reclaim_due(suspect_held=suspect_held) or self.handback.due(client):
                 got += self._prepare(self.reader.reclaim(client, suspect_held=suspect_held), outbox)
+                self.handback.after_reclaim(client)
             idle = not (self.backlog or got or stage.busy)
             rooms = self._rooms(ahead=stage.computing)
             got += self._prepare(
@@ -352,3 +357,4 @@ class Worker:
                         return
         finally:
             self.jobs_done += outbox.finished
+            self.startup.first_result(self.metrics, outbox.finished)

@@ -37,6 +37,7 @@ from worker.executor.weights.loading import (
     load_tokenizers,
     resolve_device,
     resolve_dtype,
+    timed,
 )
 from worker.executor.weights.router import WeightsConfig, WeightsRouter, refuse
 from worker.modes import Mode
@@ -73,6 +74,7 @@ class StatelessExecutor:
         reward_model_name: str | None = None,
         weights: WeightsConfig | None = None,
         tokenizers: tuple[Any, Any] | None = None,
+        startup_seconds: dict[str, float] | None = None,
     ) -> None:
         if reference_model is None and reward_model is None:
             raise ConfigError("StatelessExecutor needs a reference_model or a reward_model")
@@ -81,6 +83,7 @@ class StatelessExecutor:
         if reward_model is None and reward_adapter is not None:
             reward_model = reference_model
         head, reward_adapter = resolve_head(reward_model, reward_adapter, config.reward_index)
+        self.startup_seconds = {} if startup_seconds is None else startup_seconds  # load phases
         self.reference_model = _place(reference_model, config, self.device)
         self.reward_model = _place(reward_model, config, self.device)
         self.reward_adapter = reward_adapter
@@ -110,7 +113,8 @@ class StatelessExecutor:
         self._guard = KVGuard(
             {id(m): m for model in forward.models for m in (model, backbone_of(model))}.values()
         )
-        packed, unmasked, refused = allowed_layouts(forward, modes=self.modes, backend=backend)
+        with timed(self.startup_seconds, "self_check"):
+            packed, unmasked, refused = allowed_layouts(forward, modes=self.modes, backend=backend)
         for event in refused:
             log.warning("%s layout disabled: %s", event.requested, event.message)
             self._on_load_fallback(event)
@@ -164,17 +168,13 @@ class StatelessExecutor:
         (``auto``: its config's architecture). Tokenizers stored with the models are loaded
         (the reward model's renders ``messages``; the two are compared)."""
         device = resolve_device(config.device)
+        timings: dict[str, float] = {}  # the load phases (worker.observability.startup)
         ref, rew = load_models(
-            reference_model,
-            reward_model,
-            device=device,
-            dtype=resolve_dtype(config.dtype, device),
-            gguf_file=gguf_file,
-            reward_gguf_file=reward_gguf_file,
-            trust_remote_code=trust_remote_code,
-            revision=revision,
-            reward_head=reward_head,
-        )
+            reference_model, reward_model, device=device, dtype=resolve_dtype(config.dtype, device),
+            gguf_file=gguf_file, reward_gguf_file=reward_gguf_file,
+            trust_remote_code=trust_remote_code, revision=revision, reward_head=reward_head,
+            timings=timings,
+        )  # fmt: skip
         tokenizers = load_tokenizers(reference_model, reward_model, gguf_file, reward_gguf_file)
         return cls(
             config,
@@ -185,6 +185,7 @@ class StatelessExecutor:
             reward_model_name=reward_model,
             weights=weights,
             tokenizers=tokenizers,
+            startup_seconds=timings,
         )
 
     def _on_load_fallback(self, event: FallbackEvent) -> None:
@@ -217,14 +218,9 @@ class StatelessExecutor:
     @property
     def modes(self) -> tuple[Mode, ...]:
         """Modes this executor can serve."""
-        found: list[Mode] = []
-        if self.reference_model is not None:
-            found.append("reference")
-        if self.reward_model is not None:
-            found.append("reward")
-        if len(found) == 2:
-            found.append("both")
-        return tuple(found)
+        found: tuple[Mode, ...] = ("reference",) if self.reference_model is not None else ()
+        found += ("reward",) if self.reward_model is not None else ()
+        return (*found, "both") if len(found) == 2 else found
 
     @property
     def attention_backend(self) -> str:

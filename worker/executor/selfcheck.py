@@ -1,7 +1,11 @@
 """The load-time probe: does the fast path reproduce the model, and do unmasked buckets and
 packed rows isolate their sequences on this backend?
 
-Three short sequences go through ``BatchForward.compute`` one by one and are compared with the
+First the quick probe (``_quick_check``, reference mode): the reference model's own logits of
+three short sequences in one masked forward, and the layouts that may run (the unmasked bucket,
+the packed row) compared with them directly: two or three forwards in all. Only when one of them
+disagrees (or a reward is served) does the full probe run, which says what differs: three short
+sequences go through ``BatchForward.compute`` one by one and are compared with the
 reference model's own logits (``naive_token_logps``): a mismatch means a logit post-processing
 the executor does not reproduce, a ``ConfigError``. Then the three go together into one unmasked
 bucket (right pads, no attention mask) and packed into one row, each compared with the
@@ -62,11 +66,15 @@ def self_check(
     seqs = probe_sequences(forward.vocab_size)
     mode: Mode = "both" if "both" in modes else modes[0]
     row = forward.config.row_tokens(backend)
+    tol = 1e-3 if next(model.parameters()).dtype == torch.float32 else 0.25
+    quick = _quick_check(forward, seqs, mode=mode, backend=backend, packing=packing, row=row,
+                         tol=tol)  # fmt: skip
+    if quick is not None:
+        return quick
     alone = [
         forward.compute([s], [0], mode, 1.0, layout="unmasked", row_tokens=row).scores[0]
         for s in seqs
     ]
-    tol = 1e-3 if next(model.parameters()).dtype == torch.float32 else 0.25
     if forward.reference_model is not None:
         _check_logits(forward, seqs, alone, tol)
     allowed = {"packed": packing in ("auto", "packed"), "unmasked": packing in ("auto", "unmasked")}
@@ -102,6 +110,63 @@ def self_check(
                 f"backend {backend} is not known to isolate packed sequences",
             )
     return allowed["packed"], allowed["unmasked"], events
+
+
+def _quick_check(
+    forward: BatchForward,
+    seqs: list[PreparedSequence],
+    *,
+    mode: Mode,
+    backend: str,
+    packing: str,
+    row: int,
+    tol: float,
+) -> tuple[bool, bool, list[FallbackEvent]] | None:
+    """The probe in two or three forwards, where every layout agrees with the model's own
+    logits: ``(packed, unmasked, [])``; ``None`` (run the full probe, which says what differs)
+    on any disagreement, and for modes with a reward (pooling has no reference to compare to).
+
+    The reference model's own logits of the three sequences come from one right-padded forward
+    with an attention mask; the unmasked bucket and the packed row (each when allowed; a padded
+    batch when neither is) are compared with them directly. The full probe adds the three
+    one-by-one forwards and three one-by-one reference forwards (eight in all), needed only to
+    tell which part disagrees."""
+    if mode != "reference" or forward.reference_model is None:
+        return None
+    want = _reference_logps(forward, seqs)
+    group = list(range(len(seqs)))
+    unmasked = packing in ("auto", "unmasked")
+    packed = packing in ("auto", "packed") and backend in backends.PACKABLE
+    if packing in ("auto", "packed") and not packed:
+        return None  # the full probe records why packing is off
+    candidates: tuple[tuple[Layout, bool], ...] = (("unmasked", unmasked), ("packed", packed))
+    layouts: list[Layout] = [name for name, on in candidates if on]
+    for layout in layouts or ["padded"]:
+        got = forward.compute(seqs, group, mode, 1.0, layout=layout, row_tokens=row).scores
+        for score, w in zip(got, want, strict=True):
+            if score.logps is None or not np.allclose(score.logps, w, atol=tol, rtol=0):
+                return None
+    return packed, unmasked, []
+
+
+def _reference_logps(forward: BatchForward, seqs: list[PreparedSequence]) -> list[np.ndarray]:
+    """The reference model's own log-probs of ``seqs`` (``naive_token_logps``), in one
+    right-padded forward with an attention mask."""
+    model = forward.reference_model
+    longest = max(len(s.ids) for s in seqs)
+    ids = torch.zeros(len(seqs), longest, dtype=torch.long)
+    mask = torch.zeros(len(seqs), longest, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s.ids)] = torch.from_numpy(s.ids)
+        mask[i, : len(s.ids)] = 1
+    ids, mask = ids.to(forward.device), mask.to(forward.device)
+    with torch.inference_mode():
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits  # [B, L, V]
+    out = []
+    for i, s in enumerate(seqs):
+        n = len(s.ids)
+        out.append(naive_token_logps(logits[i, : n - 1], ids[i, 1:n]).float().cpu().numpy())
+    return out
 
 
 def _check_logits(

@@ -208,6 +208,8 @@ class WorkerMetrics(QueueMetrics):
             "Entries taken over from dead consumers (XAUTOCLAIM).",
             registry=r,
         )
+        self.handed_back = Counter("scoring_entries_handed_back_total", "Entries read, not "
+                                   "started, handed back on drain.", registry=r)  # fmt: skip
         self.dead_lettered = Counter(
             "scoring_dead_lettered_total",
             "Entries moved to the dead-letter stream.",
@@ -328,6 +330,11 @@ class WorkerMetrics(QueueMetrics):
         self.draining = Gauge(
             "scoring_worker_draining", "1 while draining after SIGTERM.", registry=r
         )
+        # --- cold start (worker.observability.startup)
+        self.startup_phase = Gauge("scoring_startup_phase_seconds", "Duration of each start-up "
+                                   "phase.", ["phase"], registry=r)  # fmt: skip
+        self.startup = Gauge("scoring_startup_seconds", "Seconds from process start until "
+                             "ready / the first result.", ["until"], registry=r)  # fmt: skip
         self.last_batch_timestamp = Gauge(
             "scoring_last_batch_timestamp_seconds",
             "Unix time of the last finished batch.",

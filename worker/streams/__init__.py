@@ -25,6 +25,10 @@ Functions and the Redis commands they send:
 * :func:`delivery_counts` (``claims``), :func:`pending_count` (``groups``) - ``XPENDING``;
 * :func:`forget_consumer` (``groups``) - ``XGROUP DELCONSUMER`` when it holds nothing (script
   ``FORGET``);
+* :func:`hand_back` (``handback``) - a draining worker's unstarted entries made claimable at once
+  (script ``HANDBACK``: ``XCLAIM ... IDLE ... RETRYCOUNT ... JUSTID`` + ``HINCRBY``);
+  :func:`handback_marks` - ``HGETALL`` of the hand-back hashes the other workers poll;
+  :func:`forget_givers` - ``FORGET`` + ``HDEL`` of givers that hold nothing any more;
 * :func:`stream_stats` (``stats``) - ``XLEN``, ``XINFO GROUPS`` (lag, pending), ``XINFO
   CONSUMERS``: the one source of the worker's stream gauges and of ``scoring-worker info``;
 * :func:`server_version` (``groups``) - ``INFO server``;
@@ -39,7 +43,9 @@ Lua scripts (``scripts``), each one atomic check-then-write step:
 * ``DEAD_ACK`` - KEYS: dead stream, job stream[, reply stream]. ARGV: group, entry id, maxlen,
   consumer, result payload ('' = none), result maxlen, reply TTL in s, field/value pairs...;
 * ``RENEW`` - KEYS: job stream. ARGV: group, consumer, entry ids...;
-* ``FORGET`` - KEYS: job stream. ARGV: group, consumer.
+* ``FORGET`` - KEYS: job stream. ARGV: group, consumer;
+* ``HANDBACK`` - KEYS: job stream, hand-back hash. ARGV: group, consumer, idle ms, hash TTL in
+  ms, entry ids....
 
 Errors (``transient``): :func:`is_transient` says which refusals to retry later
 (:data:`TRANSIENT_ERRORS`, raised as :class:`TransientRedisError`), :func:`error_text` puts back
@@ -62,6 +68,7 @@ from worker.streams.groups import (
     supports_autoclaim,
     trim_acked,
 )
+from worker.streams.handback import forget_givers, hand_back, handback_marks
 from worker.streams.heartbeat import read_heartbeats, write_heartbeat
 from worker.streams.reading import Entry, read_new
 from worker.streams.stats import stream_stats
@@ -86,6 +93,9 @@ __all__ = [
     "ensure_group",
     "error_text",
     "forget_consumer",
+    "forget_givers",
+    "hand_back",
+    "handback_marks",
     "is_cluster",
     "is_nogroup",
     "is_transient",

@@ -15,6 +15,8 @@ script              KEYS                           ARGV
                                                    field/value pairs...
 :data:`RENEW`       job stream                     group, consumer, entry ids...
 :data:`FORGET`      job stream                     group, consumer
+:data:`HANDBACK`    job stream, hand-back hash     group, consumer, idle ms, hash TTL in ms,
+                                                   entry ids...
 ==================  =============================  ===========================================
 """
 
@@ -104,4 +106,34 @@ redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
 return 1
 """
 
-__all__ = ["DEAD_ACK", "FORGET", "RENEW", "RESULT_ACK"]
+#: Hand entries this consumer read but never started back to the group (a draining worker).
+#:
+#: KEYS: job stream, hand-back hash (``worker.keys.handback_key``). ARGV: group, consumer, idle
+#: ms, hash TTL in ms, entry ids... Each id this consumer still owns gets ``XCLAIM ... IDLE
+#: <idle ms> RETRYCOUNT <deliveries - 1> JUSTID``: it stays in this consumer's pending list but
+#: looks idle far past any claim idle time, so the next ``XAUTOCLAIM`` of another worker takes it,
+#: and the delivery that never ran is taken back from its count (the other worker's claim adds it
+#: again), so a hand-back never moves a job toward isolation or the dead-letter stream. Then
+#: ``HINCRBY`` of the consumer's field in the hand-back hash (+ ``PEXPIRE``) tells the other
+#: workers to look now. Returns the ids handed back (an id another consumer took over is left
+#: alone).
+HANDBACK = """
+local out = {}
+for i = 5, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p > 0 and p[1][2] == ARGV[2] then
+    local n = tonumber(p[1][4]) - 1
+    if n < 0 then n = 0 end
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3],
+               'RETRYCOUNT', n, 'JUSTID')
+    out[#out + 1] = ARGV[i]
+  end
+end
+if #out > 0 then
+  redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
+  redis.call('PEXPIRE', KEYS[2], ARGV[4])
+end
+return out
+"""
+
+__all__ = ["DEAD_ACK", "FORGET", "HANDBACK", "RENEW", "RESULT_ACK"]

@@ -85,6 +85,16 @@ class GroupScorer:
         return self.executor.modes
 
     @property
+    def vocab_size(self) -> int:
+        """Valid token ids are ``[0, vocab_size)`` (the executor's)."""
+        return int(self.executor.vocab_size)
+
+    @property
+    def max_positions(self) -> int | None:
+        """Longest sequence the model accepts (the executor's)."""
+        return self.executor.max_positions
+
+    @property
     def info(self) -> dict[str, Any]:
         """The executor's identity, with the group (``tensor_parallel``, its devices)."""
         return self.executor.info

@@ -12,8 +12,11 @@ touches the network (``local_files_only=True``). Before anything loads,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,6 +24,7 @@ import torch
 from torch import nn
 
 from worker.errors import ConfigError
+from worker.executor.weights.gguf_cache import shared_gguf_parses
 from worker.executor.weights.source import check_model_source, offline
 
 log = logging.getLogger(__name__)
@@ -75,6 +79,17 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+@contextlib.contextmanager
+def timed(phases: dict[str, float], name: str) -> Iterator[None]:
+    """Add the seconds the block takes to ``phases[name]`` (the cold-start phases,
+    ``worker.observability.startup``)."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        phases[name] = phases.get(name, 0.0) + time.perf_counter() - started
+
+
 def split_gguf_path(name_or_path: str, gguf_file: str | None = None) -> tuple[str, str | None]:
     """``(directory or hub id, gguf file name or None)``: the path of a ``.gguf`` file becomes
     its directory and file name (``ConfigError`` when no such file exists); anything else is
@@ -125,6 +140,7 @@ def load_model(
     revision: str | None = None,
     reward_head: str = "auto",
     distributed_config: Any = None,
+    timings: dict[str, float] | None = None,
 ) -> nn.Module:
     """Load a ``*ForCausalLM`` (``kind="causal"``) or a reward model (``"reward"``): the class
     ``reward_head`` names (``REWARD_HEAD_CLASSES``; ``auto``: the checkpoint's architecture).
@@ -134,6 +150,8 @@ def load_model(
     checkpoint lacks (transformers would initialise them at random): they are named.
     ``distributed_config`` (a transformers ``DistributedConfig``, inside an initialised
     ``torch.distributed`` group): each rank loads only its shard (``worker.executor.parallel``).
+    ``timings``: seconds of ``model_read`` and ``placement`` are added to it (the cold-start
+    phases, ``worker.observability.startup``).
     """
     import transformers
 
@@ -153,23 +171,31 @@ def load_model(
         kwargs["gguf_file"] = gguf_file
     if distributed_config is not None:
         kwargs["distributed_config"] = distributed_config
+    elif device.type == "cuda":
+        # Straight to the device: each safetensors tensor is copied to the GPU as it is read,
+        # instead of the whole model built in host memory first and copied over after.
+        kwargs["device_map"] = str(device)
     log.info("loading %s model %s (gguf=%s, dtype=%s)", kind, name_or_path, gguf_file, dtype)
-    try:
-        if kind == "reward":
-            if reward_head == "auto":
-                config = transformers.AutoConfig.from_pretrained(name_or_path, **kwargs)
-                reward_head = reward_head_of(getattr(config, "architectures", None))
-            if reward_head not in REWARD_HEAD_CLASSES:
-                raise ConfigError(f"unknown reward head {reward_head!r}")
-            cls = getattr(transformers, REWARD_HEAD_CLASSES[reward_head])
-        model, info = cls.from_pretrained(name_or_path, output_loading_info=True, **kwargs)
-    except (OSError, ValueError, KeyError, ImportError) as exc:
-        raise ConfigError(f"cannot load {kind} model {name_or_path!r}: {exc}") from exc
+    phases = {} if timings is None else timings
+    parses = shared_gguf_parses() if gguf_file is not None else contextlib.nullcontext()
+    with timed(phases, "model_read"), parses:
+        try:
+            if kind == "reward":
+                if reward_head == "auto":
+                    config = transformers.AutoConfig.from_pretrained(name_or_path, **kwargs)
+                    reward_head = reward_head_of(getattr(config, "architectures", None))
+                if reward_head not in REWARD_HEAD_CLASSES:
+                    raise ConfigError(f"unknown reward head {reward_head!r}")
+                cls = getattr(transformers, REWARD_HEAD_CLASSES[reward_head])
+            model, info = cls.from_pretrained(name_or_path, output_loading_info=True, **kwargs)
+        except (OSError, ValueError, KeyError, ImportError) as exc:
+            raise ConfigError(f"cannot load {kind} model {name_or_path!r}: {exc}") from exc
     missing = sorted(info.get("missing_keys") or ())
     if missing:
         raise ConfigError(missing_weights_message(name_or_path, kind, reward_head, missing))
-    model.to(device)
-    model.eval()
+    with timed(phases, "placement"):
+        model.to(device)
+        model.eval()
     return model
 
 
@@ -199,9 +225,10 @@ def load_models(
     revision: str | None = None,
     reward_head: str = "auto",
     distributed_config: Any = None,
+    timings: dict[str, float] | None = None,
 ) -> tuple[nn.Module | None, nn.Module | None]:
     """``(reference, reward)``: each named model loaded with ``load_model`` (``None`` when not
-    named); at least one must be named (``ConfigError``)."""
+    named); at least one must be named (``ConfigError``). ``timings``: see ``load_model``."""
     if not reference_model and not reward_model:
         raise ConfigError("from_pretrained needs reference_model and/or reward_model")
     common: dict[str, Any] = {
@@ -210,6 +237,7 @@ def load_models(
         "trust_remote_code": trust_remote_code,
         "revision": revision,
         "distributed_config": distributed_config,
+        "timings": timings,
     }
     ref = rew = None
     if reference_model:
