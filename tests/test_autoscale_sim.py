@@ -157,3 +157,29 @@ def test_noop_scorer_sleeps_per_batch_and_per_token() -> None:
     assert len(out.scores) == 3
     with pytest.raises(ValueError):
         NoopScorer(us_per_token=-1.0)
+
+
+def test_a_stopped_worker_hands_back_what_it_has_not_started() -> None:
+    """SIGTERM mid-batch: the read-ahead goes back to the stream at once (a blocked worker gets
+    it), only the computing batch is finished; with hand_back=False the worker keeps it all."""
+    from worker.devtools.autoscale.fleet import Worker
+
+    for hand_back in (True, False):
+        env = simpy.Environment()
+        stream = Stream(env)
+        profile = Profile(s_per_token=1e-3, startup_s=0.0, max_batch_tokens=100,
+                          hand_back=hand_back)  # fmt: skip
+        exited: list[Worker] = []
+        a = Worker(env, stream, profile, exited.append)
+        env.run(until=0.5)  # a is ready and blocked on the empty stream
+        stream.add_many([Job(i, 50, env.now) for i in range(6)])
+        env.run(until=0.51)  # a read all 6 (64 at most), computes 0-1 (100 tokens), holds 2-5
+        assert [j.id for j in a.backlog] == [2, 3, 4, 5] and stream.lag == 0
+        waiting = stream.read_blocking(64)  # another worker blocked on the stream
+        a.stop()
+        if hand_back:
+            assert a.backlog == [] and [j.id for j in waiting.value] == [2, 3, 4, 5]
+        else:
+            assert len(a.backlog) == 4 and not waiting.triggered
+        env.run(until=5.0)
+        assert exited == [a]

@@ -91,14 +91,9 @@ class Worker:
         self.reader = EntryReader(config, self.in_flight, self.metrics)
         self.handback = HandBack(config, self.in_flight, self.metrics)  # drain: give back
         self.writer = OutboxWriter(self.jobs)
-        heartbeat = Heartbeat(
-            config.streams,
-            group=config.group,
-            consumer=config.consumer,
-            scorer=scorer,
-            ttl_s=heartbeat_ttl_s(config.stats_interval_s),
-            weights={q.name: q.weight for q in config.shares},
-        )
+        heartbeat = Heartbeat(config.streams, group=config.group, consumer=config.consumer,
+                              scorer=scorer, ttl_s=heartbeat_ttl_s(config.stats_interval_s),
+                              weights={q.name: q.weight for q in config.shares})  # fmt: skip
         self.stats = StatsSampler(config.streams, config.group, metrics=self.metrics,
                                   dead_stream_of=self.jobs.dead_stream_of,
                                   interval_s=config.stats_interval_s,

@@ -14,8 +14,10 @@ The model follows the daemon (``worker/daemon/worker.py``, ``backlog.py``), not 
 - **pipelining**: while a batch computes, the worker reads ahead what fills its backlog to one
   budget (by the mean job size seen) and starts the next batch the moment the current one ends;
 - **start and stop**: a pod is counted (and costs) from creation; it serves after ``startup_s``
-  (model load to ``/readyz``). A stopped worker stops reading and finishes what it holds, then
-  exits; one stopped while starting or idle exits at once. Kubernetes removes not-ready pods
+  (model load to ``/readyz``). A stopped worker stops reading, hands back what it holds but has
+  not started (they go to the other workers at once) and finishes the batch computing, then
+  exits (``hand_back=False``: it finishes everything it holds); one stopped while starting or
+  idle exits at once. Kubernetes removes not-ready pods
   first, then the most recently ready (the ReplicaSet controller's order).
 
 Lag is the stream's undelivered entries, pending the entries read and not acked: the two values
@@ -47,6 +49,7 @@ class Profile:
     max_batch_tokens: int = 16384
     read_count: int = 64
     max_wait_s: float = 0.005
+    hand_back: bool = True  # a stopping worker gives back what it has not started (--handback)
 
     def __post_init__(self) -> None:
         if self.s_per_token < 0 or self.startup_s < 0 or self.batch_overhead_s < 0:
@@ -104,6 +107,16 @@ class Stream:
             self.pending += len(got)
             event.succeed(got)
         self.undelivered.extend(jobs)
+
+    def hand_back(self, jobs: list[Job]) -> None:
+        """A stopping worker's unstarted entries, claimable by the others at once (the daemon's
+        hand-back: ``XCLAIM ... IDLE``, watched by every serving worker): ahead of the rest."""
+        self.pending -= len(jobs)
+        self.undelivered.extendleft(reversed(jobs))
+        while self.undelivered and self._blocked:
+            event, count = self._blocked.popleft()
+            got = self.read(count)
+            event.succeed(got)
 
     def read(self, count: int) -> list[Job]:
         """``XREADGROUP COUNT count`` without BLOCK: up to ``count`` entries (maybe none)."""
@@ -172,8 +185,12 @@ class Worker:
         self.process = env.process(self._run())
 
     def stop(self) -> None:
-        """SIGTERM: stop reading, finish what is held, exit (at once when starting or idle)."""
+        """SIGTERM: stop reading, hand back what is held but not started (``hand_back``; else
+        finish it), finish the batch computing, exit (at once when starting or idle)."""
         self.stopping = True
+        if self.profile.hand_back and self.backlog:
+            held, self.backlog = self.backlog, []
+            self.stream.hand_back(held)
         if self.ready_s is None or self._waiting is not None:
             self.process.interrupt()
 
