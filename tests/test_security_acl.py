@@ -35,7 +35,8 @@ WORKER_ACL = (
     "+ping +hello +client|setname +client|setinfo +info +eval "
     "+xreadgroup +xautoclaim +xclaim +xpending +xrange +xack +xadd +ttl +expire "
     "+xgroup|create +xgroup|delconsumer +xinfo|groups +xinfo|consumers +xlen "
-    "+hset +pexpire +zadd +zremrangebyscore"  # the heartbeat (scoring-worker info)
+    "+hset +pexpire +zadd +zremrangebyscore "  # the heartbeat (scoring-worker info)
+    "+hgetall +hincrby"  # the hand-back counters a draining worker bumps and the others watch
 )
 PRODUCER_ACL = (
     "resetkeys %W~scoring:*:jobs ~scoring:*:replies:* %R~scoring:*:workers resetchannels -@all "
