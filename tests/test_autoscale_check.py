@@ -56,6 +56,9 @@ def test_a_wrong_core_misses_the_measured_latencies(measured: dict[int, check.Me
         "an ideal shared queue (read 1 entry)": lambda n, a: replay(
             a, n, replace(base, read_count=1)
         ),
+        "fixed reads of 64 entries (not sized by the job size)": lambda n, a: replay(
+            a, n, replace(base, sized_reads=False)
+        ),
         "the other replica count": lambda n, a: replay(a, 3 - n, base),
         "no per-token cost": lambda n, a: replay(a, n, replace(base, s_per_token=0.0)),
     }

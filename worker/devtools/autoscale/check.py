@@ -40,8 +40,10 @@ from worker.devtools.autoscale.fleet import Profile
 from worker.devtools.autoscale.sim import percentile, replay
 from worker.protocol import decode_result, encode_job
 
-REL_TOLERANCE = 0.25
-"""How far simulated p50/p99 may be from the measured ones, relative to the measured value."""
+REL_TOLERANCE = 0.15
+"""How far simulated p50/p99 may be from the measured ones, relative to the measured value (the
+core agrees within 1-3% on this machine at load averages up to 2.7; a core that reads 1 entry,
+or a fixed 16 or 64, is 20-26% off the 2-replica p50)."""
 ABS_TOLERANCE_S = 0.08
 """The absolute floor of the tolerance (scheduling noise of a loaded 2-core machine)."""
 

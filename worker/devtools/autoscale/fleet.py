@@ -50,6 +50,7 @@ class Profile:
     read_count: int = 64
     max_wait_s: float = 0.005
     hand_back: bool = True  # a stopping worker gives back what it has not started (--handback)
+    sized_reads: bool = True  # reads sized by the mean job size (False: read_count every time)
 
     def __post_init__(self) -> None:
         if self.s_per_token < 0 or self.startup_s < 0 or self.batch_overhead_s < 0:
@@ -207,7 +208,7 @@ class Worker:
         """Entries to read now: about what completes the budget by the mean job size seen
         (``Backlog.rooms``), ``read_count`` before any job was seen."""
         count = self.profile.read_count
-        if self._mean_tokens <= 0:
+        if self._mean_tokens <= 0 or not self.profile.sized_reads:
             return count
         left = self.profile.max_batch_tokens - self._held_tokens()
         return min(count, max(1, math.ceil(left / self._mean_tokens)))
