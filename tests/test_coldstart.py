@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.support.daemon import WorkerProc, collect, enqueue
+from tests.support.daemon import WorkerProc, collect, enqueue, wait_until
 from worker import keys
 from worker.devtools.bench.coldstart import scrape_startup
 from worker.observability.startup import StartupClock, process_age_s
@@ -88,7 +88,9 @@ def test_warmup_runs_before_ready_and_phases_are_published(
         reply = keys.reply_stream(stream, "c")
         enqueue(client, stream, "j", reply, [{"tokens": [1, 2, 3], "prompt_len": 1}])
         collect(client, reply, ["j"], timeout=20)
-        assert _metrics(w)["first_result"] > figures["ready"]
+        # the result is on its reply stream just before the worker marks its first result
+        first = wait_until(lambda: _metrics(w).get("first_result"), 10, what="first_result")
+        assert first > figures["ready"]
     finally:
         w.stop()
 
