@@ -19,7 +19,9 @@ Each rank pickles what it saw (rank 0: the outputs) to ``FILE``.
 from __future__ import annotations
 
 import argparse
+import os
 import pickle
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +150,10 @@ def main() -> None:
         seen[phase] = {"rss_before": before, "outputs": outputs}
     comm.close()
     Path(args.out).write_bytes(pickle.dumps(seen))
+    # gloo's threads are not joined at interpreter exit: its static destructors may then abort
+    # ("terminate called without an active exception", exit -6) after the work is done
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
