@@ -137,10 +137,12 @@ def test_kill9_of_the_follower_rank_restarts_the_group(
     assert len(report.faults) == kills
     log = w.log()
     # each kill is a group fault, seen by the leader's watch ("rank 1 closed its channel") or,
-    # when the kill lands inside a collective, by the leader's failed collective (gloo's
-    # "Connection closed by peer"), whichever comes first
-    faults = re.findall(r"tensor-parallel group fault: rank (?:1 |0: \w+ collective failed)", log)
-    assert len(faults) >= kills, log[-3000:]
+    # when the kill lands inside a collective, by the leader itself (gloo's "Connection closed
+    # by peer" from a collective of its own, a call's broadcast or one inside the forward),
+    # whichever comes first
+    faults = re.findall(r"tensor-parallel group fault: (rank (?:1 |0: ).*)", log)
+    downs = [line for line in log.splitlines() if "group fault" in line or "exit 75" in line]
+    assert len(faults) >= kills, "\n".join(downs)
     assert log.count(JOINED) >= before + kills  # a new group after each kill
     assert w.proc.poll() is None  # the supervisor serves on
 
