@@ -52,6 +52,17 @@ def test_select_policy_min_takes_the_smaller_change() -> None:
     assert disabled.decide(0.0, 10, 40) == 10
 
 
+def test_scale_down_policies_max_takes_the_bigger_drop_and_min_the_smaller() -> None:
+    policies = (hpa.Policy("Percent", 50, 15.0), hpa.Policy("Pods", 1, 15.0))
+    biggest = hpa.HpaState(1, 64, scale_down=hpa.Rules(0.0, policies))
+    assert biggest.decide(0.0, 10, 2) == 5  # min(floor(10 x 0.5), 10 - 1)
+    assert biggest.decide(5.0, 5, 2) == 5  # the period's start is still 10: 5 is its limit
+    smallest = hpa.HpaState(1, 64, scale_down=hpa.Rules(0.0, policies, "Min"))
+    assert smallest.decide(0.0, 10, 2) == 9  # max(5, 9)
+    disabled = hpa.HpaState(1, 64, scale_down=hpa.Rules(0.0, policies, "Disabled"))
+    assert disabled.decide(0.0, 10, 2) == 10
+
+
 def test_keda_wakes_on_lag_and_scales_to_zero_after_the_cooldown() -> None:
     op = Operator(ScaledObject(cooldown_s=60, activation_lag_count=5))
     assert op.check(0.0, 0, 5, 0) is None  # lag 5 is not > activationLagCount 5

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ import redis
 from worker import keys
 from worker.devtools.autoscale.fleet import Profile
 from worker.devtools.autoscale.sim import percentile, replay
+from worker.devtools.workers import stop_all, wait_readers
 from worker.protocol import decode_result, encode_job
 
 REL_TOLERANCE = 0.15
@@ -94,20 +94,6 @@ def _ms(entry_id: bytes | str) -> int:
     return int(raw.split("-", 1)[0])
 
 
-def _wait_readers(
-    client: redis.Redis, names: list[str], procs: list[subprocess.Popen[bytes]], timeout_s: float
-) -> None:
-    want = {f"scoring-worker:{n}" for n in names}
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError("a worker exited before it started reading")
-        if want <= {c.get("name") for c in client.client_list() if c.get("cmd") == "xreadgroup"}:
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"workers did not start reading within {timeout_s}s")
-
-
 def run_real(
     url: str, queue: str, trace: Trace, replicas: int, costs: Costs, timeout_s: float = 120.0
 ) -> Measured:
@@ -148,7 +134,7 @@ def run_real(
     ]
     arrivals = trace.arrivals()
     try:
-        _wait_readers(client, names, procs, timeout_s)
+        wait_readers(client, names, procs, timeout_s)
         ids = _replay(client, stream, reply, arrivals)
         deadline = time.monotonic() + timeout_s
         while client.xlen(reply) < len(arrivals):
@@ -156,15 +142,7 @@ def run_real(
                 raise RuntimeError(f"only {client.xlen(reply)} of {len(arrivals)} results")
             time.sleep(0.05)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_all(procs)
     done: dict[str, int] = {}
     entries: Any = client.xrange(reply)
     for entry_id, fields in entries:

@@ -105,33 +105,26 @@ class HpaState:
         removed = _change_in_period(self.down_events, now, period_s)
         return current - added + removed
 
-    def _up_limit(self, now: float, current: int) -> int:
-        rules = self.scale_up
+    def _limit(self, now: float, current: int, up: bool) -> int:
+        """The most (``up``) or fewest replicas the rate limits of that direction allow now:
+        each policy's limit from the period's start; ``selectPolicy: Max`` takes the policy
+        that allows the biggest change, ``Min`` the smallest, ``Disabled`` none."""
+        rules = self.scale_up if up else self.scale_down
         if rules.select == "Disabled":
             return current
-        pick = min if rules.select == "Min" else max
+        sign = 1 if up else -1
         limits = []
         for p in rules.policies:
             start = self._start(now, current, p.period_s)
             if p.kind == "Pods":
-                limits.append(start + p.value)
-            else:
+                limits.append(start + sign * p.value)
+            elif up:
                 limits.append(math.ceil(start * (1 + p.value / 100)))
-        return pick(limits)
-
-    def _down_limit(self, now: float, current: int) -> int:
-        rules = self.scale_down
-        if rules.select == "Disabled":
-            return current
-        pick = max if rules.select == "Min" else min
-        limits = []
-        for p in rules.policies:
-            start = self._start(now, current, p.period_s)
-            if p.kind == "Pods":
-                limits.append(start - p.value)
             else:
                 limits.append(int(start * (1 - p.value / 100)))
-        return pick(limits)
+        biggest_change = max if up else min
+        smallest_change = min if up else max
+        return (smallest_change if rules.select == "Min" else biggest_change)(limits)
 
     def decide(self, now: float, current: int, desired: int) -> int:
         """The replicas the HPA sets at ``now`` from the metrics' ``desired`` (records the
@@ -139,10 +132,10 @@ class HpaState:
         rec = self._stabilize(now, current, desired)
         out = rec
         if rec > current:
-            limit = max(self._up_limit(now, current), current)
+            limit = max(self._limit(now, current, up=True), current)
             out = min(rec, limit, self.max_replicas)
         elif rec < current:
-            limit = min(self._down_limit(now, current), current)
+            limit = min(self._limit(now, current, up=False), current)
             out = max(rec, limit, self.min_replicas)
         out = min(max(out, self.min_replicas), self.max_replicas)
         self.record(now, current, out)

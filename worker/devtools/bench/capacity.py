@@ -31,7 +31,6 @@ import logging
 import os
 import platform
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,7 @@ import redis
 
 from worker import keys
 from worker.devtools.embedded import free_port
+from worker.devtools.workers import stop_all, wait_readers
 from worker.protocol import decode_result, encode_job
 
 log = logging.getLogger(__name__)
@@ -125,26 +125,6 @@ def make_payload(job_id: str, reply_to: str, tokens: array, prompt_len: int, mod
     return encode_job(job_id, mode, reply_to, [{"tokens": tokens, "prompt_len": prompt_len}])
 
 
-def _wait_readers(
-    client: redis.Redis, names: set[str], procs: list[subprocess.Popen[bytes]]
-) -> None:
-    """Wait until every worker is in its read loop (a connection named after it ran XREADGROUP).
-
-    XINFO CONSUMERS is no use here: Redis 7.0 registers a consumer only once it is delivered to.
-    """
-    deadline = time.monotonic() + 300
-    want = {f"scoring-worker:{n}" for n in names}
-    while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"a worker exited early with {p.returncode}")
-        reading = {c.get("name") for c in client.client_list() if c.get("cmd") == "xreadgroup"}
-        if want <= reading:
-            return
-        time.sleep(0.05)
-    raise TimeoutError("workers did not start reading")
-
-
 def run_config(
     url: str,
     workers: int,
@@ -191,7 +171,7 @@ def run_config(
         for name in names
     ]
     try:
-        _wait_readers(client, set(names), procs)
+        wait_readers(client, names, procs, timeout_s=300)
         total = jobs + partitions
         cpu1 = redis_cpu_s(client)
         pipe = client.pipeline(transaction=False)
@@ -209,15 +189,7 @@ def run_config(
             time.sleep(0.02)
         cpu2 = redis_cpu_s(client)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_all(procs)
 
     first = last = None
     errors = 0
