@@ -574,3 +574,41 @@ def test_every_step_passes_on_cpu_under_an_interpreter_built_like_the_gpu_machin
 
 def _gpu_test_count() -> int:
     return len(re.findall(r"^def test_", (ROOT / "tests" / "test_gpu.py").read_text(), re.M))
+
+
+def _exit_after(seconds: float, code: int) -> None:
+    time.sleep(seconds)
+    os._exit(code)
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_the_tp_steps_rank_1_reads_one_exit_status_for_every_waiter(code: int) -> None:
+    """The tp step waits for its forked rank 1 from two threads (a watch, then the step): both
+    must read its exit status (two waiters on a forked Process race for it, and the loser read
+    "still running")."""
+    import multiprocessing
+    import threading
+
+    from worker.devtools.gpu_check.tp import _Rank1
+
+    for _ in range(5):
+        child = multiprocessing.get_context("fork").Process(target=_exit_after, args=(0.2, code))
+        child.start()
+        rank1 = _Rank1(child)
+        seen: list[int | None] = []
+        waiters = [None, *[30.0] * 7]  # a watch (no timeout) and the step, crowded
+        threads = [
+            threading.Thread(target=lambda r=rank1, t=t, out=seen: out.append(r.wait(t)))
+            for t in waiters
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert seen == [code] * len(waiters)
+    still = multiprocessing.get_context("fork").Process(target=_exit_after, args=(30, 0))
+    still.start()
+    running = _Rank1(still)
+    assert running.wait(0.1) is None
+    running.kill()
+    assert running.wait(30) == -9

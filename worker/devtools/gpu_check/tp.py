@@ -132,24 +132,35 @@ def _two_ranks(
 
 class _Rank1:
     """Rank 1 as a ``subprocess.Popen`` or a forked ``multiprocessing.Process``: ``kill`` and
-    ``wait(timeout)``, the exit code or ``None`` while it runs."""
+    ``wait(timeout)``, the exit code or ``None`` while it runs.
+
+    One thread of its own waits for the process and every ``wait`` reads what it saw: two
+    threads waiting on a forked ``Process`` race for its exit status, and the loser's
+    ``waitpid`` fails (ECHILD), which ``multiprocessing`` reads as "still running"."""
 
     def __init__(self, proc: Any) -> None:
         self.proc = proc
+        self._code: int | None = None
+        self._exited = threading.Event()
+        threading.Thread(target=self._reap, name="rank-1-reaper", daemon=True).start()
+
+    def _reap(self) -> None:
+        if isinstance(self.proc, subprocess.Popen):
+            code = self.proc.wait()
+        else:
+            self.proc.join()
+            code = self.proc.exitcode
+        self._code = -1 if code is None else int(code)
+        self._exited.set()
 
     def kill(self) -> None:
         with contextlib.suppress(OSError):
             self.proc.kill()
 
     def wait(self, timeout: float | None) -> int | None:
-        if isinstance(self.proc, subprocess.Popen):
-            try:
-                return int(self.proc.wait(timeout))
-            except subprocess.TimeoutExpired:
-                return None
-        self.proc.join(timeout)
-        code = self.proc.exitcode
-        return None if code is None else int(code)
+        if not self._exited.wait(timeout):
+            return None
+        return self._code
 
 
 def _start_rank1(setup: Setup, port: int, model: str, dtype: str, log: Path, out: Path) -> _Rank1:
@@ -174,6 +185,16 @@ def _forked_rank1(port: int, model: str, dtype: str, tiny: bool, log: str, out: 
     os.dup2(fd, 2)
     doc = run_rank(1, RANKS, port, model, "cpu", dtype, tiny)
     Path(out).write_text(json.dumps(doc))
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """End a rank once its record is written: gloo's threads are not joined at interpreter exit
+    (its static destructors may then abort, exit -6), and a fork's exit joins every non-daemon
+    thread first."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_rank(
@@ -223,7 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     doc = run_rank(args.rank, args.size, args.port, args.model, args.device, args.dtype, args.tiny)
     Path(args.out).write_text(json.dumps(doc))
-    return 0
+    _exit_now()
+    return 0  # pragma: no cover - _exit_now does not return
 
 
 if __name__ == "__main__":
