@@ -155,6 +155,14 @@ def test_a_worker_reads_about_one_batch_not_a_fixed_count_once_it_knows_the_job_
     backlog.append(_pending(a.streams[0], "j0", [5] * 30))  # 30 tokens held, mean 30
     assert backlog.rooms(64, ahead=False) == {"a": 3}  # ceil(70 / 30): one job past the budget
     assert backlog.rooms(2, ahead=False) == {"a": 2}  # never above the read count
+    # while a batch computes: what fills the budget (floor(70 / 30)), not one job past it
+    assert backlog.rooms(64, ahead=True) == {"a": 2}
+    backlog.append(_pending(a.streams[0], "j1", [5] * 60))  # 90 held: no job fits, read one
+    assert backlog.rooms(64, ahead=True) == {"a": 1}
+    backlog.append(_pending(a.streams[0], "j2", [5] * 10))  # the budget is held: read nothing
+    assert backlog.rooms(64, ahead=True) == {"a": 0}
+    assert backlog.rooms(64, ahead=False) == {"a": 64}  # one queue, full: as many as it may
+    backlog.take_batch()
     backlog.take_batch()
     assert backlog.rooms(64, ahead=False) == {"a": 4}  # idle again: ceil(100 / 30)
 

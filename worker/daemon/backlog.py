@@ -114,19 +114,12 @@ class Backlog:
         for lane in self.lanes:
             left = self.max_batch_tokens - lane.tokens()
             if ahead:
-                if left <= 0 or queued:
-                    out[lane.name] = 0
-                    continue
-                fit = int(left // lane.mean_tokens) if lane.mean_tokens > 0 else 1
-                out[lane.name] = min(room, max(1, fit))
-            elif left <= 0 and len(self.lanes) > 1:
-                out[lane.name] = 0
-            elif lane.mean_tokens > 0 and left > 0:
-                # about what completes one budget (one job past it: the batch is full then), so
-                # a worker holds one batch, not ``room`` jobs that other workers could start
-                out[lane.name] = min(room, max(1, math.ceil(left / lane.mean_tokens)))
+                fresh = left > 0 and not queued
+                out[lane.name] = read_size(left, lane.mean_tokens, room, ahead=True) if fresh else 0
+            elif left <= 0:
+                out[lane.name] = 0 if len(self.lanes) > 1 else room
             else:
-                out[lane.name] = room
+                out[lane.name] = read_size(left, lane.mean_tokens, room, ahead=False)
         return out
 
     def take_batch(self) -> list[Pending]:
@@ -209,6 +202,19 @@ class Backlog:
 
     def __iter__(self) -> Iterator[Pending]:
         return iter([p for lane in self.lanes for p in lane.items])
+
+
+def read_size(left: int, mean_tokens: float, room: int, *, ahead: bool) -> int:
+    """How many entries to read (at most ``room``) for a lane with ``left`` > 0 tokens of a
+    batch's budget free, by its mean job size ``mean_tokens`` (0: none seen yet). ``ahead`` (a
+    batch computes): about what fills the budget, at least one (one entry before any job was
+    seen). Otherwise about what completes it, one job past it so the batch is full then
+    (``room`` before any job was seen): a worker holds one batch, not ``room`` jobs that other
+    workers could start. The autoscaling simulation's workers read by the same rule."""
+    if mean_tokens <= 0:
+        return 1 if ahead else room
+    fit = int(left // mean_tokens) if ahead else math.ceil(left / mean_tokens)
+    return min(room, max(1, fit))
 
 
 def batch_share(

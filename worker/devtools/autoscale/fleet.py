@@ -27,13 +27,14 @@ KEDA's redis-streams triggers read.
 from __future__ import annotations
 
 import itertools
-import math
 from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
 import simpy
+
+from worker.daemon.backlog import read_size
 
 Process = Generator[simpy.Event, Any, None]
 """A SimPy process generator."""
@@ -208,10 +209,10 @@ class Worker:
         """Entries to read now: about what completes the budget by the mean job size seen
         (``Backlog.rooms``), ``read_count`` before any job was seen."""
         count = self.profile.read_count
-        if self._mean_tokens <= 0 or not self.profile.sized_reads:
+        if not self.profile.sized_reads:
             return count
         left = self.profile.max_batch_tokens - self._held_tokens()
-        return min(count, max(1, math.ceil(left / self._mean_tokens)))
+        return read_size(left, self._mean_tokens, count, ahead=False) if left > 0 else count
 
     def _fill(self) -> None:
         budget = self.profile.max_batch_tokens
@@ -225,8 +226,8 @@ class Worker:
         left = self.profile.max_batch_tokens - self._held_tokens()
         if left <= 0 or self.stopping:
             return
-        fit = int(left // self._mean_tokens) if self._mean_tokens > 0 else 1
-        self._take(self.stream.read(min(self.profile.read_count, max(1, fit))))
+        count = read_size(left, self._mean_tokens, self.profile.read_count, ahead=True)
+        self._take(self.stream.read(count))
 
     def _run(self) -> Process:
         p = self.profile
