@@ -183,7 +183,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--read-count",
         type=int,
         default=64,
-        help="entries a worker reads per stream at once (WorkerConfig.read_count)",
+        help="entries one read of a worker asks for at most, split over the partitions "
+        "(WorkerConfig.read_count)",
     )
     p.add_argument("--max-replicas", type=int, default=16, help="maxReplicaCount")
     p.add_argument(
