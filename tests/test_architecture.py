@@ -175,7 +175,7 @@ def test_a_tree_that_follows_the_rules_passes() -> None:
             "worker/executor/loop.py",
             "import os\n\nfrom worker.streams import read\n",
             "worker/executor/loop.py:3: worker.executor.loop imports worker.streams: executor "
-            "may import only errors, modes, scorer",
+            "may import only errors, modes, request, scorer",
         ),
         (
             "worker/scorer/noop.py",
@@ -205,7 +205,7 @@ def test_a_tree_that_follows_the_rules_passes() -> None:
             "worker/keys.py",
             "from worker.protocol import Limits\n",
             "worker/keys.py:1: worker.keys imports worker.protocol: kernel may import only config, "
-            "connections, errors, keys, modes",
+            "connections, errors, keys, modes, request",
         ),
         (
             "worker/client/__init__.py",

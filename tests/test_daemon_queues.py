@@ -28,6 +28,7 @@ from worker.daemon.config import QueueShare, WorkerConfig, queue_shares
 from worker.daemon.context import Pending
 from worker.observability.metrics import WorkerMetrics
 from worker.protocol import decode_job, encode_job
+from worker.scorer import Prepared, ScoreRequest, SequenceInput
 from worker.scorer.noop import NoopScorer
 
 pytestmark = pytest.mark.redis
@@ -121,8 +122,9 @@ def test_weights_share_the_batches_while_both_are_backlogged_then_the_idle_share
 
 def _pending(stream: str, job_id: str, tokens: list[int]) -> Pending:
     job = decode_job(encode_job(job_id, "reference", "r", [{"tokens": tokens, "prompt_len": 1}]))
-    return Pending(entry=streams.Entry(stream, f"{len(job_id)}-0", b""), job=job, inputs=[],
-                   read_at_s=0.0)  # fmt: skip
+    prepared = Prepared(ScoreRequest([SequenceInput(tokens, prompt_len=1)]), "reference", 1.0)
+    return Pending(entry=streams.Entry(stream, f"{len(job_id)}-0", b""), job=job,
+                   prepared=prepared, read_at_s=0.0)  # fmt: skip
 
 
 def test_a_queue_back_from_idle_gets_its_share_and_no_credit_for_the_idle_time() -> None:

@@ -20,7 +20,7 @@ from tests.support.models import random_tokens, tiny_reward
 from worker.errors import BadRequest, ModelNotFound
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
 from worker.executor.weights.residency import Residency, Resident, WeightsConfig
-from worker.scorer.options import ScoreOptions
+from worker.scorer import ScoreOptions
 
 
 @pytest.fixture(scope="module")

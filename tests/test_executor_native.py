@@ -20,7 +20,7 @@ from worker.executor.head.sums import OnlineLogSumExp
 from worker.executor.head.teacher import chunked_token_outputs
 from worker.executor.head.tiles import NativeFold
 from worker.executor.head.topk import OnlineTopK
-from worker.scorer.options import ScoreOptions
+from worker.scorer import ScoreOptions
 from worker.scorer.teacher import TokenOutputs
 
 CC = os.environ.get("CC") or "cc"

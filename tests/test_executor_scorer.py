@@ -6,11 +6,10 @@ import numpy as np
 import pytest
 
 from tests.support.models import random_tokens, tiny_causal, tiny_reward
-from worker.daemon import context as daemon_context
 from worker.errors import UnsupportedMode
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
 from worker.modes import MODES
-from worker.scorer import INFO_KEYS, OPTIONAL_INFO_KEYS, FallbackEvent, Scorer
+from worker.scorer import INFO_KEYS, OPTIONAL_INFO_KEYS, RESULT_INFO_KEYS, FallbackEvent, Scorer
 from worker.scorer.noop import NoopScorer
 
 SEQS = [SequenceInput(random_tokens(n, n), prompt_len=2) for n in (7, 11)]
@@ -23,7 +22,7 @@ def scorers() -> list[Scorer]:
 
 
 def test_both_are_scorers_and_describe_themselves_alike(scorers: list[Scorer]) -> None:
-    assert set(daemon_context.INFO_KEYS) <= {*INFO_KEYS, *OPTIONAL_INFO_KEYS}  # declared keys
+    assert set(RESULT_INFO_KEYS) <= {*INFO_KEYS, *OPTIONAL_INFO_KEYS}  # declared keys
     for scorer in scorers:
         assert isinstance(scorer, Scorer), type(scorer).__name__
         info = scorer.info

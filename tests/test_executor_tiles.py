@@ -25,7 +25,7 @@ from worker.executor.head.logprobs import LogitTransform, chunked_token_logps
 from worker.executor.head.sums import OnlineLogSumExp
 from worker.executor.head.teacher import chunked_token_outputs
 from worker.executor.head.tiles import tileable, tiled_token_logps
-from worker.scorer.options import ScoreOptions
+from worker.scorer import ScoreOptions
 from worker.scorer.teacher import TokenOutputs
 
 ATOL = 1e-5

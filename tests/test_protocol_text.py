@@ -16,8 +16,8 @@ from worker.client.inputs import normalize_seqs
 from worker.errors import BadRequest, ProtocolError
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
 from worker.protocol import decode_job, encode_job
+from worker.scorer import ScoreOptions, ScoreRequest
 from worker.scorer.noop import NoopScorer
-from worker.scorer.options import ScoreOptions
 from worker.scorer.teacher import TokenOutputs, array_layout, result_bytes
 
 TEXT = "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>"
@@ -87,7 +87,7 @@ def test_executor_tokenizes_text_as_given_and_scores_it_like_tokens(smol_tokeniz
         ExecutorConfig(mode="reward"), reward_model=model, tokenizers=(None, smol_tokenizer)
     )
     ids = smol_tokenizer(TEXT, add_special_tokens=False)["input_ids"]
-    seqs = ex.prepare([SequenceInput(text=TEXT)], "reward")
+    seqs = ex.prepare(ScoreRequest([SequenceInput(text=TEXT)], "reward")).inputs
     assert list(seqs[0].rm_ids) == list(ids)
     (by_text,) = ex.score(seqs, mode="reward").scores
     (by_ids,) = ex.score([SequenceInput(tokens=ids)], mode="reward").scores
@@ -104,7 +104,7 @@ def test_executor_tokenizes_text_as_given_and_scores_it_like_tokens(smol_tokeniz
 def test_text_without_a_tokenizer_is_a_clear_bad_request() -> None:
     ex = StatelessExecutor(ExecutorConfig(mode="reward"), reward_model=tiny_reward("llama"))
     with pytest.raises(BadRequest, match="no tokenizer, so it cannot tokenize text"):
-        ex.prepare([SequenceInput(text="hello")], "reward")
+        ex.prepare(ScoreRequest([SequenceInput(text="hello")], "reward"))
 
 
 def test_rank_counts_tokens_at_least_as_likely_as_the_actual_one() -> None:

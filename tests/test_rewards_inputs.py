@@ -15,7 +15,7 @@ import torch
 from tests.support.models import _build, random_tokens, smollm2_gguf, tiny_causal, tiny_reward
 from worker.errors import BadRequest, ConfigError
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
-from worker.scorer.options import ScoreOptions
+from worker.scorer import ScoreOptions, ScoreRequest
 from worker.scorer.steps import StepOptions
 
 MESSAGES = [
@@ -73,7 +73,8 @@ def test_messages_reward_is_the_head_at_the_last_templated_token(
 ) -> None:
     ex = StatelessExecutor.from_pretrained(ExecutorConfig(mode="reward"), reward_model=str(rm_dir))
     seqs = [SequenceInput(messages=MESSAGES), SequenceInput(messages=OTHER)]
-    prepared = ex.prepare(seqs, "reward")  # intake: rendered once, carried in rm_ids
+    # intake: rendered once, carried in rm_ids
+    prepared = ex.prepare(ScoreRequest(seqs, "reward")).inputs
     assert all(p.rm_ids is not None for p in prepared)
     got = ex.score(prepared, mode="reward").scores
     again = ex.score(seqs, mode="reward").scores  # direct API: rendered in score
@@ -150,17 +151,17 @@ def test_bad_messages_and_no_template(smol_tokenizer: Any, messages: Any, match:
         ExecutorConfig(mode="reward"), reward_model=model, tokenizers=(None, smol_tokenizer)
     )
     with pytest.raises(BadRequest, match=match):
-        ex.prepare([SequenceInput(messages=messages)], "reward")
+        ex.prepare(ScoreRequest([SequenceInput(messages=messages)], "reward"))
     bare = copy.deepcopy(smol_tokenizer)
     bare.chat_template = None
     plain = StatelessExecutor(
         ExecutorConfig(mode="reward"), reward_model=model, tokenizers=(None, bare)
     )
     with pytest.raises(BadRequest, match="no chat template"):
-        plain.prepare([SequenceInput(messages=MESSAGES)], "reward")
+        plain.prepare(ScoreRequest([SequenceInput(messages=MESSAGES)], "reward"))
     with pytest.raises(BadRequest, match="carries no tokenizer"):
         StatelessExecutor(ExecutorConfig(mode="reward"), reward_model=model).prepare(
-            [SequenceInput(messages=MESSAGES)], "reward"
+            ScoreRequest([SequenceInput(messages=MESSAGES)], "reward")
         )
 
 
@@ -172,7 +173,7 @@ def test_messages_longer_than_the_reward_model_are_too_long(smol_tokenizer: Any)
         ExecutorConfig(mode="reward"), reward_model=model, tokenizers=(None, smol_tokenizer)
     )
     with pytest.raises(TooLong, match="reward-model tokens"):
-        ex.prepare([SequenceInput(messages=MESSAGES)], "reward")
+        ex.prepare(ScoreRequest([SequenceInput(messages=MESSAGES)], "reward"))
 
 
 def test_multi_objective_rewards_against_float64() -> None:

@@ -170,7 +170,7 @@ def test_outputs_a_group_cannot_fold_yet_are_refused_per_job() -> None:
     job asking for them gets ``bad_request`` naming what a group serves."""
     from worker.errors import BadRequest
     from worker.executor.parallel.executor import refuse_unsharded
-    from worker.scorer.options import ScoreOptions
+    from worker.scorer import ScoreOptions
     from worker.scorer.teacher import Sampling, TokenOutputs
 
     rank = TokenOutputs(outputs=frozenset({"logps", "rank"}))

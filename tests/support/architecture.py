@@ -30,7 +30,7 @@ MAX_MODULE_LINES = 450
 MAX_CLASS_LINES = 300
 TABLE_EXEMPTION = "declarative table"
 
-KERNEL = frozenset({"errors", "modes", "keys", "config", "connections"})
+KERNEL = frozenset({"errors", "modes", "request", "keys", "config", "connections"})
 """Small shared modules at the top of ``worker/`` (each is its own unit in the rules)."""
 
 TORCH = frozenset({"torch", "transformers", "accelerate"})
@@ -73,15 +73,15 @@ def _rule(
 RULES: dict[str, Rule] = {
     r.layer: r
     for r in (
-        _rule("protocol", {"errors", "modes"}, {"redis", "numpy", *TORCH},
+        _rule("protocol", {"errors", "modes", "request"}, {"redis", "numpy", *TORCH},
               third_party_only=frozenset({"msgpack"}), why="the wire schema: msgpack only"),
         _rule("client", {"protocol", *KERNEL}, TORCH,
               why="producers never load torch nor the worker side"),
         _rule("streams", {"protocol", *KERNEL}, TORCH,
               why="Redis Streams commands serve both sides"),
-        _rule("scorer", {"errors", "modes"}, {"redis", "msgpack", *TORCH},
+        _rule("scorer", {"errors", "modes", "request"}, {"redis", "msgpack", *TORCH},
               why="the torch-free contract the daemon drives"),
-        _rule("executor", {"scorer", "errors", "modes"}, {"redis", "msgpack"},
+        _rule("executor", {"scorer", "errors", "modes", "request"}, {"redis", "msgpack"},
               why="all torch, never the queue nor the wire"),
         _rule("daemon", {"streams", "protocol", "scorer", "observability", *KERNEL}, TORCH,
               why="drives a Scorer; never builds one"),

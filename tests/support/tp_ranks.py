@@ -34,7 +34,7 @@ EQUAL = [[7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53][: 13 - i] + [5] * i
 
 def _calls() -> dict[str, list[Any]]:
     from worker.executor import SequenceInput
-    from worker.executor.parallel.group import Call
+    from worker.request import ScoreRequest
     from worker.scorer import DEFAULT_OPTIONS, ScoreOptions
     from worker.scorer.teacher import TokenOutputs
 
@@ -46,15 +46,15 @@ def _calls() -> dict[str, list[Any]]:
     wide = [SequenceInput(rng.integers(1, 32768, 256), 1) for _ in range(48)]
     return {
         "outputs": [
-            Call(ragged, "both", 0.7, ScoreOptions(outputs=spec)),
-            Call(ragged, "reward", None, DEFAULT_OPTIONS),
-            Call(ragged, "reference", None, DEFAULT_OPTIONS),
+            ScoreRequest(ragged, "both", 0.7, ScoreOptions(outputs=spec)),
+            ScoreRequest(ragged, "reward", None, DEFAULT_OPTIONS),
+            ScoreRequest(ragged, "reference", None, DEFAULT_OPTIONS),
         ],
-        "oom_head": [Call(equal, "reference", None, DEFAULT_OPTIONS)],
-        "oom_backbone": [Call(equal, "reference", None, DEFAULT_OPTIONS)],
-        "kernel": [Call(equal, "reference", None, DEFAULT_OPTIONS)],
-        "kv": [Call(equal, "reference", None, DEFAULT_OPTIONS)],
-        "memory": [Call(wide, "reference", None, DEFAULT_OPTIONS)],
+        "oom_head": [ScoreRequest(equal, "reference", None, DEFAULT_OPTIONS)],
+        "oom_backbone": [ScoreRequest(equal, "reference", None, DEFAULT_OPTIONS)],
+        "kernel": [ScoreRequest(equal, "reference", None, DEFAULT_OPTIONS)],
+        "kv": [ScoreRequest(equal, "reference", None, DEFAULT_OPTIONS)],
+        "memory": [ScoreRequest(wide, "reference", None, DEFAULT_OPTIONS)],
     }
 
 

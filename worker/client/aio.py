@@ -26,7 +26,7 @@ from worker.client.base import ClientBase
 from worker.client.core import new_job_id
 from worker.client.effects import END, Block, Command, Delivered, DurableAdd, Effect, Pause, Steps
 from worker.client.errors import ClientClosed, JobFailed
-from worker.client.inputs import JobSpec, checked_output_request
+from worker.client.inputs import JobSpec, teacher_settings
 from worker.client.results import JobHandle, ScoreResult, SeqScore, job_id_of, unwrap
 from worker.client.window import ScoreWindow
 from worker.config import DEFAULT_REDIS_URL
@@ -164,7 +164,7 @@ class AsyncScoringClient(ClientBase):
         """Enqueue one job (see ``ScoringClient.submit``, teacher outputs too)."""
         self._ensure_reader()
         job_id = job_id or new_job_id()
-        request = checked_output_request(job_id, meta, outputs, topk, gather_ids, sampling, float16)
+        request = teacher_settings(outputs, topk, gather_ids, sampling, float16)
         job = self._core.prepare(
             seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id, outputs=request,
             adapter=adapter, version=version, step=step,
@@ -214,7 +214,7 @@ class AsyncScoringClient(ClientBase):
         """Submit one job and await its scores; forgotten on a timeout or cancellation."""
         self._ensure_reader()
         job_id = new_job_id()
-        request = checked_output_request(job_id, meta, outputs, topk, gather_ids, sampling, float16)
+        request = teacher_settings(outputs, topk, gather_ids, sampling, float16)
         job = self._core.prepare(
             seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s, job_id=job_id,
             outputs=request, adapter=adapter, version=version, step=step,

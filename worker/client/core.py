@@ -36,12 +36,13 @@ from worker.client.effects import (
     Steps,
 )
 from worker.client.errors import ClientClosed, ScoringTimeout, client_checks
-from worker.client.inputs import normalize_seqs
+from worker.client.inputs import normalize_seqs, output_request
 from worker.client.resubmit import Resubmitter
 from worker.client.results import JobHandle, SeqScore, unwrap
 from worker.client.workers import WorkerCheck
 from worker.config import DEFAULT_REDIS_URL, RedisSettings
 from worker.modes import MODES
+from worker.request import TokenOutputs
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ class ClientCore:
         meta: Any = None,
         job_id: str | None = None,
         *,
-        outputs: protocol.OutputRequest | None = None,
+        outputs: TokenOutputs | Mapping[str, Any] | None = None,
         adapter: str | None = None,
         version: str | None = None,
         step: Any = None,
@@ -166,18 +167,10 @@ class ClientCore:
             if expires_in_s is not None:
                 deadline_ms = int((time.time() + expires_in_s) * 1000)
             payload = protocol.encode_job(
-                job_id,
-                mode or self.mode,
-                self.reply_stream,
-                specs,
-                temperature=temperature,
-                deadline_ms=deadline_ms,
-                meta=meta,
-                outputs=outputs,
-                adapter=adapter,
-                step=step,
-                version=version,
-            )
+                job_id, mode or self.mode, self.reply_stream, specs, temperature=temperature,
+                deadline_ms=deadline_ms, meta=meta, outputs=output_request(outputs, specs),
+                adapter=adapter, step=step, version=version,
+            )  # fmt: skip
         return PreparedJob(job_id, self.stream_for(job_id), payload, len(specs))
 
     def count_live_workers(self, refresh: bool = False) -> Steps[int | None]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from worker import errors, protocol
-from worker.client.errors import client_checks
+from worker.request import Sampling, TokenOutputs
 
 
 def _prompt_len(value: Any, index: int) -> int:
@@ -85,42 +85,47 @@ def normalize_seqs(seqs: Any) -> list[protocol.SeqSpec]:
     return out
 
 
-def output_request(
+def teacher_settings(
     outputs: Any = None,
     topk: int | None = None,
     gather_ids: Any = None,
     sampling: Mapping[str, Any] | None = None,
     float16: bool = False,
-) -> protocol.OutputRequest | None:
-    """The teacher outputs a job asks for (``None``: plain log-probs, today's job). ``outputs``
-    defaults to ``("logps",)`` when another argument is given; ``gather_ids`` here are shared
-    by every position (per-position ids go on each sequence)."""
-    given = (outputs, topk, gather_ids, sampling)
-    if all(x is None for x in given) and not float16:
+) -> dict[str, Any] | None:
+    """The teacher-output arguments of a job as given (``None``: none given, a plain job);
+    ``output_request`` builds them into the job's ``TokenOutputs`` once its sequences are
+    known."""
+    if all(x is None for x in (outputs, topk, gather_ids, sampling)) and not float16:
         return None
-    if gather_ids is not None and hasattr(gather_ids, "tolist"):
-        gather_ids = gather_ids.tolist()
-    return protocol.OutputRequest(
-        outputs=tuple(outputs) if outputs is not None else ("logps",),
-        topk=topk,
-        gather_ids=tuple(gather_ids) if gather_ids is not None else None,
-        sampling=sampling,
-        float16=float16,
+    return {"outputs": outputs, "topk": topk, "gather_ids": gather_ids, "sampling": sampling,
+            "float16": float16}  # fmt: skip
+
+
+def output_request(
+    settings: TokenOutputs | Mapping[str, Any] | None, specs: list[protocol.SeqSpec]
+) -> TokenOutputs | None:
+    """The job's teacher outputs (``None``: plain log-probs), checked (``BadRequest``): a
+    ``TokenOutputs`` as it is, or ``teacher_settings`` built into one. ``outputs`` defaults to
+    ``("logps",)`` when another setting is given; ``gather_ids`` there are shared by every
+    position; ids per position travel on the sequences (``specs``), whose K is the width."""
+    if settings is None or isinstance(settings, TokenOutputs):
+        return settings
+    names = settings.get("outputs")
+    ids = settings.get("gather_ids")
+    if ids is not None and hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    sampling = settings.get("sampling")
+    width = protocol.gather_width(
+        [(s.num_scored, None if s.gather_ids is None else len(s.gather_ids)) for s in specs]
     )
-
-
-def checked_output_request(
-    job_id: str,
-    meta: Any,
-    outputs: Any = None,
-    topk: int | None = None,
-    gather_ids: Any = None,
-    sampling: Mapping[str, Any] | None = None,
-    float16: bool = False,
-) -> protocol.OutputRequest | None:
-    """``output_request``, with a refusal raised as the job's ``BadRequestError``."""
-    with client_checks(job_id, meta):
-        return output_request(outputs, topk, gather_ids, sampling, float16)
+    return TokenOutputs(
+        outputs=frozenset((names,) if isinstance(names, str) else names or ("logps",)),
+        topk=settings.get("topk") or 0,
+        gather_ids=tuple(ids) if ids is not None else (),
+        gather_width=width,
+        sampling=Sampling(**sampling) if isinstance(sampling, Mapping) else sampling,
+        float16=bool(settings.get("float16")),
+    )
 
 
 @dataclass(frozen=True)
@@ -150,9 +155,9 @@ class JobSpec:
         """Whether this job names any teacher-output setting of its own."""
         return any(getattr(self, k) is not None for k in TEACHER_SETTINGS)
 
-    def output_request(self) -> protocol.OutputRequest | None:
-        """This job's teacher outputs (``output_request`` of its five settings)."""
-        return output_request(
+    def teacher(self) -> dict[str, Any] | None:
+        """This job's teacher-output settings (``teacher_settings`` of its five)."""
+        return teacher_settings(
             self.outputs, self.topk, self.gather_ids, self.sampling, bool(self.float16)
         )
 

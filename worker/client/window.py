@@ -17,7 +17,13 @@ from typing import Any
 
 from worker.client.core import ClientCore, new_job_id
 from worker.client.effects import END, NextItem, Steps
-from worker.client.errors import JobFailed, ScoringTimeout, client_checks, job_failed
+from worker.client.errors import (
+    BadRequestError,
+    JobFailed,
+    ScoringTimeout,
+    client_checks,
+    job_failed,
+)
 from worker.client.inputs import JobSpec, as_job_spec, with_defaults
 from worker.client.results import ScoreResult
 
@@ -56,6 +62,8 @@ class ScoreWindow:
         self.exhausted = False
         # job id -> (submitted at, deadline), both monotonic
         self.pending: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        # jobs refused before sending (raise_errors off): answered in their turn
+        self.refused: dict[str, JobFailed] = {}
 
     def next(self) -> Steps[ScoreResult | JobFailed | None]:
         """The next result (None when every job is answered). Raises ``ScoringTimeout`` when the
@@ -65,6 +73,10 @@ class ScoreWindow:
         if not self.pending:
             return None
         head, (head_start, head_deadline) = next(iter(self.pending.items()))
+        refused = head if self.ordered else next(iter(self.refused), None)
+        if refused in self.refused:
+            del self.pending[refused]
+            return self.refused.pop(refused)
         while True:  # bounded slices: no wait is ever passed an infinite timeout
             wait_s = min(head_deadline - time.monotonic(), _WAIT_SLICE_S)
             ids = [head] if self.ordered else list(self.pending)
@@ -97,20 +109,26 @@ class ScoreWindow:
             mode = spec.mode or self.mode or self.core.mode
             spec = with_defaults(spec, self.defaults, mode)
             job_id = spec.job_id or new_job_id()
-            with client_checks(job_id, spec.meta):
-                outputs = spec.output_request()
-            job = self.core.prepare(
-                spec.seqs,
-                mode,
-                spec.temperature if spec.temperature is not None else self.temperature,
-                deadline_ms=spec.deadline_ms,
-                meta=spec.meta,
-                job_id=job_id,
-                adapter=spec.adapter,
-                version=spec.version,
-                outputs=outputs,
-                step=spec.step,
-            )
+            try:
+                job = self.core.prepare(
+                    spec.seqs,
+                    mode,
+                    spec.temperature if spec.temperature is not None else self.temperature,
+                    deadline_ms=spec.deadline_ms,
+                    meta=spec.meta,
+                    job_id=job_id,
+                    adapter=spec.adapter,
+                    version=spec.version,
+                    outputs=spec.teacher(),
+                    step=spec.step,
+                )
+            except BadRequestError as exc:  # refused here, never sent: answered in its turn
+                if self.raise_errors:
+                    raise
+                now = time.monotonic()
+                self.pending[job_id] = (now, now)
+                self.refused[job_id] = exc
+                continue
             handle = yield from self.core.submit(job)
             start = handle.submitted_at
             limit = math.inf if self.timeout is None else start + self.timeout
@@ -123,3 +141,4 @@ class ScoreWindow:
             for job_id in self.pending:
                 self.core.forget(job_id)
             self.pending.clear()
+            self.refused.clear()

@@ -10,26 +10,15 @@ the in-flight set and the dead-letter naming. Nothing here talks to Redis.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 from worker import streams
 from worker.daemon.config import WorkerConfig
 from worker.daemon.leases import InFlight
 from worker.keys import dead_letter_stream
-from worker.modes import Mode
 from worker.observability.metrics import WorkerMetrics
 from worker.protocol import Job, Result
-from worker.scorer import (
-    DEFAULT_OPTIONS,
-    OPTIONAL_INFO_KEYS,
-    FallbackEvent,
-    ScoreOptions,
-    Scorer,
-    SequenceInput,
-)
-
-#: Keys of ``Scorer.info`` copied into every result's ``info``.
-INFO_KEYS = ("model", "reward_model", "dtype", "device", *OPTIONAL_INFO_KEYS)
+from worker.scorer import RESULT_INFO_KEYS, BatchKey, FallbackEvent, Prepared, Scorer
 
 
 @dataclass
@@ -38,15 +27,13 @@ class Pending:
 
     entry: streams.Entry
     job: Job
-    inputs: list[SequenceInput]
+    prepared: Prepared  # the job as its scorer planned it at intake
     read_at_s: float
 
-    options: ScoreOptions = DEFAULT_OPTIONS
-
     @property
-    def key(self) -> tuple[Mode, float, ScoreOptions]:
+    def key(self) -> BatchKey:
         """Jobs sharing ``(mode, temperature, options)`` can share one scorer call."""
-        return cast(Mode, self.job.mode), self.job.temperature, self.options
+        return self.prepared.key
 
 
 class Reply(NamedTuple):
@@ -102,7 +89,7 @@ class JobContext:
     def info(self, **extra: Any) -> dict[str, Any]:
         """The ``info`` map of a result: model, dtype, device, worker, plus ``extra``."""
         base = self.scorer.info
-        info = {k: base[k] for k in INFO_KEYS if base.get(k) is not None}
+        info = {k: base[k] for k in RESULT_INFO_KEYS if base.get(k) is not None}
         info["worker"] = self.config.consumer
         info.update({k: v for k, v in extra.items() if v is not None})
         return info

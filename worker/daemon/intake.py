@@ -8,45 +8,18 @@ written here: the caller queues what :func:`prepare_entry` returns.
 
 from __future__ import annotations
 
-import dataclasses
 import time
+from typing import cast
 
 import numpy as np
 
 from worker import streams
 from worker.daemon.context import DeadLetter, JobContext, Pending, Reply
 from worker.errors import ProtocolError, ScoringError
+from worker.modes import Mode
 from worker.protocol import Job, decode_job, error_result, peek_envelope
-from worker.scorer import ScoreOptions, SequenceInput
-from worker.scorer.steps import StepOptions
-from worker.scorer.teacher import LOGPS_ONLY, Sampling, TokenOutputs, check_limits
-
-
-def job_options(job: Job) -> ScoreOptions:
-    """The scorer options a decoded job asks for (defaults: today's plain job); raises
-    ``BadRequest`` for a request the scorer's spec refuses."""
-    step = job.step  # process rewards
-    return ScoreOptions(
-        outputs=token_outputs(job),
-        adapter=job.adapter,  # per-job weights: batches group by adapter and version
-        version=job.version,
-        step=None if step is None else StepOptions(**dataclasses.asdict(step)),
-    )
-
-
-def token_outputs(job: Job) -> TokenOutputs:
-    """The validated teacher-output request of ``job`` (``LOGPS_ONLY`` when it names none)."""
-    req = job.outputs
-    if req is None:
-        return LOGPS_ONLY
-    return TokenOutputs(
-        outputs=frozenset(req.outputs),
-        topk=req.topk or 0,
-        gather_ids=req.gather_ids or (),
-        gather_width=job.gather_width,
-        sampling=Sampling(**req.sampling) if req.sampling is not None else None,
-        float16=req.float16,
-    )
+from worker.request import ScoreRequest, SequenceInput
+from worker.scorer.teacher import check_limits
 
 
 def seq_inputs(job: Job) -> list[SequenceInput]:
@@ -102,20 +75,17 @@ def prepare_entry(
     if job.deadline_ms is not None and now_s * 1000 > job.deadline_ms:
         late = now_s * 1000 - job.deadline_ms
         return answer("expired", f"still queued {late:.0f} ms after deadline_ms", temperature=None)
-    inputs = seq_inputs(job)
+    options = job.options  # decoded once, into the request types (worker.request)
     try:
-        options = job_options(job)
         n_scored = sum(s.num_scored for s in job.seqs)
         check_limits(
             options.outputs, n_scored, max_topk=cfg.max_topk, max_bytes=cfg.max_result_bytes
         )
-    except ScoringError as exc:
-        return answer(exc.code, exc.message)
-    pending = Pending(entry=entry, job=job, inputs=inputs, read_at_s=now_s, options=options)
-    mode, temperature, options = pending.key
-    try:  # validate; render messages / tokenize text for the reward model (off the forward)
+        # validated and planned once: render messages / tokenize text for the reward model,
+        # check every sequence, decide the calls (off the forward); what runs is this plan
         started = time.perf_counter()
-        pending.inputs = ctx.scorer.prepare(inputs, mode, temperature, options)
+        request = ScoreRequest(seq_inputs(job), cast(Mode, job.mode), job.temperature, options)
+        prepared = ctx.scorer.prepare(request)
         if any(s.messages is not None or s.text is not None for s in job.seqs):
             ctx.metrics.tokenization_seconds.observe(time.perf_counter() - started)
     except ScoringError as exc:
@@ -123,4 +93,4 @@ def prepare_entry(
     if job.mode != "reward":
         for name in options.outputs.outputs:
             ctx.metrics.outputs_requested.labels(output=name).inc()
-    return pending
+    return Pending(entry=entry, job=job, prepared=prepared, read_at_s=now_s)

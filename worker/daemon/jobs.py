@@ -18,7 +18,8 @@ from worker.daemon.context import JobContext, Pending, Reply
 from worker.daemon.weights import record_weights, weights_info
 from worker.errors import KVCacheRejected, ScoringError
 from worker.protocol import Result, SeqResult, error_result
-from worker.scorer import ScoreOptions, ScoreOutput, SequenceScore
+from worker.request import ScoreOptions
+from worker.scorer import ScoreOutput, SequenceScore
 from worker.scorer.teacher import array_layout
 
 log = logging.getLogger(__name__)
@@ -27,11 +28,9 @@ log = logging.getLogger(__name__)
 def score_batch(ctx: JobContext, batch: list[Pending]) -> list[Reply]:
     """Score ``batch`` in one scorer call; on failure split it in halves to isolate the job
     that breaks it. Per-sequence errors become that job's error result."""
-    mode, temperature, options = batch[0].key
-    seqs = [x for p in batch for x in p.inputs]
     started = time.perf_counter()
     try:
-        out = ctx.scorer.score(seqs, mode=mode, temperature=temperature, options=options)
+        out = ctx.scorer.run([p.prepared for p in batch])  # as planned at intake
     except KVCacheRejected as exc:
         ctx.metrics.kv_rejected.inc()
         ctx.metrics.kv_bytes.inc(exc.kv_output_bytes)
@@ -79,12 +78,12 @@ def _results(
         "compute_ms": round(compute_ms, 3),
         **weights_info(m.weights),
     }
-    layout = result_layout(batch[0].options)
+    layout = result_layout(batch[0].prepared.options)
     replies: list[Reply] = []
     i = 0
     for p in batch:
-        scores = out.scores[i : i + len(p.inputs)]
-        i += len(p.inputs)
+        scores = out.scores[i : i + len(p.prepared)]
+        i += len(p.prepared)
         queue_ms = round(max(p.read_at_s * 1000.0 - p.entry.enqueued_ms, 0.0), 3)
         info = ctx.info(queue_ms=queue_ms, **common)
         bad = [(k, s.error) for k, s in enumerate(scores) if s.error is not None]

@@ -1,9 +1,16 @@
-"""One ``score`` call as an object: its checked arguments, prepared inputs, batch plan, results
-and tallies, and the metrics it reports.
+"""Planning a request, and one call of the plan as an object.
 
-Everything a call accumulates lives in its ``ScoreCall`` (never on the executor), so calls do
-not share state and two threads may score at once. ``BatchResult`` is what one forward hands
-back to the call.
+``plan_calls`` is where a request is planned, once, at intake (``StatelessExecutor.prepare``):
+every sequence validated and normalised, and the calls it runs decided (one, or in ``both``
+mode a ``reference`` call on the tokens and a ``reward`` call on what the reward model reads).
+``merge_plans`` joins the plans of a batch's prepared requests into the calls the batch runs
+(``StatelessExecutor.run``): the place where planning across requests of one batch belongs.
+
+``ScoreCall`` is one such call at run time: its prepared inputs, batch plan, results and
+tallies, and the metrics it reports. Everything a call accumulates lives in its ``ScoreCall``
+(never on the executor), so calls do not share state and two threads may score at once.
+``BatchResult`` is what one forward hands back to the call; ``concat_outputs`` joins the
+outputs of calls over different sequences.
 """
 
 from __future__ import annotations
@@ -13,31 +20,87 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from worker.errors import BadRequest, TooLong, UnsupportedMode
-from worker.executor.config import ExecutorConfig, Layout, positive_float
+from worker.executor.config import ExecutorConfig, Layout
 from worker.executor.packing import plan_buckets, plan_packed_forwards, plan_padded
-from worker.modes import LOGPROB_MODES, MODES, Mode
-from worker.scorer.inputs import PreparedSequence, SequenceInput, prepare_sequence
-from worker.scorer.options import DEFAULT_OPTIONS, ScoreOptions
+from worker.executor.rewards.surface import RewardSurface, untokenized
+from worker.modes import LOGPROB_MODES, REWARD_MODES, Mode
+from worker.request import DEFAULT_OPTIONS, ScoreOptions, ScoreRequest, SequenceInput
+from worker.scorer.inputs import PreparedSequence, prepare_sequence
 from worker.scorer.outputs import BatchMetrics, FallbackEvent, ScoreOutput, SequenceScore
+from worker.scorer.plan import Prepared
 from worker.scorer.teacher import check_call, gather_rows
 
 
 def call_args(
-    config: ExecutorConfig, served: Sequence[Mode], mode: str | None, temperature: float | None
+    config: ExecutorConfig, served: Sequence[Mode], request: ScoreRequest
 ) -> tuple[Mode, float]:
-    """The call's mode and temperature (``None``: the configured ones), checked."""
-    mode = config.mode if mode is None else mode
-    if mode not in MODES:
-        raise BadRequest(f"unknown mode {mode!r}; expected one of {MODES}")
+    """The request's mode and temperature, ``None`` read as the configured ones (both checked
+    where they were built); ``UnsupportedMode`` for a mode not served here."""
+    mode = config.mode if request.mode is None else request.mode
     if mode not in served:
         raise UnsupportedMode(f"mode {mode!r} is not served here (serves {list(served)})")
-    temp = config.temperature if temperature is None else temperature
-    if not positive_float(temp):
-        raise BadRequest(f"temperature must be a finite number > 0, got {temp!r}")
+    temp = config.temperature if request.temperature is None else request.temperature
     return mode, float(temp)
 
 
-def prepare(
+@dataclass(frozen=True)
+class CallPlan:
+    """One call of a plan: its mode and its sequences, checked and normalised."""
+
+    mode: Mode
+    seqs: tuple[PreparedSequence, ...]
+
+
+def plan_calls(
+    surface: RewardSurface,
+    seqs: Sequence[SequenceInput],
+    mode: Mode,
+    options: ScoreOptions,
+    *,
+    vocab: int,
+    limit: int | None,
+) -> tuple[CallPlan, ...]:
+    """The calls one request runs, its sequences checked (``seqs`` as ``RewardSurface.prepare``
+    returned them): one call; or, in ``both`` mode when the reward model reads other ids than
+    the reference (``messages`` / ``text``, or another tokenizer), a ``reference`` call on the
+    tokens and a ``reward`` call on the reward model's ids."""
+    if mode not in REWARD_MODES:
+        return (CallPlan(mode, tuple(check_sequences(seqs, vocab, limit, mode, options))),)
+    if len(seqs) == 0:
+        raise BadRequest("no sequences to score")
+    if mode == "reward":
+        check_call(options.outputs, mode, vocab)  # teacher outputs need log-probs
+        return (CallPlan(mode, tuple(surface.reward_inputs(seqs, options))),)
+    chat = any(isinstance(s, SequenceInput) and untokenized(s) for s in seqs)
+    if not chat and surface.same_vocab is not False:  # one forward layout for both surfaces
+        return (CallPlan(mode, tuple(check_sequences(seqs, vocab, limit, mode, options))),)
+    return (
+        CallPlan("reference", tuple(check_sequences(seqs, vocab, limit, "reference", options))),
+        CallPlan("reward", tuple(surface.reward_inputs(seqs, options))),
+    )
+
+
+def merge_plans(batch: Sequence[Prepared]) -> list[tuple[list[int], tuple[CallPlan, ...]]]:
+    """The calls a batch of prepared requests (one batch key) runs: requests whose plans have
+    the same calls share them, each call holding their sequences in batch order. Each entry:
+    the indices of its sequences in the batch (requests concatenated), and its calls."""
+    shapes: dict[tuple[Mode, ...], tuple[list[int], list[list[PreparedSequence]]]] = {}
+    offset = 0
+    for prepared in batch:
+        plan: tuple[CallPlan, ...] = prepared.plan
+        shape = tuple(call.mode for call in plan)
+        indices, parts = shapes.setdefault(shape, ([], [[] for _ in plan]))
+        indices.extend(range(offset, offset + len(prepared)))
+        for part, call in zip(parts, plan, strict=True):
+            part.extend(call.seqs)
+        offset += len(prepared)
+    return [
+        (indices, tuple(CallPlan(m, tuple(p)) for m, p in zip(shape, parts, strict=True)))
+        for shape, (indices, parts) in shapes.items()
+    ]
+
+
+def check_sequences(
     seqs: Sequence[SequenceInput],
     vocab: int,
     limit: int | None,
@@ -46,8 +109,6 @@ def prepare(
 ) -> list[PreparedSequence]:
     """Validate and normalise every sequence (and the teacher outputs ``options`` ask for, with
     each sequence's per-position gather ids); errors name the sequence's index."""
-    if isinstance(seqs, (str, bytes)) or not isinstance(seqs, Sequence):
-        raise BadRequest(f"expected a list of SequenceInput, got {type(seqs).__name__}")
     if len(seqs) == 0:
         raise BadRequest("no sequences to score")
     needs_scored = mode in LOGPROB_MODES
@@ -173,3 +234,39 @@ class ScoreCall:
         )
         scores = [r if r is not None else SequenceScore() for r in self.results]
         return ScoreOutput(scores=scores, metrics=metrics)
+
+
+def concat_outputs(parts: list[tuple[list[int], ScoreOutput]], total: int) -> ScoreOutput:
+    """One output from the outputs of calls over different sequences of a batch (each with the
+    indices of its sequences among ``total``): scores in batch order, costs summed (peaks: the
+    largest)."""
+    if len(parts) == 1:
+        return parts[0][1]
+    scores: list[SequenceScore | None] = [None] * total
+    for indices, out in parts:
+        for i, score in zip(indices, out.scores, strict=True):
+            scores[i] = score
+    ms = [out.metrics for _, out in parts]
+    first = ms[0]
+    metrics = replace(
+        ms[-1],
+        batch_size=sum(m.batch_size for m in ms),
+        real_tokens=sum(m.real_tokens for m in ms),
+        padded_tokens=sum(m.padded_tokens for m in ms),
+        scored_tokens=sum(m.scored_tokens for m in ms),
+        elapsed_s=max(m.elapsed_s for m in ms),
+        forward_s=sum(m.forward_s for m in ms),
+        fallbacks=[f for m in ms for f in m.fallbacks],
+        kv_output_tensors=sum(m.kv_output_tensors for m in ms),
+        kv_output_bytes=sum(m.kv_output_bytes for m in ms),
+        peak_allocated_bytes=max(m.peak_allocated_bytes for m in ms),
+        peak_reserved_bytes=max(m.peak_reserved_bytes for m in ms),
+        device_total_bytes=first.device_total_bytes,
+        oom_splits=sum(m.oom_splits for m in ms),
+        packed=any(m.packed for m in ms),
+        forwards=sum(m.forwards for m in ms),
+        packed_fill_tokens=sum(m.packed_fill_tokens for m in ms),
+    )
+    return ScoreOutput(
+        scores=[s if s is not None else SequenceScore() for s in scores], metrics=metrics
+    )

@@ -2,9 +2,10 @@
 
 Construction settles everything that is fixed for the executor's life: the models (placed, eval
 mode), the attention backend (``backends.resolve``), the KV guard's hooks, and whether batches
-are packed (the load-time probe, ``selfcheck``). A ``score`` call keeps its own state in a
-``ScoreCall`` (``call``) and hands its planned batches to the ``BatchRunner`` (``fallback``),
-which runs them through ``BatchForward`` (``forward``). Nothing a call computes is kept on the
+are packed (the load-time probe, ``selfcheck``). ``prepare`` plans a request once
+(``call.plan_calls``); ``run`` turns the plans of a batch into ``ScoreCall`` s (``call``) and
+hands their batches to the ``BatchRunner`` (``fallback``), which runs them through
+``BatchForward`` (``forward``). Nothing a call computes is kept on the
 executor, so calls may overlap (see ``fallback`` for the one gate they share).
 """
 
@@ -22,7 +23,7 @@ from torch import nn
 
 from worker.errors import ConfigError
 from worker.executor import backends
-from worker.executor.call import call_args
+from worker.executor.call import ScoreCall, call_args, concat_outputs, merge_plans, plan_calls
 from worker.executor.config import ExecutorConfig, Layout
 from worker.executor.fallback import BatchRunner
 from worker.executor.forward import BatchForward
@@ -41,9 +42,9 @@ from worker.executor.weights.loading import (
 )
 from worker.executor.weights.router import WeightsConfig, WeightsRouter, refuse
 from worker.modes import Mode
-from worker.scorer.inputs import SequenceInput
-from worker.scorer.options import DEFAULT_OPTIONS, ScoreOptions
+from worker.request import ScoreRequest
 from worker.scorer.outputs import FallbackEvent, ScoreOutput
+from worker.scorer.plan import DirectScoring, Prepared
 
 if TYPE_CHECKING:
     from worker.scorer import Scorer
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class StatelessExecutor:
+class StatelessExecutor(DirectScoring):
     """Scores ragged sequences with a reference LM and/or a reward model; stateless between calls.
 
     ``reference_model``: a ``*ForCausalLM`` (log-probs). ``reward_model``: a
@@ -279,73 +280,78 @@ class StatelessExecutor:
         with self._listeners_lock:
             self._listeners.append(callback)
 
-    def validate(
-        self,
-        seqs: Sequence[SequenceInput],
-        mode: Mode | None = None,
-        temperature: float | None = None,
-        options: ScoreOptions = DEFAULT_OPTIONS,
-    ) -> None:
-        """Raise ``BadRequest`` / ``TooLong`` / ``UnsupportedMode`` if ``seqs`` cannot be scored."""
-        self.prepare(seqs, mode, temperature, options)
-
-    def prepare(
-        self,
-        seqs: Sequence[SequenceInput],
-        mode: Mode | None = None,
-        temperature: float | None = None,
-        options: ScoreOptions = DEFAULT_OPTIONS,
-    ) -> list[SequenceInput]:
-        """``validate``, rendering ``messages`` with the reward model's chat template (once)."""
-        mode, _ = call_args(self.config, self.modes, mode, temperature)
-        seqs = self._rewards.prepare(seqs, mode, options)
-        self._rewards.calls(
-            seqs, mode, 1.0, options, vocab=self.vocab_size, limit=self.max_positions
+    def prepare(self, request: ScoreRequest) -> Prepared:
+        """Validate ``request`` and plan it once (``Scorer.prepare``): ``messages`` rendered
+        with the reward model's chat template, every sequence checked, the calls decided
+        (``worker.executor.call.plan_calls``), the named adapter or version checked (not
+        loaded). Raises ``BadRequest`` / ``TooLong`` / ``UnsupportedMode`` / ``ModelNotFound``."""
+        mode, temp = call_args(self.config, self.modes, request)
+        options = request.options
+        seqs = self._rewards.prepare(request.seqs, mode, options)
+        plan = plan_calls(
+            self._rewards, seqs, mode, options, vocab=self.vocab_size, limit=self.max_positions
         )
         self._weights.check(options) if self._weights is not None else refuse(options)
-        return seqs
+        return Prepared(replace(request, seqs=tuple(seqs)), mode, temp, plan)
 
-    def score(
-        self,
-        seqs: Sequence[SequenceInput],
-        *,
-        mode: Mode | None = None,
-        temperature: float | None = None,
-        options: ScoreOptions = DEFAULT_OPTIONS,
-    ) -> ScoreOutput:
-        """Validate, batch under ``max_batch_tokens``, run, and return scores in input order.
+    def run(self, batch: Sequence[Prepared]) -> ScoreOutput:
+        """Run prepared requests of one batch key as planned (``Scorer.run``): batched under
+        ``max_batch_tokens``, scores in order.
 
-        Raises the validation errors of ``validate``; ``KVCacheRejected`` when a model returns
-        a cache (and rejection is on); ``AttentionBackendError`` when no backend can run a batch;
-        ``InternalError`` for any other failure. A sequence that does not fit on the device even
-        alone gets ``SequenceScore(error=TooLong(...))``. Safe to call from several threads; the
+        Raises ``KVCacheRejected`` when a model returns a cache (and rejection is on);
+        ``AttentionBackendError`` when no backend can run a batch; ``InternalError`` for any
+        other failure. A sequence that does not fit on the device even alone gets
+        ``SequenceScore(error=TooLong(...))``. Safe to call from several threads; the
         peak-memory figures of overlapping calls then cover them all (the device counter is one).
         """
+        options = batch[0].options
         if self._weights is not None and (options.adapter, options.version) != (None, None):
-            plain = replace(options, adapter=None, version=None)
-            return self._weights.score(
-                options,
-                self,
-                lambda ex: ex.score(seqs, mode=mode, temperature=temperature, options=plain),
-            )
+            return self._weights.score(options, self, lambda ex: ex.run_planned(batch, self))
         refuse(options)
+        return self.run_planned(batch, self)
+
+    def run_planned(
+        self, batch: Sequence[Prepared], planner: StatelessExecutor | None = None
+    ) -> ScoreOutput:
+        """``run`` with the weights already chosen: this executor's models run ``batch``. A
+        batch planned by another executor (``planner``: the base of a version) whose vocabulary
+        or positions differ from this one's is planned again here first."""
+        if planner is not None and planner is not self and self._plans_differ(planner):
+            batch = [self.prepare(_base_weights(p.request)) for p in batch]
         started = time.perf_counter()
-        mode, temp = call_args(self.config, self.modes, mode, temperature)
-        calls = self._rewards.calls(
-            self._rewards.prepare(seqs, mode, options), mode, temp, options,
-            vocab=self.vocab_size, limit=self.max_positions, started=started,
-        )  # fmt: skip
+        first = batch[0]
         reset_peak(self.device)
         runner = self._runner
-        for call in calls:
-            for group in runner.plan(call):
-                runner.run_group(group, call)
+        ran: list[tuple[list[int], list[ScoreCall]]] = []
+        for indices, plan in merge_plans(batch):
+            calls = [
+                ScoreCall(c.mode, first.temperature, list(c.seqs), started, options=first.options)
+                for c in plan
+            ]
+            for call in calls:
+                for group in runner.plan(call):
+                    runner.run_group(group, call)
+            ran.append((indices, calls))
         peak, total = read_peak(self.device), device_total_bytes(self.device)
-        return merge_outputs([
-            c.output(backend=runner.backend, requested_backend=self.config.attention_backend,
-                     peak=peak, device_total=total)
-            for c in calls
-        ])  # fmt: skip
+        outputs = [
+            (indices, merge_outputs([
+                c.output(backend=runner.backend, requested_backend=self.config.attention_backend,
+                         peak=peak, device_total=total)
+                for c in calls
+            ]))
+            for indices, calls in ran
+        ]  # fmt: skip
+        return concat_outputs(outputs, sum(len(p) for p in batch))
+
+    def _plans_differ(self, other: StatelessExecutor) -> bool:
+        """Whether a plan made by ``other`` may not hold here (another vocabulary or length)."""
+        return (self.vocab_size, self.max_positions) != (other.vocab_size, other.max_positions)
+
+
+def _base_weights(request: ScoreRequest) -> ScoreRequest:
+    """``request`` without its adapter and version (already applied by the caller)."""
+    options = replace(request.options, adapter=None, version=None)
+    return replace(request, options=options)
 
 
 def _place(model: nn.Module | None, config: ExecutorConfig, device: torch.device) -> Any:

@@ -37,8 +37,8 @@ from worker.executor.rewards.pooling import (
 )
 from worker.executor.rewards.steps import head_kind, step_scores
 from worker.modes import LOGPROB_MODES, REWARD_MODES, Mode
+from worker.request import DEFAULT_OPTIONS, ScoreOptions
 from worker.scorer.inputs import PreparedSequence, is_int
-from worker.scorer.options import DEFAULT_OPTIONS, ScoreOptions
 from worker.scorer.outputs import SequenceScore
 from worker.scorer.teacher import LOGPS_ONLY, TokenOutputs
 

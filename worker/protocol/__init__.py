@@ -26,7 +26,7 @@ from worker.protocol.limits import (
     PROTOCOL_VERSION,
     Limits,
 )
-from worker.protocol.outputs import OutputRequest
+from worker.protocol.outputs import gather_width
 from worker.protocol.results import Result, SeqResult, decode_result, encode_result, error_result
 from worker.protocol.rewards import StepSpec, reward_seq, with_reward_inputs
 from worker.protocol.seqs import (
@@ -50,7 +50,6 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Job",
     "Limits",
-    "OutputRequest",
     "ProtocolError",
     "Result",
     "SeqResult",
@@ -63,6 +62,7 @@ __all__ = [
     "encode_job",
     "encode_result",
     "error_result",
+    "gather_width",
     "is_bool_like",
     "peek_envelope",
     "reward_seq",

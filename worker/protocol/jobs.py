@@ -21,13 +21,11 @@ from worker.protocol.limits import (
     unpack,
 )
 from worker.protocol.outputs import (
-    OutputRequest,
     decode_output_request,
     encode_output_request,
     gather_width,
 )
 from worker.protocol.rewards import (
-    StepSpec,
     check_reward_job,
     decode_step,
     encode_step,
@@ -47,6 +45,7 @@ from worker.protocol.seqs import (
     with_gather_ids,
 )
 from worker.protocol.weights import decode_weights, encode_weights
+from worker.request import DEFAULT_OPTIONS, LOGPS_ONLY, ScoreOptions, StepOptions, TokenOutputs
 
 
 @dataclass(frozen=True)
@@ -60,15 +59,34 @@ class Job:
     temperature: float = 1.0
     deadline_ms: int | None = None
     meta: Any = None
-    # teacher outputs (docs/protocol.md): what the job asks for beyond logps, and K of the
-    # per-sequence gather ids (0: none)
-    outputs: OutputRequest | None = None
-    gather_width: int = 0
-    # per-job weights (docs/models.md): adapter under --adapter-root, version under --model-root
-    adapter: str | None = None
-    version: str | None = None
-    # process rewards (worker.protocol.rewards): the job's step map
-    step: StepSpec | None = None
+    # what the job asks for beyond mode and temperature: per-job weights, teacher outputs (with
+    # K of the per-sequence gather ids), the process-reward step map (worker.request)
+    options: ScoreOptions = DEFAULT_OPTIONS
+
+    @property
+    def adapter(self) -> str | None:
+        """The LoRA adapter the job names (``None``: the worker's base weights)."""
+        return self.options.adapter
+
+    @property
+    def version(self) -> str | None:
+        """The checkpoint version the job names (``None``: the served model)."""
+        return self.options.version
+
+    @property
+    def step(self) -> StepOptions | None:
+        """The job's ``step`` map (process rewards)."""
+        return self.options.step
+
+    @property
+    def outputs(self) -> TokenOutputs:
+        """The teacher outputs the job asks for (``LOGPS_ONLY``: a plain job)."""
+        return self.options.outputs
+
+    @property
+    def gather_width(self) -> int:
+        """K of the per-sequence gather ids (0: none)."""
+        return self.options.outputs.gather_width
 
     @property
     def num_tokens(self) -> int:
@@ -85,10 +103,10 @@ def encode_job(
     temperature: float = 1.0,
     deadline_ms: int | None = None,
     meta: Any = None,
-    outputs: OutputRequest | None = None,
+    outputs: TokenOutputs | None = None,
     adapter: str | None = None,
     version: str | None = None,
-    step: StepSpec | Mapping[str, Any] | None = None,
+    step: StepOptions | Mapping[str, Any] | None = None,
 ) -> bytes:
     """Encode a job payload; each seq is a ``SeqSpec`` or a map with ``tokens`` and
     ``prompt_len`` or ``mask`` (and per-position ``gather_ids``). ``outputs``: the teacher
@@ -180,15 +198,22 @@ def decode_job(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> Job:
         raise ProtocolError(f"meta is larger than {limits.max_meta_bytes} bytes", raw=raw)
     seqs = _decode_seqs(body.get("seqs"), limits, raw)
     try:
-        outputs = decode_output_request(body, mode)
         width = gather_width(
             [(s.num_scored, None if s.gather_ids is None else len(s.gather_ids)) for s in seqs]
         )
+        outputs = decode_output_request(body, mode, width)
         adapter, version = decode_weights(body)
     except ProtocolError as exc:
         raise ProtocolError(exc.message, raw=raw) from exc
     step = _raw(decode_step, body.get("step"), raw)
     _raw(check_reward_job, mode, seqs, step, raw)
+    if width and outputs is None:
+        raise ProtocolError(
+            "gather ids given per sequence but the job asks for no 'gather'", raw=raw
+        )
+    options = ScoreOptions(
+        adapter=adapter, version=version, outputs=outputs or LOGPS_ONLY, step=step
+    )
     return Job(
         id=job_id,
         mode=mode,
@@ -197,11 +222,7 @@ def decode_job(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> Job:
         temperature=float(temperature),
         deadline_ms=deadline_ms,
         meta=meta,
-        outputs=outputs,
-        gather_width=width,
-        adapter=adapter,
-        version=version,
-        step=step,
+        options=options,
     )
 
 

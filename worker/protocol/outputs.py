@@ -10,9 +10,10 @@ A result that carries teacher arrays has a top-level ``layout`` map, name -> ``[
 (dtype ``"<f4"``, ``"<f2"`` or ``"<i4"``); each ``seqs`` entry then holds every named array as
 LE bin of ``n_scored * width`` values, row-major ``[n_scored, width]``.
 
-Checks here are structural (types, shapes, sizes); what the values may be (known names, k and
-sampling ranges, ids within the vocabulary, the result size) is checked by the worker, which
-answers ``bad_request``.
+Decoding checks the structure (types, shapes, sizes) and builds ``worker.request.TokenOutputs``,
+which checks what the values may be (known names, k and sampling ranges); what needs the model
+or the worker's limits (ids within the vocabulary, the result size) is checked by the worker.
+Each refusal is answered ``bad_request``.
 """
 
 from __future__ import annotations
@@ -20,15 +21,14 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from worker.errors import ProtocolError
+from worker.errors import BadRequest, ProtocolError
+from worker.request import Sampling, TokenOutputs
 
 __all__ = [
     "ARRAY_DTYPES",
     "JOB_KEYS",
-    "OutputRequest",
     "array_bin",
     "decode_layout",
     "decode_output_request",
@@ -44,62 +44,6 @@ _MAX_SHARED_IDS = 65536
 _SAMPLING_KEYS = ("top_k", "top_p", "min_p")
 
 
-@dataclass(frozen=True)
-class OutputRequest:
-    """The teacher outputs a job asks for, as they travel (structurally checked).
-
-    ``outputs``: names (``logps``, ``entropy``, ``topk``, ``gather``, ``processed_logps``,
-    ``rank``);
-    ``topk``: k; ``gather_ids``: K ids shared by every position (per-position ids travel on each
-    sequence); ``sampling``: ``{top_k, top_p, min_p}``; ``float16``: ``topk_logps`` and
-    ``gather_logps`` as float16.
-    """
-
-    outputs: tuple[str, ...] = ("logps",)
-    topk: int | None = None
-    gather_ids: tuple[int, ...] | None = None
-    sampling: Mapping[str, Any] | None = None
-    float16: bool = False
-
-    def __post_init__(self) -> None:
-        names = (self.outputs,) if isinstance(self.outputs, str) else self.outputs
-        if (
-            not isinstance(names, Sequence | frozenset | set)
-            or not 0 < len(names) <= _MAX_NAMES
-            or not all(isinstance(n, str) for n in names)
-        ):
-            raise ProtocolError(f"outputs must be a list of 1..{_MAX_NAMES} names")
-        object.__setattr__(self, "outputs", tuple(names))
-        if self.topk is not None and (isinstance(self.topk, bool) or not _is_int(self.topk)):
-            raise ProtocolError(f"topk must be an integer, got {self.topk!r}")
-        if self.gather_ids is not None:
-            ids = self.gather_ids
-            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
-                raise ProtocolError("gather_ids (shared) must be an array of ints")
-            ids = tuple(int(i) if _is_int(i) else i for i in ids)
-            if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                raise ProtocolError("gather_ids (shared) must be an array of ints")
-            if len(ids) > _MAX_SHARED_IDS:
-                raise ProtocolError(f"gather_ids (shared) has more than {_MAX_SHARED_IDS} ids")
-            object.__setattr__(self, "gather_ids", ids)
-        if self.sampling is not None:
-            sampling = self.sampling
-            if not isinstance(sampling, Mapping) or not set(sampling) <= set(_SAMPLING_KEYS):
-                raise ProtocolError(f"sampling must be a map with keys among {_SAMPLING_KEYS}")
-            for key, value in sampling.items():
-                if value is not None and (
-                    isinstance(value, bool) or not isinstance(value, (int, float))
-                ):
-                    raise ProtocolError(f"sampling.{key} must be a number, got {value!r}")
-            object.__setattr__(self, "sampling", dict(sampling))
-        if not isinstance(self.float16, bool):
-            raise ProtocolError("float16 must be true or false")
-
-    def __hash__(self) -> int:
-        sampling = tuple(sorted((self.sampling or {}).items()))
-        return hash((self.outputs, self.topk, self.gather_ids, sampling, self.float16))
-
-
 def _is_int(value: Any) -> bool:
     """An int or an integer scalar (numpy/torch, duck-typed), not a bool."""
     if isinstance(value, bool):
@@ -109,34 +53,69 @@ def _is_int(value: Any) -> bool:
     return hasattr(value, "__index__") and getattr(value, "ndim", 0) == 0
 
 
-def encode_output_request(request: OutputRequest) -> dict[str, Any]:
+def encode_output_request(request: TokenOutputs) -> dict[str, Any]:
     """The job keys of ``request`` (only those that differ from the defaults)."""
-    body: dict[str, Any] = {"outputs": list(request.outputs)}
-    if request.topk is not None:
+    body: dict[str, Any] = {"outputs": sorted(request.outputs)}
+    if "topk" in request.outputs:
         body["topk"] = int(request.topk)
-    if request.gather_ids is not None:
+    if request.gather_ids:
         body["gather_ids"] = list(request.gather_ids)
     if request.sampling is not None:
-        body["sampling"] = {k: v for k, v in request.sampling.items() if v is not None}
+        sampling = request.sampling
+        body["sampling"] = {"top_k": sampling.top_k, "top_p": sampling.top_p,
+                            "min_p": sampling.min_p}  # fmt: skip
     if request.float16:
         body["float16"] = True
     return body
 
 
-def decode_output_request(body: Mapping[str, Any], mode: str) -> OutputRequest | None:
-    """The ``OutputRequest`` of a decoded job body (``None`` when it names none of
-    ``JOB_KEYS``); a reward-only job that asks for outputs is refused."""
+def decode_output_request(
+    body: Mapping[str, Any], mode: str, width: int = 0
+) -> TokenOutputs | None:
+    """The ``TokenOutputs`` of a decoded job body, ``width`` the K of its sequences' own gather
+    ids (``None`` when it names none of ``JOB_KEYS``); a reward-only job that asks for outputs
+    is refused. Structural checks here; the values are checked by ``TokenOutputs`` itself."""
     if not any(key in body for key in JOB_KEYS):
         return None
     if mode == "reward":
         raise ProtocolError("teacher outputs need mode reference or both, not 'reward'")
-    return OutputRequest(
-        outputs=body.get("outputs", ("logps",)),
-        topk=body.get("topk"),
-        gather_ids=body.get("gather_ids"),
-        sampling=body.get("sampling"),
-        float16=body.get("float16", False),
-    )
+    names = body.get("outputs", ("logps",))
+    if (
+        not isinstance(names, (list, tuple))
+        or not 0 < len(names) <= _MAX_NAMES
+        or not all(isinstance(n, str) for n in names)
+    ):
+        raise ProtocolError(f"outputs must be a list of 1..{_MAX_NAMES} names")
+    topk = body.get("topk")
+    if topk is not None and not _is_int(topk):
+        raise ProtocolError(f"topk must be an integer, got {topk!r}")
+    ids = body.get("gather_ids")
+    if ids is not None:
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) for i in ids):
+            raise ProtocolError("gather_ids (shared) must be an array of ints")
+        if len(ids) > _MAX_SHARED_IDS:
+            raise ProtocolError(f"gather_ids (shared) has more than {_MAX_SHARED_IDS} ids")
+    sampling = body.get("sampling")
+    if sampling is not None:
+        if not isinstance(sampling, Mapping) or not set(sampling) <= set(_SAMPLING_KEYS):
+            raise ProtocolError(f"sampling must be a map with keys among {_SAMPLING_KEYS}")
+        for key, value in sampling.items():
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float))
+            ):
+                raise ProtocolError(f"sampling.{key} must be a number, got {value!r}")
+    float16 = body.get("float16", False)
+    if not isinstance(float16, bool):
+        raise ProtocolError("float16 must be true or false")
+    try:
+        if sampling is not None:
+            sampling = Sampling(**{k: v for k, v in sampling.items() if v is not None})
+        return TokenOutputs(
+            outputs=frozenset(names), topk=topk or 0, gather_ids=tuple(ids or ()),
+            gather_width=width, sampling=sampling, float16=float16,
+        )  # fmt: skip
+    except BadRequest as exc:
+        raise ProtocolError(exc.message) from None
 
 
 def gather_width(counts: Sequence[tuple[int, int | None]]) -> int:

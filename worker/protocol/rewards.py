@@ -19,22 +19,18 @@ from __future__ import annotations
 import itertools
 from array import array
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
-from worker.errors import ProtocolError
+from worker.errors import BadRequest, ProtocolError
 from worker.protocol.seqs import SeqSpec, as_int32_array, le_bytes
+from worker.request import StepOptions
 
 MAX_MESSAGES = 1024
 
 
-@dataclass(frozen=True)
-class StepSpec:
-    """A job's ``step`` map (see the module docstring)."""
-
-    tag_id: int | None = None
-    label_token_ids: tuple[int, int] | None = None
-    positive_index: int = 1
+#: The ``step`` map's type is the request vocabulary's (``worker.request.StepOptions``).
+StepSpec = StepOptions
 
 
 def _int(value: Any) -> bool:
@@ -127,7 +123,7 @@ def reward_entry(spec: SeqSpec) -> dict[str, Any]:
     return entry
 
 
-def decode_step(raw: Any) -> StepSpec | None:
+def decode_step(raw: Any) -> StepOptions | None:
     """The job's ``step`` map, checked (``None`` when absent)."""
     if raw is None:
         return None
@@ -136,23 +132,17 @@ def decode_step(raw: Any) -> StepSpec | None:
     unknown = set(raw) - {"tag_id", "label_token_ids", "positive_index"}
     if unknown:
         raise ProtocolError(f"step has unknown keys {sorted(map(str, unknown))}")
-    tag = raw.get("tag_id")
-    if tag is not None and (not _int(tag) or tag < 0):
-        raise ProtocolError("step.tag_id must be a token id (int >= 0)")
-    labels = raw.get("label_token_ids")
-    if labels is not None:
-        if not isinstance(labels, (list, tuple)) or len(labels) != 2:
-            raise ProtocolError("step.label_token_ids must be [good, bad] token ids")
-        if not all(_int(t) and t >= 0 for t in labels) or labels[0] == labels[1]:
-            raise ProtocolError("step.label_token_ids must be two distinct token ids >= 0")
-        labels = (int(labels[0]), int(labels[1]))
-    index = raw.get("positive_index", 1)
-    if not _int(index) or index not in (0, 1):
-        raise ProtocolError("step.positive_index must be 0 or 1")
-    return StepSpec(tag_id=tag, label_token_ids=labels, positive_index=index)
+    try:
+        return StepOptions(
+            tag_id=raw.get("tag_id"),
+            label_token_ids=raw.get("label_token_ids"),
+            positive_index=raw.get("positive_index", 1),
+        )
+    except BadRequest as exc:
+        raise ProtocolError(exc.message) from None
 
 
-def encode_step(step: StepSpec | Mapping[str, Any] | None) -> dict[str, Any]:
+def encode_step(step: StepOptions | Mapping[str, Any] | None) -> dict[str, Any]:
     """``{"step": {...}}`` for a job body (``{}`` without a step)."""
     if step is None:
         return {}

@@ -3,6 +3,10 @@
 The executor (``worker.executor.StatelessExecutor``, torch) and the no-op scorer
 (``worker.scorer.noop.NoopScorer``) implement ``Scorer``; the daemon only ever sees this
 protocol, so it never imports torch. Nothing here imports torch or redis.
+
+A request is planned once: the daemon's intake calls ``prepare(ScoreRequest)`` and keeps the
+``Prepared`` it returns; the batch it later builds of prepared requests with one key runs with
+``run`` as planned. Direct callers use ``score`` / ``validate`` (``DirectScoring``).
 """
 
 from __future__ import annotations
@@ -11,8 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from worker.modes import Mode
-from worker.scorer.inputs import SequenceInput
-from worker.scorer.options import DEFAULT_OPTIONS, ScoreOptions
+from worker.request import DEFAULT_OPTIONS, ScoreOptions, ScoreRequest, SequenceInput
 from worker.scorer.outputs import (
     BatchMetrics,
     FallbackEvent,
@@ -20,16 +23,22 @@ from worker.scorer.outputs import (
     ScoreOutput,
     SequenceScore,
 )
+from worker.scorer.plan import BatchKey, DirectScoring, Prepared
 
 __all__ = [
     "DEFAULT_OPTIONS",
     "INFO_KEYS",
     "OPTIONAL_INFO_KEYS",
+    "RESULT_INFO_KEYS",
+    "BatchKey",
     "BatchMetrics",
+    "DirectScoring",
     "FallbackEvent",
     "GroupReport",
+    "Prepared",
     "ScoreOptions",
     "ScoreOutput",
+    "ScoreRequest",
     "Scorer",
     "SequenceInput",
     "SequenceScore",
@@ -48,11 +57,19 @@ INFO_KEYS: tuple[str, ...] = (
 #: Keys a scorer's ``info`` carries only when they apply (a reward model's head kind and its
 #: objectives' names, a tensor-parallel group's size); copied into results when present.
 OPTIONAL_INFO_KEYS: tuple[str, ...] = ("reward_head", "reward_objectives", "tensor_parallel")
+#: Keys of ``info`` the daemon copies into every result's ``info`` (when set).
+RESULT_INFO_KEYS: tuple[str, ...] = (
+    "model",
+    "reward_model",
+    "dtype",
+    "device",
+    *OPTIONAL_INFO_KEYS,
+)
 
 
 @runtime_checkable
 class Scorer(Protocol):
-    """A scorer the daemon can drive: validate at intake, score a batch, describe itself."""
+    """A scorer the daemon can drive: prepare at intake, run a batch, describe itself."""
 
     @property
     def modes(self) -> tuple[Mode, ...]:
@@ -79,38 +96,17 @@ class Scorer(Protocol):
         JSON-ready data for the worker's heartbeat; ``{}`` when it serves none."""
         ...
 
-    def validate(
-        self,
-        seqs: Sequence[SequenceInput],
-        mode: Mode | None = None,
-        temperature: float | None = None,
-        options: ScoreOptions = DEFAULT_OPTIONS,
-    ) -> None:
-        """Raise ``BadRequest`` / ``TooLong`` / ``UnsupportedMode`` if ``seqs`` cannot be scored."""
-        ...
+    def prepare(self, request: ScoreRequest) -> Prepared:
+        """Validate ``request`` and plan it, once, at intake (rendering ``messages`` with the
+        reward model's chat template, checking every sequence, deciding the calls it runs).
 
-    def prepare(
-        self,
-        seqs: Sequence[SequenceInput],
-        mode: Mode | None = None,
-        temperature: float | None = None,
-        options: ScoreOptions = DEFAULT_OPTIONS,
-    ) -> list[SequenceInput]:
-        """``validate``, then do the per-sequence work that needs no device (rendering
-        ``messages`` with the reward model's chat template) and return the inputs to ``score``.
-
-        Called at intake, before batching, so tokenisation stays off the forward's critical
-        path; a scorer with nothing to prepare returns ``list(seqs)``.
+        Raises ``BadRequest`` / ``TooLong`` / ``UnsupportedMode`` / ``ModelNotFound`` when it
+        cannot be scored; what it returns is what ``run`` runs.
         """
         ...
 
-    def score(
-        self,
-        seqs: Sequence[SequenceInput],
-        *,
-        mode: Mode | None = None,
-        temperature: float | None = None,
-        options: ScoreOptions = DEFAULT_OPTIONS,
-    ) -> ScoreOutput:
-        """Score ``seqs`` (in input order) and report what the call cost."""
+    def run(self, batch: Sequence[Prepared]) -> ScoreOutput:
+        """Run prepared requests of one ``Prepared.key`` together, as they were planned: the
+        scores of their sequences in order (the first request's, then the next one's...), and
+        what the call cost."""
         ...

@@ -6,42 +6,22 @@ from __future__ import annotations
 import array
 import numbers
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from worker.errors import BadRequest, TooLong
+from worker.request import SequenceInput
 
-
-@dataclass(frozen=True)
-class SequenceInput:
-    """One sequence to score: token ids and which of them are scored.
-
-    ``tokens``: 1-D ids (list, numpy array, torch tensor, ``array.array``). Exactly one of
-    ``prompt_len`` (tokens ``[prompt_len:]`` are scored; valid range ``[1, len)``) or ``mask``
-    (one 0/1 per token, 1 = scored, ``mask[0] == 0``, at least one 1) is required when log-probs
-    are requested; reward-only scoring accepts neither. ``gather_ids``: per-position ids
-    ``[n_scored, K]`` for a job asking for ``gather`` with per-position ids (teacher outputs).
-    """
-
-    tokens: Any = ()
-    prompt_len: int | None = None
-    mask: Sequence[int] | bytes | None = None
-    # reward inputs (chat templates, process rewards): ``messages`` (a list of {role, content}
-    # maps) is rendered with the reward model's own chat template and scored instead of
-    # ``tokens`` (``both`` mode still takes its log-probs from ``tokens``); ``step_positions``:
-    # where a process-reward job reads step scores (in the ids the reward model sees);
-    # ``rm_ids``: the rendered ids, filled by ``Scorer.prepare`` so scoring does not re-tokenise
-    messages: Sequence[Any] | None = None
-    step_positions: Any = None
-    # text in: an already-templated string, tokenized by the reward model's own tokenizer as
-    # given (``add_special_tokens=False``) and scored instead of ``tokens``, like ``messages``
-    text: str | None = None
-    rm_ids: np.ndarray | None = None
-    # teacher outputs: per-position gather ids [n_scored, K] (see worker.scorer.teacher)
-    gather_ids: Any = None
+__all__ = [
+    "PreparedSequence",
+    "SequenceInput",
+    "as_ids",
+    "is_int",
+    "mask_positions",
+    "prepare_sequence",
+]
 
 
 @dataclass(frozen=True)

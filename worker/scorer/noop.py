@@ -25,9 +25,10 @@ import numpy as np
 
 from worker.errors import BadRequest, TooLong, UnsupportedMode
 from worker.modes import LOGPROB_MODES, MODES, REWARD_MODES, Mode
+from worker.request import DEFAULT_OPTIONS, ScoreOptions, ScoreRequest
 from worker.scorer.inputs import SequenceInput
-from worker.scorer.options import DEFAULT_OPTIONS, ScoreOptions
 from worker.scorer.outputs import BatchMetrics, FallbackEvent, ScoreOutput, SequenceScore
+from worker.scorer.plan import DirectScoring, Prepared
 from worker.scorer.steps import step_positions
 from worker.scorer.teacher import LOGPS_ONLY, TokenOutputs, check_call, gather_rows
 
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["NoopScorer", "ScoreOutput", "SequenceInput", "SequenceScore"]
 
 
-class NoopScorer:
+class NoopScorer(DirectScoring):
     """Scores nothing: returns deterministic values computed from the tokens."""
 
     def __init__(
@@ -85,21 +86,17 @@ class NoopScorer:
         """Accepted for interface parity; the noop scorer never falls back."""
         self._listeners.append(callback)
 
-    def validate(
-        self,
-        seqs: Sequence[SequenceInput],
-        mode: Mode | None = None,
-        temperature: float | None = None,
-        options: ScoreOptions = DEFAULT_OPTIONS,
-    ) -> None:
-        """Raise ``UnsupportedMode``/``BadRequest``/``TooLong`` like the executor does."""
-        mode, temperature = _call_args(mode, temperature)
+    def prepare(self, request: ScoreRequest) -> Prepared:
+        """Check ``request`` like the executor does (``UnsupportedMode`` / ``BadRequest`` /
+        ``TooLong``); nothing to plan or tokenise (``messages`` and ``text`` are scored from their
+        bytes)."""
+        mode: Mode = "reference" if request.mode is None else request.mode
+        temperature = 1.0 if request.temperature is None else request.temperature
         if mode not in self.modes:
             raise UnsupportedMode(f"mode {mode!r} not served (serving {self.modes})")
-        if not (math.isfinite(temperature) and temperature > 0):
-            raise BadRequest(f"temperature must be finite and > 0, got {temperature}")
+        options = request.options
         check_call(options.outputs, mode, self.vocab_size)  # teacher outputs
-        for i, s in enumerate(seqs):
+        for i, s in enumerate(request.seqs):
             tokens = np.asarray(s.tokens)
             if len(tokens) > self.max_positions:
                 raise TooLong(f"seqs[{i}] has {len(tokens)} tokens > {self.max_positions}")
@@ -111,18 +108,13 @@ class NoopScorer:
                     step_positions(tokens, s.step_positions, options.step)
                 except BadRequest as exc:
                     raise BadRequest(f"seqs[{i}]: {exc.message}") from None
+        return Prepared(request, mode, temperature)
 
-    def prepare(
-        self,
-        seqs: Sequence[SequenceInput],
-        mode: Mode | None = None,
-        temperature: float | None = None,
-        options: ScoreOptions = DEFAULT_OPTIONS,
-    ) -> list[SequenceInput]:
-        """``validate``; nothing to tokenise (``messages`` and ``text`` are scored from their
-        bytes)."""
-        self.validate(seqs, mode, temperature, options)
-        return list(seqs)
+    def run(self, batch: Sequence[Prepared]) -> ScoreOutput:
+        """The pseudo-scores of the batch's sequences (``score`` over them, in order)."""
+        mode, temperature, options = batch[0].key
+        seqs = [s for p in batch for s in p.inputs]
+        return self.score(seqs, mode=mode, temperature=temperature, options=options)
 
     def score(
         self,
@@ -132,9 +124,11 @@ class NoopScorer:
         temperature: float | None = None,
         options: ScoreOptions = DEFAULT_OPTIONS,
     ) -> ScoreOutput:
-        """Deterministic pseudo-scores (see the module docstring)."""
+        """Deterministic pseudo-scores (see the module docstring), without checks (``prepare``
+        checks); a subclass may override it to watch or break what the daemon runs."""
+        mode = "reference" if mode is None else mode
+        temperature = 1.0 if temperature is None else temperature
         start = time.perf_counter()
-        mode, temperature = _call_args(mode, temperature)
         cost_s = self.delay_ms / 1000.0
         if self.us_per_token > 0:
             cost_s += self.us_per_token * sum(len(s.tokens) for s in seqs) / 1e6
@@ -206,11 +200,6 @@ def _noop_reward(
         score.step_scores = ((tokens[pos] % 10) / 10.0).astype(np.float32)
         return
     score.reward = float(int(tokens.sum()) % 1000) / 1000.0
-
-
-def _call_args(mode: str | None, temperature: float | None) -> tuple[Any, float]:
-    """The defaults of a call: mode ``reference``, temperature 1.0."""
-    return ("reference" if mode is None else mode), (1.0 if temperature is None else temperature)
 
 
 def teacher_arrays(

@@ -1,11 +1,12 @@
-"""The teacher-output request of a job, torch-free: which per-position arrays it wants.
+"""Teacher outputs on the scorer's side, torch-free: sizes, layouts and the checks that need the
+model or the worker's limits.
 
-``TokenOutputs`` (with its ``Sampling``) is the one definition of what a job may ask for beyond
-log-probs, and of its validation: built from the wire by the daemon's intake, carried on
-``ScoreOptions.outputs``, and read by the executor's math (``worker.executor.head.teacher``) and the
-no-op scorer. ``result_bytes`` sizes a result before any compute; ``array_layout`` names the dtype
-and width of every array a result carries (``docs/protocol.md``). Every check raises
-``BadRequest`` with the reason.
+What a job may ask for is ``worker.request.TokenOutputs`` (with its ``Sampling``), decoded by the
+protocol and carried on ``ScoreOptions.outputs`` (its names are re-exported here). This module
+adds what the scorers need of it: ``result_bytes`` sizes a result before any compute;
+``array_layout`` names the dtype and width of every array a result carries
+(``docs/protocol.md``); ``check_limits`` applies a worker's limits, ``check_call`` the model's,
+``gather_rows`` checks one sequence's per-position ids. Every check raises ``BadRequest``.
 
 Arrays per scored position (row ``i`` belongs to the ``i``-th scored token):
 
@@ -27,16 +28,21 @@ output                  arrays                    dtype, width
 
 from __future__ import annotations
 
-import math
-import numbers
-from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from worker.errors import BadRequest
 from worker.modes import LOGPROB_MODES
+from worker.request import (
+    LOGPS_ONLY,
+    MAX_GATHER_IDS,
+    MAX_TOPK,
+    OUTPUT_NAMES,
+    SORT_FREE_TOP_K,
+    Sampling,
+    TokenOutputs,
+)
 
 __all__ = [
     "DEFAULT_MAX_RESULT_BYTES",
@@ -54,170 +60,8 @@ __all__ = [
     "result_bytes",
 ]
 
-OUTPUT_NAMES: tuple[str, ...] = (
-    "logps",
-    "entropy",
-    "topk",
-    "gather",
-    "processed_logps",
-    "rank",
-)
-MAX_TOPK = 256
-"""The largest k a job may ask for (a worker may lower it: ``serve --max-topk``)."""
-MAX_GATHER_IDS = 4096
 DEFAULT_MAX_RESULT_BYTES = 64 * 1024 * 1024
-SORT_FREE_TOP_K = 256
-"""Without top-p, a top-k up to this k is found with ``torch.topk``; a larger one with a sort."""
-
-
-def _integer(name: str, value: Any, lo: int, hi: int) -> int:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Integral)
-        or not lo <= int(value) <= hi
-    ):
-        raise BadRequest(f"{name} must be an integer in {lo}..{hi}, got {value!r}")
-    return int(value)
-
-
-def _real(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise BadRequest(f"sampling.{name} must be a finite number, got {value!r}")
-    return float(value)
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Sampler parameters; ``top_k`` 0/None, ``top_p`` 1.0 and ``min_p`` 0.0 switch a filter off.
-
-    Raises ``BadRequest`` unless ``top_k`` is an int >= 0, ``0 < top_p <= 1``, ``0 <= min_p <= 1``.
-    """
-
-    top_k: int | None = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-
-    def __post_init__(self) -> None:
-        top_k = 0 if self.top_k is None else self.top_k
-        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
-            raise BadRequest(f"sampling.top_k must be an integer >= 0 (0 = off), got {top_k!r}")
-        top_p = _real("top_p", self.top_p)
-        if not 0.0 < top_p <= 1.0:
-            raise BadRequest(f"sampling.top_p must be in (0, 1] (1 = off), got {top_p!r}")
-        min_p = _real("min_p", self.min_p)
-        if not 0.0 <= min_p <= 1.0:
-            raise BadRequest(f"sampling.min_p must be in [0, 1] (0 = off), got {min_p!r}")
-        object.__setattr__(self, "top_k", int(top_k))
-        object.__setattr__(self, "top_p", top_p)
-        object.__setattr__(self, "min_p", min_p)
-
-    def top_k_for(self, vocab: int) -> int:
-        """The effective k: 0 when top-k is off or keeps the whole vocabulary."""
-        k = int(self.top_k or 0)
-        return k if 0 < k < vocab else 0
-
-    def needs_sort(self, vocab: int) -> bool:
-        """Whether the support needs a full ``[c, V]`` sort (top-p, or a top-k above 256)."""
-        return self.top_p < 1.0 or self.top_k_for(vocab) > SORT_FREE_TOP_K
-
-
-@dataclass(frozen=True)
-class TokenOutputs:
-    """Which per-position arrays a job wants, and their parameters. Validated on construction.
-
-    ``outputs``: names from ``OUTPUT_NAMES``. ``topk``: k in 1..256, required with (and only
-    with) ``"topk"``. ``"gather"`` takes either shared ``gather_ids`` (K ids used at every
-    position) or ``gather_width`` K > 0, the width of the per-position ids each sequence carries
-    (``[n_scored, K]``); K <= 4096. ``sampling`` is required with (and only with)
-    ``"processed_logps"``. ``float16``: ``topk_logps`` and ``gather_logps`` travel as float16
-    (the math stays float32). ``temperature`` is the call's (the executor sets it). Raises
-    ``BadRequest`` with the reason.
-    """
-
-    outputs: frozenset[str] = frozenset({"logps"})
-    topk: int = 0
-    gather_ids: tuple[int, ...] = ()
-    gather_width: int = 0
-    sampling: Sampling | None = None
-    temperature: float = 1.0
-    float16: bool = False
-
-    def __post_init__(self) -> None:
-        names = (self.outputs,) if isinstance(self.outputs, str) else self.outputs
-        if not isinstance(names, Iterable) or not all(isinstance(n, str) for n in names):
-            raise BadRequest(f"outputs must be a list of names, got {self.outputs!r}")
-        outputs = frozenset(names)
-        unknown = sorted(outputs - set(OUTPUT_NAMES))
-        if unknown or not outputs:
-            raise BadRequest(f"unknown or no outputs {unknown}; expected some of {OUTPUT_NAMES}")
-        object.__setattr__(self, "outputs", outputs)
-        if "topk" in outputs:
-            object.__setattr__(self, "topk", _integer("topk k", self.topk, 1, MAX_TOPK))
-        elif self.topk:
-            raise BadRequest(f"topk k={self.topk!r} given but 'topk' is not a requested output")
-        self._check_gather()
-        if isinstance(self.sampling, dict):
-            try:
-                object.__setattr__(self, "sampling", Sampling(**self.sampling))
-            except TypeError:
-                known = ("top_k", "top_p", "min_p")
-                raise BadRequest(
-                    f"sampling keys {sorted(self.sampling)} not all in {known}"
-                ) from None
-        if ("processed_logps" in outputs) != (self.sampling is not None):
-            raise BadRequest("'processed_logps' and sampling go together: give both or neither")
-        if self.sampling is not None and not isinstance(self.sampling, Sampling):
-            raise BadRequest(f"sampling must be a Sampling, got {type(self.sampling).__name__}")
-        temperature = self.temperature
-        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-            raise BadRequest(f"temperature must be a number, got {temperature!r}")
-        if not (temperature > 0 and math.isfinite(temperature)):
-            raise BadRequest(f"temperature must be a finite number > 0, got {temperature!r}")
-        object.__setattr__(self, "temperature", float(temperature))
-        if not isinstance(self.float16, bool):
-            raise BadRequest(f"float16 must be true or false, got {self.float16!r}")
-
-    def _check_gather(self) -> None:
-        ids = self.gather_ids
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
-            raise BadRequest(f"gather_ids must be a list of token ids, got {ids!r}")
-        ids = tuple(ids)
-        for i in ids:
-            _integer("gather_ids entries", i, 0, 2**31 - 1)
-        object.__setattr__(self, "gather_ids", tuple(int(i) for i in ids))
-        width = self.gather_width
-        if "gather" not in self.outputs:
-            if ids or width:
-                raise BadRequest("gather ids given but 'gather' is not a requested output")
-            return
-        if bool(ids) == bool(width):
-            raise BadRequest("'gather' needs exactly one of gather_ids (shared) or gather_width")
-        if ids:
-            _integer("number of gather_ids", len(ids), 1, MAX_GATHER_IDS)
-        else:
-            _integer("gather_width", width, 1, MAX_GATHER_IDS)
-
-    @property
-    def gather_k(self) -> int:
-        """K, the number of gathered ids per position (0 without ``"gather"``)."""
-        return len(self.gather_ids) or self.gather_width
-
-    @property
-    def extra(self) -> bool:
-        """Whether anything beyond plain ``logps`` is asked for."""
-        return self.outputs != LOGPS_ONLY.outputs or self.float16
-
-    def check_vocab(self, vocab: int) -> None:
-        """Raise ``BadRequest`` when k or a shared gather id does not fit ``vocab`` tokens."""
-        if "topk" in self.outputs and self.topk > vocab:
-            raise BadRequest(f"topk k={self.topk} exceeds the model's vocabulary of {vocab}")
-        bad = [i for i in self.gather_ids if i >= vocab]
-        if bad:
-            raise BadRequest(f"gather_ids {bad[:8]} are outside the vocabulary 0..{vocab - 1}")
-
-
-LOGPS_ONLY = TokenOutputs()
-"""Today's request: the log-prob of each scored token, nothing more."""
+"""A worker's default limit on one result's arrays (``serve --max-result-bytes``)."""
 
 
 def result_bytes(n_scored: int, spec: TokenOutputs, *, half: bool | None = None) -> int:

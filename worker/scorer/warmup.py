@@ -15,8 +15,8 @@ import time
 import numpy as np
 
 from worker.modes import Mode
+from worker.request import ScoreRequest, SequenceInput
 from worker.scorer import Scorer
-from worker.scorer.inputs import SequenceInput
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def run_warmup(scorer: Scorer, *, max_batch_tokens: int) -> float:
     )
     started = time.perf_counter()
     try:
-        scorer.score(seqs, mode=mode, temperature=1.0)
+        scorer.run([scorer.prepare(ScoreRequest(tuple(seqs), mode, 1.0))])
     except Exception as exc:  # an optimisation only: the worker serves without it
         log.warning("warm-up forward failed (%s: %s); serving without it",
                     type(exc).__name__, exc)  # fmt: skip

@@ -131,7 +131,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _variants(warm: Any, cold: Any, thrash: Any) -> dict[str, tuple[Any, Any]]:
-    from worker.scorer.options import ScoreOptions
+    from worker.scorer import ScoreOptions
 
     options = (
         lambda i: ScoreOptions(),

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
-from worker.scorer import ScoreOptions
+from worker.request import ScoreOptions
 from worker.scorer.teacher import TokenOutputs
 
 TOPK = 64

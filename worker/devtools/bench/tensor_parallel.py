@@ -129,7 +129,7 @@ def join(rank: int, size: int, port: int, device_type: str = "cpu") -> Any:
 
 
 def serve_calls(executor: Any, comm: Any, calls: list[Any]) -> list[Any]:
-    """Run ``calls`` (``group.Call``) on the group: rank 0 broadcasts them (``GroupScorer``)
+    """Run ``calls`` (``ScoreRequest`` s) on the group: rank 0 broadcasts them (``GroupScorer``)
     and returns the outputs (a call that failed with a ``ScoringError``: ``(name, code,
     message)`` in its place); the others follow until the leader stops and return theirs."""
     from worker.errors import ScoringError
@@ -146,17 +146,17 @@ def serve_calls(executor: Any, comm: Any, calls: list[Any]) -> list[Any]:
                 outputs.append((type(exc).__name__, exc.code, exc.message))
         scorer.close()
         return outputs
-    score = executor.score
+    run = executor.run
 
     def recording(*args: Any, **kwargs: Any) -> Any:
-        outputs.append(score(*args, **kwargs))
+        outputs.append(run(*args, **kwargs))
         return outputs[-1]
 
-    executor.score = recording
+    executor.run = recording
     try:
         follow(executor, comm, StepClock())
     finally:
-        del executor.score  # the class's method again
+        del executor.run  # the class's method again
     return outputs
 
 
@@ -169,8 +169,8 @@ def _rank(args: argparse.Namespace) -> None:
 
     from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
     from worker.executor.parallel.executor import ParallelExecutor
-    from worker.executor.parallel.group import Call
     from worker.executor.parallel.plan import tensor_parallel_plan
+    from worker.request import ScoreRequest
     from worker.scorer import DEFAULT_OPTIONS
 
     del llama  # imported before "start", with the rest of the code a rank runs
@@ -195,7 +195,7 @@ def _rank(args: argparse.Namespace) -> None:
         plan = tensor_parallel_plan(transformers.AutoConfig.from_pretrained(args.model), args.size)
         ex = ParallelExecutor.load(config, comm, [plan], reference_model=args.model)
         loaded = rss_bytes()
-        (out,) = serve_calls(ex, comm, [Call(seqs, None, None, DEFAULT_OPTIONS)])
+        (out,) = serve_calls(ex, comm, [ScoreRequest(seqs, None, None, DEFAULT_OPTIONS)])
         comm.close()
     model = ex.reference_model
     held = sum(

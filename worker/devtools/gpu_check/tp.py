@@ -206,8 +206,8 @@ def run_rank(
     from worker.devtools.bench.tensor_parallel import join, serve_calls
     from worker.executor import ExecutorConfig
     from worker.executor.parallel.executor import ParallelExecutor
-    from worker.executor.parallel.group import Call
     from worker.executor.parallel.plan import tensor_parallel_plan
+    from worker.request import ScoreRequest
     from worker.scorer import DEFAULT_OPTIONS
 
     cuda = device.startswith("cuda")
@@ -215,7 +215,7 @@ def run_rank(
     plan = tensor_parallel_plan(transformers.AutoConfig.from_pretrained(model), size)
     config = ExecutorConfig(device=comm.spec.device, dtype=dtype)  # type: ignore[arg-type]
     ex = ParallelExecutor.load(config, comm, [plan], reference_model=model)
-    call = Call(gm.ragged_inputs(gs.tp_shape(tiny)), None, None, DEFAULT_OPTIONS)
+    call = ScoreRequest(gm.ragged_inputs(gs.tp_shape(tiny)), None, None, DEFAULT_OPTIONS)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     warm, timed = serve_calls(ex, comm, [call, call])

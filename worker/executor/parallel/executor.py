@@ -32,10 +32,9 @@ from worker.executor.parallel.forward import ParallelForward
 from worker.executor.parallel.plan import Plan
 from worker.executor.rewards.pooling import RewardAdapter
 from worker.executor.weights.loading import load_models, load_tokenizers, resolve_dtype
-from worker.modes import Mode
-from worker.scorer.inputs import SequenceInput
-from worker.scorer.options import DEFAULT_OPTIONS, ScoreOptions
+from worker.request import ScoreOptions, ScoreRequest
 from worker.scorer.outputs import GroupReport, ScoreOutput
+from worker.scorer.plan import Prepared
 
 log = logging.getLogger(__name__)
 
@@ -142,29 +141,17 @@ class ParallelExecutor(StatelessExecutor):
         info["tensor_parallel_devices"] = list(self.comm.spec.devices)
         return info
 
-    def prepare(
-        self,
-        seqs: Sequence[SequenceInput],
-        mode: Mode | None = None,
-        temperature: float | None = None,
-        options: ScoreOptions = DEFAULT_OPTIONS,
-    ) -> list[SequenceInput]:
+    def prepare(self, request: ScoreRequest) -> Prepared:
         """``StatelessExecutor.prepare``, refusing what a group cannot serve yet."""
-        refuse_unsharded(options)
-        return super().prepare(seqs, mode, temperature, options)
+        refuse_unsharded(request.options)
+        return super().prepare(request)
 
-    def score(
-        self,
-        seqs: Sequence[SequenceInput],
-        *,
-        mode: Mode | None = None,
-        temperature: float | None = None,
-        options: ScoreOptions = DEFAULT_OPTIONS,
-    ) -> ScoreOutput:
-        """``StatelessExecutor.score`` on this rank (every rank of the group calls it with the
-        same arguments), then every rank's peak memory into ``metrics.group``."""
-        refuse_unsharded(options)
-        out = super().score(seqs, mode=mode, temperature=temperature, options=options)
+    def run(self, batch: Sequence[Prepared]) -> ScoreOutput:
+        """``StatelessExecutor.run`` on this rank (every rank of the group runs the same
+        prepared batch, as the leader planned it), then every rank's peak memory into
+        ``metrics.group``."""
+        refuse_unsharded(batch[0].options)
+        out = super().run(batch)
         peaks = self.comm.gather_peaks(out.metrics.peak_allocated_bytes)
         out.metrics.group = GroupReport(
             size=self.comm.size,

@@ -26,9 +26,9 @@ from worker.errors import ScoringError
 from worker.executor.parallel.collectives import Comm
 from worker.executor.parallel.executor import ParallelExecutor
 from worker.modes import Mode
-from worker.scorer.inputs import SequenceInput
-from worker.scorer.options import DEFAULT_OPTIONS, ScoreOptions
+from worker.request import ScoreRequest
 from worker.scorer.outputs import FallbackEvent, ScoreOutput
+from worker.scorer.plan import DirectScoring, Prepared
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +37,9 @@ __all__ = ["Call", "GroupScorer", "StepClock", "follow"]
 
 @dataclass(frozen=True)
 class Call:
-    """One ``score`` call as the leader broadcasts it."""
+    """One ``run`` as the leader broadcasts it: the batch as the leader prepared it."""
 
-    seqs: list[SequenceInput]
-    mode: Mode | None
-    temperature: float | None
-    options: ScoreOptions
+    batch: list[Prepared]
 
 
 class StepClock:
@@ -66,7 +63,7 @@ class StepClock:
         return None if since is None else time.monotonic() - since
 
 
-class GroupScorer:
+class GroupScorer(DirectScoring):
     """The leader's ``worker.scorer.Scorer``: ``executor``'s validation and identity, and a
     ``score`` that broadcasts each call to the followers first (one call at a time)."""
 
@@ -112,44 +109,19 @@ class GroupScorer:
         """Nothing beyond the served models (per-job weights are refused under a group)."""
         return {}
 
-    def validate(
-        self,
-        seqs: Sequence[SequenceInput],
-        mode: Mode | None = None,
-        temperature: float | None = None,
-        options: ScoreOptions = DEFAULT_OPTIONS,
-    ) -> None:
-        """The leader's own validation (no collective)."""
-        self.executor.validate(seqs, mode, temperature, options)
+    def prepare(self, request: ScoreRequest) -> Prepared:
+        """The leader's own preparation (no collective): the followers run its plan."""
+        return self.executor.prepare(request)
 
-    def prepare(
-        self,
-        seqs: Sequence[SequenceInput],
-        mode: Mode | None = None,
-        temperature: float | None = None,
-        options: ScoreOptions = DEFAULT_OPTIONS,
-    ) -> list[SequenceInput]:
-        """The leader's own preparation (no collective)."""
-        return self.executor.prepare(seqs, mode, temperature, options)
-
-    def score(
-        self,
-        seqs: Sequence[SequenceInput],
-        *,
-        mode: Mode | None = None,
-        temperature: float | None = None,
-        options: ScoreOptions = DEFAULT_OPTIONS,
-    ) -> ScoreOutput:
-        """Broadcast the call, then run it here: every rank runs it on its shards."""
+    def run(self, batch: Sequence[Prepared]) -> ScoreOutput:
+        """Broadcast the prepared batch, then run it here: every rank runs it on its shards."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the tensor-parallel group is closed")
             self.clock.begin()
             try:
-                self.comm.send_call(Call(list(seqs), mode, temperature, options))
-                return self.executor.score(
-                    seqs, mode=mode, temperature=temperature, options=options
-                )
+                self.comm.send_call(Call(list(batch)))
+                return self.executor.run(batch)
             finally:
                 self.clock.end()
 
@@ -165,7 +137,7 @@ def follow(executor: ParallelExecutor, comm: Comm, clock: StepClock) -> None:
     """A follower's loop: run every call the leader broadcasts, until it sends ``None``.
 
     A call that fails with a ``ScoringError`` failed alike on the leader, which answers its
-    jobs; anything else escaping ``score`` means this rank left the group's step, so the group
+    jobs; anything else escaping ``run`` means this rank left the group's step, so the group
     goes down (``Comm.fatal``) and the leader's batch is reclaimed.
     """
     while True:
@@ -175,9 +147,7 @@ def follow(executor: ParallelExecutor, comm: Comm, clock: StepClock) -> None:
             return
         clock.begin()
         try:
-            executor.score(
-                call.seqs, mode=call.mode, temperature=call.temperature, options=call.options
-            )
+            executor.run(call.batch)
         except ScoringError as exc:
             log.debug("rank %d: call failed on every rank: %s", comm.rank, exc)
         except Exception as exc:

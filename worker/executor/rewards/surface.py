@@ -5,15 +5,13 @@ model's own tokenizer and chat template (``messages``, ``text``), and the calls 
 head: ``token-classification`` / ``lm-label``, see ``steps``), the reward model's tokenizer,
 whether its token ids mean what the reference model's do, its vocabulary and positions, and the
 names of a multi-objective head's outputs. ``prepare`` renders ``messages`` and tokenizes
-``text`` once (at intake); ``calls`` turns a request into one ``ScoreCall``, or two in ``both``
-mode when the reward model reads other ids than the reference (log-probs from ``tokens``, the
-reward from ``messages`` / ``text``);
-``merge_outputs`` joins their outputs.
+``text`` once (at intake); ``reward_inputs`` checks what the reward model reads (the request's
+plan is ``worker.executor.call.plan_calls``); ``merge_outputs`` joins the outputs of a
+``reference`` and a ``reward`` call over the same sequences.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -21,16 +19,14 @@ from typing import Any
 import numpy as np
 
 from worker.errors import BadRequest, ConfigError, TooLong
-from worker.executor.call import ScoreCall, prepare
 from worker.executor.rewards.chat import encode, render, same_vocabulary
 from worker.executor.rewards.pooling import RewardAdapter, SequenceClassificationAdapter
 from worker.executor.rewards.steps import STEP_HEADS, HeadKind, check_token_head, head_kind
 from worker.modes import REWARD_MODES, Mode
+from worker.request import ScoreOptions
 from worker.scorer.inputs import PreparedSequence, SequenceInput, prepare_sequence
-from worker.scorer.options import ScoreOptions
 from worker.scorer.outputs import ScoreOutput
 from worker.scorer.steps import step_positions
-from worker.scorer.teacher import check_call
 
 
 def resolve_head(
@@ -113,7 +109,7 @@ class RewardSurface:
         self.check_call(mode, options)
         out = []
         for i, seq in enumerate(seqs):
-            if isinstance(seq, SequenceInput) and _untokenized(seq):
+            if isinstance(seq, SequenceInput) and untokenized(seq):
                 what = "messages" if seq.messages is not None else "text"
                 if mode not in REWARD_MODES:
                     raise BadRequest(f"sequence {i}: {what} is scored in modes reward, both")
@@ -146,7 +142,7 @@ class RewardSurface:
         return out
 
     def _reward_input(self, seq: SequenceInput, options: ScoreOptions) -> PreparedSequence:
-        if not _untokenized(seq):
+        if not untokenized(seq):
             if self.same_vocab is False:
                 raise BadRequest(
                     "the reward model's tokenizer differs from the reference model's, so token "
@@ -170,42 +166,8 @@ class RewardSurface:
             prepared = replace(prepared, steps=steps)
         return prepared
 
-    def calls(
-        self,
-        seqs: Sequence[SequenceInput],
-        mode: Mode,
-        temp: float,
-        options: ScoreOptions,
-        *,
-        vocab: int,
-        limit: int | None,
-        started: float | None = None,
-    ) -> list[ScoreCall]:
-        """The ``ScoreCall`` s one request runs: one, or in ``both`` mode with ``messages`` a
-        ``reference`` call on the tokens and a ``reward`` call on the rendered ids."""
-        started = time.perf_counter() if started is None else started
-        if mode not in REWARD_MODES:
-            prepared = prepare(seqs, vocab, limit, mode, options)
-            return [ScoreCall(mode, temp, prepared, started, options=options)]
-        if len(seqs) == 0:
-            raise BadRequest("no sequences to score")
-        chat = any(isinstance(s, SequenceInput) and _untokenized(s) for s in seqs)
-        if mode == "reward":
-            check_call(options.outputs, mode, vocab)  # teacher outputs need log-probs
-            prepared = self.reward_inputs(seqs, options)
-            return [ScoreCall(mode, temp, prepared, started, options=options)]
-        if not chat and self.same_vocab is not False:  # one forward layout for both surfaces
-            prepared = prepare(seqs, vocab, limit, mode, options)
-            return [ScoreCall(mode, temp, prepared, started, options=options)]
-        ref = prepare(seqs, vocab, limit, "reference", options)
-        rew = self.reward_inputs(seqs, options)
-        return [
-            ScoreCall("reference", temp, ref, started, options=options),
-            ScoreCall("reward", temp, rew, started, options=options),
-        ]
 
-
-def _untokenized(seq: SequenceInput) -> bool:
+def untokenized(seq: SequenceInput) -> bool:
     """Whether the reward model tokenizes this sequence itself (``messages`` or ``text``)."""
     return seq.messages is not None or seq.text is not None
 
@@ -278,4 +240,4 @@ def merge_outputs(outputs: list[ScoreOutput]) -> ScoreOutput:
     return ScoreOutput(scores=scores, metrics=metrics)
 
 
-__all__ = ["RewardSurface", "merge_outputs", "resolve_head", "reward_surface"]
+__all__ = ["RewardSurface", "merge_outputs", "resolve_head", "reward_surface", "untokenized"]

@@ -23,7 +23,7 @@ from worker.errors import ConfigError, ModelNotFound, ScoringError
 from worker.executor.weights import adapters
 from worker.executor.weights.loading import load_model
 from worker.executor.weights.residency import Residency, Resident, WeightsConfig, split_preload
-from worker.scorer.options import ScoreOptions
+from worker.request import ScoreOptions
 from worker.scorer.outputs import ScoreOutput
 from worker.scorer.weights import WeightsReport
 
