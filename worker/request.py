@@ -299,6 +299,7 @@ def _is_int(value: Any) -> bool:
 
 # -- a job's options and a scorer request
 
+
 @dataclass(frozen=True)
 class ScoreOptions:
     """Everything of a job beyond its mode and temperature; the defaults are a plain log-prob /
