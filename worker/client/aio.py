@@ -32,6 +32,7 @@ from worker.client.window import ScoreWindow
 from worker.config import DEFAULT_REDIS_URL
 from worker.connections import connect_async, xadd_wait_async
 from worker.protocol import Result
+from worker.request import ScoreOptions
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +161,7 @@ class AsyncScoringClient(ClientBase):
         adapter: str | None = None,
         version: str | None = None,
         step: Mapping[str, Any] | None = None,
+        options: ScoreOptions | None = None,
     ) -> JobHandle:
         """Enqueue one job (see ``ScoringClient.submit``, teacher outputs too)."""
         self._ensure_reader()
@@ -167,7 +169,7 @@ class AsyncScoringClient(ClientBase):
         request = teacher_settings(outputs, topk, gather_ids, sampling, float16)
         job = self._core.prepare(
             seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id, outputs=request,
-            adapter=adapter, version=version, step=step,
+            adapter=adapter, version=version, step=step, options=options,
         )  # fmt: skip
         return await self._run(self._core.submit(job))
 
@@ -210,6 +212,7 @@ class AsyncScoringClient(ClientBase):
         adapter: str | None = None,
         version: str | None = None,
         step: Mapping[str, Any] | None = None,
+        options: ScoreOptions | None = None,
     ) -> list[SeqScore]:
         """Submit one job and await its scores; forgotten on a timeout or cancellation."""
         self._ensure_reader()
@@ -217,7 +220,7 @@ class AsyncScoringClient(ClientBase):
         request = teacher_settings(outputs, topk, gather_ids, sampling, float16)
         job = self._core.prepare(
             seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s, job_id=job_id,
-            outputs=request, adapter=adapter, version=version, step=step,
+            outputs=request, adapter=adapter, version=version, step=step, options=options,
         )  # fmt: skip
         return await self._run(self._core.score(job, timeout))
 

@@ -42,7 +42,7 @@ from worker.client.results import JobHandle, SeqScore, unwrap
 from worker.client.workers import WorkerCheck
 from worker.config import DEFAULT_REDIS_URL, RedisSettings
 from worker.modes import MODES
-from worker.request import TokenOutputs
+from worker.request import ScoreOptions, TokenOutputs
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +158,7 @@ class ClientCore:
         adapter: str | None = None,
         version: str | None = None,
         step: Any = None,
+        options: ScoreOptions | None = None,
     ) -> PreparedJob:
         """Validate and encode a job (see ``ScoringClient.submit`` for the arguments); input
         the worker would reject raises ``BadRequestError`` here, before anything is sent."""
@@ -169,7 +170,7 @@ class ClientCore:
             payload = protocol.encode_job(
                 job_id, mode or self.mode, self.reply_stream, specs, temperature=temperature,
                 deadline_ms=deadline_ms, meta=meta, outputs=output_request(outputs, specs),
-                adapter=adapter, step=step, version=version,
+                adapter=adapter, step=step, version=version, options=options,
             )  # fmt: skip
         return PreparedJob(job_id, self.stream_for(job_id), payload, len(specs))
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from worker import errors, protocol
-from worker.request import Sampling, TokenOutputs
+from worker.request import Sampling, ScoreOptions, TokenOutputs
 
 
 def _prompt_len(value: Any, index: int) -> int:
@@ -150,6 +150,8 @@ class JobSpec:
     float16: bool | None = None
     # process rewards (docs/rewards.md): the job's step map; None takes score_many's
     step: Mapping[str, Any] | None = None
+    # every job option as one ScoreOptions (instead of the separate settings above)
+    options: ScoreOptions | None = None
 
     def sets_outputs(self) -> bool:
         """Whether this job names any teacher-output setting of its own."""
@@ -170,6 +172,8 @@ def with_defaults(spec: JobSpec, defaults: JobSpec, mode: str) -> JobSpec:
     """``spec`` with ``defaults``' teacher outputs (when ``spec`` sets none and its ``mode``,
     as resolved by the caller, is not ``reward``, which has no log-probs) and ``step`` (when
     ``spec`` has none and is a ``reward`` job, the only mode with step scores)."""
+    if spec.options is not None:  # the job's own options, whole
+        return spec
     changes: dict[str, Any] = {}
     if not spec.sets_outputs() and defaults.sets_outputs() and mode != "reward":
         changes.update({k: getattr(defaults, k) for k in TEACHER_SETTINGS})
@@ -195,6 +199,7 @@ def as_job_spec(item: Any) -> JobSpec:
             adapter=item.get("adapter"),
             version=item.get("version"),
             step=item.get("step"),
+            options=item.get("options"),
             **{k: item.get(k) for k in TEACHER_SETTINGS},
         )
     return JobSpec(seqs=item)

@@ -20,6 +20,7 @@ from worker.client.window import ScoreWindow
 from worker.config import DEFAULT_REDIS_URL
 from worker.connections import connect, xadd_wait
 from worker.protocol import Result
+from worker.request import ScoreOptions
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,7 @@ class ScoringClient(ClientBase):
         adapter: str | None = None,
         version: str | None = None,
         step: Mapping[str, Any] | None = None,
+        options: ScoreOptions | None = None,
     ) -> JobHandle:
         """Enqueue one job and return its handle (``result(handle)`` waits for it).
 
@@ -160,13 +162,15 @@ class ScoringClient(ClientBase):
         ``--model-root``; ``None`` scores with the served base. Process rewards
         (``docs/rewards.md``): ``step`` ``{tag_id, label_token_ids, positive_index}``; a sequence
         may be ``{"messages": [...]}`` (the reward model's chat template renders it).
+        ``options``: the job's options as one ``worker.request.ScoreOptions`` (weights, teacher
+        outputs, step; every job option there is), instead of the separate arguments.
         """
         self._ensure_reader()
         job_id = job_id or new_job_id()
         request = teacher_settings(outputs, topk, gather_ids, sampling, float16)
         job = self._core.prepare(
             seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id, outputs=request,
-            adapter=adapter, version=version, step=step,
+            adapter=adapter, version=version, step=step, options=options,
         )  # fmt: skip
         return self._run(self._core.submit(job))
 
@@ -211,6 +215,7 @@ class ScoringClient(ClientBase):
         adapter: str | None = None,
         version: str | None = None,
         step: Mapping[str, Any] | None = None,
+        options: ScoreOptions | None = None,
     ) -> list[SeqScore]:
         """Submit one job and wait for its scores (one ``SeqScore`` per sequence). On a timeout
         (or an interrupt) the job is forgotten: its late result is dropped."""
@@ -219,7 +224,7 @@ class ScoringClient(ClientBase):
         request = teacher_settings(outputs, topk, gather_ids, sampling, float16)
         job = self._core.prepare(
             seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s, job_id=job_id,
-            outputs=request, adapter=adapter, version=version, step=step,
+            outputs=request, adapter=adapter, version=version, step=step, options=options,
         )  # fmt: skip
         return self._run(self._core.score(job, timeout))
 

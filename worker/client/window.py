@@ -121,6 +121,7 @@ class ScoreWindow:
                     version=spec.version,
                     outputs=spec.teacher(),
                     step=spec.step,
+                    options=spec.options,
                 )
             except BadRequestError as exc:  # refused here, never sent: answered in its turn
                 if self.raise_errors:

@@ -107,11 +107,19 @@ def encode_job(
     adapter: str | None = None,
     version: str | None = None,
     step: StepOptions | Mapping[str, Any] | None = None,
+    options: ScoreOptions | None = None,
 ) -> bytes:
     """Encode a job payload; each seq is a ``SeqSpec`` or a map with ``tokens`` and
     ``prompt_len`` or ``mask`` (and per-position ``gather_ids``). ``outputs``: the teacher
     outputs to ask for. ``adapter``/``version``: the weights to score with (None: the worker's
-    base). Validates structure so producers fail fast."""
+    base). ``step``: the process-reward step map. ``options``: all of these as one
+    ``ScoreOptions`` (then none of them separately). Validates structure so producers fail
+    fast."""
+    if options is not None:
+        if (outputs, adapter, version, step) != (None, None, None, None):
+            raise ProtocolError("give options, or outputs/adapter/version/step: not both")
+        outputs = None if options.outputs == LOGPS_ONLY else options.outputs
+        adapter, version, step = options.adapter, options.version, options.step
     if not isinstance(job_id, str) or not 0 < len(job_id) <= MAX_ID_CHARS:
         raise ProtocolError(f"job id must be a non-empty string of at most {MAX_ID_CHARS} chars")
     if mode not in MODES:
