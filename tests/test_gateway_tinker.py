@@ -29,6 +29,7 @@ from tests.support.adapters import ADAPTERS, merged_float64, write_fleet
 from tests.support.daemon import WorkerProc
 from tests.support.gateway import GatewayThread
 from tests.support.models import random_tokens, tiny_causal
+from worker.gateway import tinker as tinker_routes
 from worker.gateway.errors import GatewayError
 from worker.gateway.tinker import session_id
 from worker.gateway.tinker_futures import FutureStore, Outcome
@@ -87,6 +88,74 @@ def test_sample_response_encoding_is_what_the_sdk_decodes() -> None:
     assert bare.target_prompt_logprobs is None and len(bare.sequences) == 1
 
 
+# -- a sample request as one scored sequence
+
+
+def _request(tokens: list[int], **fields: Any) -> Any:
+    from worker.gateway.tinker_wire import SampleRequest
+
+    body = {
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
+        "sampling_params": {"max_tokens": 1},
+        **fields,
+    }
+    return SampleRequest.model_validate(body)
+
+
+def test_plan_scores_from_the_first_position_asked() -> None:
+    from worker.gateway.tinker_plan import SamplePlan
+
+    tokens = list(range(1, 11))
+    last = SamplePlan.of(_request(tokens, prompt_logprobs=True, prompt_logprobs_last_n=3))
+    assert last.start == 7 and last.seq()["prompt_len"] == 7 and last.key(None, None).topk is None
+    ids = [[-1, -1]] * 4 + [[5, -1]] + [[6, 7]] * 4
+    target = {"data": [i for row in ids for i in row], "dtype": "int64", "shape": [9, 2]}
+    plan = SamplePlan.of(_request(tokens, target_prompt_logprobs=target, topk_prompt_logprobs=2))
+    assert plan.start == 1  # the top k wants every position
+    only = SamplePlan.of(_request(tokens, target_prompt_logprobs=target))
+    assert only.start == 5  # rows before the first named id are not scored
+    gather = only.seq()["gather_ids"]
+    assert gather.shape == (5, 2) and gather[0].tolist() == [5, 0]  # -1 travels as id 0
+    assert only.key(None, None).gather_width == 2
+    assert SamplePlan.of(_request([7], prompt_logprobs=True)).start == 0  # nothing to score
+
+
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [
+        ({"sampling_params": {"max_tokens": 2}}, "max_tokens=2"),
+        ({"sampling_params": {}}, "max_tokens=None"),
+        ({"prompt_alt_tokens_k": 1}, "sampling"),
+        ({"topk_prompt_logprobs": -1}, ">= 0"),
+        ({"prompt_logprobs": True, "prompt_logprobs_last_n": 4}, "last_n"),
+        ({"target_prompt_logprobs": {"data": [1, 2], "dtype": "int64", "shape": [1, 2]}}, "shape"),
+        (
+            {"target_prompt_logprobs": {"data": [-1] * 6, "dtype": "int64", "shape": [3, 2]}},
+            "no id",
+        ),
+        (
+            {
+                "target_prompt_logprobs": {
+                    "data": [5],
+                    "dtype": "int64",
+                    "shape": [3, 2],
+                    "sparse_crow_indices": [0, 1, 1],
+                    "sparse_col_indices": [0],
+                }
+            },
+            "CSR",
+        ),
+    ],
+)
+def test_plan_refuses_what_is_not_served(fields: dict[str, Any], why: str) -> None:
+    from worker.gateway.tinker_plan import SamplePlan
+
+    body = {"sampling_params": {"max_tokens": 1}, **fields}
+    with pytest.raises(GatewayError) as refused:
+        SamplePlan.of(_request([1, 2, 3, 4], **body))
+    assert refused.value.code == "bad_request" and why in refused.value.message
+
+
 # -- the futures: idempotent, bounded, expiring
 
 
@@ -117,10 +186,16 @@ def test_futures_are_idempotent_bounded_and_expire() -> None:
         await asyncio.sleep(0.01)
         assert sorted(started) == ["a", "b", "c"]
         assert await store.wait("s/1", 1.0) == Outcome(body=b"a")  # a retried retrieval
-        await asyncio.sleep(1.1)  # past the TTL of s/2 (answered, never retrieved)
+        assert store.pending == 2  # s/2 and s/3 answered, not retrieved
+        await asyncio.sleep(1.1)  # past the TTL of s/2 and s/3 (answered, never retrieved)
         with pytest.raises(GatewayError) as gone:
             await store.wait("s/2", 0.1)
         assert gone.value.code == "result_gone"
+        assert store.pending == 0 and len(store) == 0
+        gate.clear()
+        assert store.submit("s/4", job("d"))
+        assert store.cancel("s/4") and not store.cancel("s/4")  # an abandoned poll
+        assert store.pending == 0
         await store.close()
 
     asyncio.run(scenario())
@@ -128,7 +203,9 @@ def test_futures_are_idempotent_bounded_and_expire() -> None:
 
 @pytest.mark.redis
 @pytest.mark.timeout(60)
-def test_asample_without_a_worker_is_idempotent_and_backs_off() -> None:
+def test_asample_without_a_worker_is_idempotent_and_backs_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """No worker serves the queue (and none is required): jobs stay pending. The same
     ``(sampling_session_id, seq_id)`` twice is one job; past the limit, 429; an unknown future,
     410; the key may come as ``X-API-Key``."""
@@ -168,6 +245,14 @@ def test_asample_without_a_worker_is_idempotent_and_backs_off() -> None:
         )
         assert sent == 2  # seq 1 once, seq 2 once
         assert sample(3).status_code == 429
+        monkeypatch.setattr(tinker_routes, "LONG_POLL_S", 0.2)
+        poll = requests.post(
+            f"{g.url}/api/v1/retrieve_future",
+            json={"request_id": first.json()["request_id"]},
+            headers=headers,
+            timeout=30,
+        )
+        assert poll.json()["type"] == "try_again"  # the job waits for a worker: poll again
         gone = requests.post(
             f"{g.url}/api/v1/retrieve_future",
             json={"request_id": "nope"},
@@ -176,6 +261,9 @@ def test_asample_without_a_worker_is_idempotent_and_backs_off() -> None:
         )
         assert gone.status_code == 410
         assert requests.post(f"{g.url}/api/v1/asample", json={}, timeout=10).status_code == 401
+        wrong = {"X-API-Key": "tml-wrong"}
+        response = requests.post(f"{g.url}/api/v1/asample", json={}, headers=wrong, timeout=10)
+        assert response.status_code == 401
 
 
 # -- the SDK against a real worker

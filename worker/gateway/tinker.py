@@ -218,6 +218,13 @@ async def asample(body: SampleRequest, request: Request) -> Json:
     return Json(answer)
 
 
+@router.post("/api/v1/cancel_future")
+async def cancel_future(body: FutureRetrieveRequest, request: Request) -> Json:
+    """A future the SDK abandoned (its ``result(timeout)`` ran out): dropped."""
+    futures_of(request).cancel(body.request_id)
+    return Json(None)
+
+
 @router.post("/api/v1/retrieve_future")
 async def retrieve_future(body: FutureRetrieveRequest, request: Request) -> Response:
     """The future's answer: protobuf, an ``{"error", "category"}`` body, or ``try_again``

@@ -4,9 +4,10 @@ expires (``FutureStore``).
 The SDK's protocol (``tinker/lib/api_future_impl.py``, ``_APIFuture``): ``asample`` returns a
 request id at once; the SDK then long-polls ``retrieve_future`` with it until it gets the result
 (protobuf), an ``{"error", "category"}`` body (raised as ``RequestFailedError``, no retry) or
-``{"type": "try_again"}`` (poll again). A 410 on ``retrieve_future`` makes the SDK submit the
-sample again (its ``RetryableException``): the answer to an id this gateway does not hold
-(expired, or the gateway restarted). A 429 on ``asample`` makes it back off and resend.
+``{"type": "try_again"}`` (poll again); a poll it abandons is posted to ``cancel_future``. A 410
+on ``retrieve_future`` makes the SDK submit the sample again (its ``RetryableException``): the
+answer to an id this gateway does not hold (expired, or the gateway restarted). A 429 on
+``asample`` makes it back off and resend.
 
 Bounds: at most ``max_pending`` futures not yet retrieved (running or answered), more are a 429
 ``rate_limited``; an answer not retrieved within ``ttl_s`` of its completion is dropped; a
@@ -71,11 +72,7 @@ class FutureStore:
         self.ttl_s = ttl_s
         self._futures: dict[str, _Future] = {}
         self._swept = time.monotonic()
-
-    @property
-    def pending(self) -> int:
-        """Futures not yet retrieved (running or answered)."""
-        return sum(1 for f in self._futures.values() if not f.retrieved)
+        self.pending = 0  # futures not yet retrieved (running or answered)
 
     def __len__(self) -> int:
         return len(self._futures)
@@ -91,6 +88,7 @@ class FutureStore:
                 "rate_limited", f"{self.pending} samples pending (limit {self.max_pending})"
             )
         future = self._futures[request_id] = _Future()
+        self.pending += 1
         future.task = asyncio.get_running_loop().create_task(self._run(future, run))
         return True
 
@@ -99,6 +97,7 @@ class FutureStore:
         future exists."""
         self._sweep()
         if request_id not in self._futures:
+            self.pending += 1
             self._finish(self._futures.setdefault(request_id, _Future()), outcome)
 
     async def wait(self, request_id: str, timeout_s: float) -> Outcome | None:
@@ -119,8 +118,21 @@ class FutureStore:
                 return None
         if not future.retrieved:
             future.retrieved = True
+            self.pending -= 1
             future.expires = min(future.expires, time.monotonic() + RETRIEVED_GRACE_S)
         return future.outcome
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a future the caller abandoned (its job, if still running, is not waited for);
+        False when it is not held."""
+        future = self._futures.pop(request_id, None)
+        if future is None:
+            return False
+        if not future.retrieved:
+            self.pending -= 1
+        if future.task is not None:
+            future.task.cancel()
+        return True
 
     async def close(self) -> None:
         """Cancel what is still running."""
@@ -129,6 +141,7 @@ class FutureStore:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._futures.clear()
+        self.pending = 0
 
     async def _run(self, future: _Future, run: Callable[[], Awaitable[bytes]]) -> None:
         try:
@@ -152,4 +165,5 @@ class FutureStore:
             return
         self._swept = now
         for request_id in [r for r, f in self._futures.items() if f.expires <= now]:
-            del self._futures[request_id]
+            if not self._futures.pop(request_id).retrieved:
+                self.pending -= 1
