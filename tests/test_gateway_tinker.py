@@ -306,16 +306,16 @@ def teacher(service: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def base64() -> Any:
+def base_f64() -> Any:
     return tiny_causal("llama", seed=0).double().eval()
 
 
 @pytest.mark.slow
 @pytest.mark.redis
 @pytest.mark.timeout(300)
-def test_compute_logprobs_and_last_n(teacher: Any, base64: Any) -> None:
+def test_compute_logprobs_and_last_n(teacher: Any, base_f64: Any) -> None:
     for ids in PROMPTS:
-        lp = _logprobs(base64, ids)
+        lp = _logprobs(base_f64, ids)
         want = [lp[p - 1, ids[p]] for p in range(1, len(ids))]
         got = teacher.compute_logprobs(types.ModelInput.from_ints(ids)).result()
         assert got[0] is None and len(got) == len(ids)
@@ -330,7 +330,7 @@ def test_compute_logprobs_and_last_n(teacher: Any, base64: Any) -> None:
 @pytest.mark.slow
 @pytest.mark.redis
 @pytest.mark.timeout(300)
-def test_topk_prompt_logprobs_as_distillation_asks(teacher: Any, base64: Any) -> None:
+def test_topk_prompt_logprobs_as_distillation_asks(teacher: Any, base_f64: Any) -> None:
     """tinker-cookbook's off-policy distillation call: max_tokens=1, prompt log-probs and the
     top k at every position; ``num_samples`` sequences come back, with no tokens."""
     k = 5
@@ -348,7 +348,7 @@ def test_topk_prompt_logprobs_as_distillation_asks(teacher: Any, base64: Any) ->
         response = future.result()
         assert len(response.sequences) == 2 and all(s.tokens == [] for s in response.sequences)
         assert len({s.sequence_id for s in response.sequences}) == 2
-        lp = _logprobs(base64, ids)
+        lp = _logprobs(base_f64, ids)
         top = response.topk_prompt_logprobs
         assert top[0] is None and len(top) == len(ids)
         for p in range(1, len(ids)):
@@ -363,7 +363,7 @@ def test_topk_prompt_logprobs_as_distillation_asks(teacher: Any, base64: Any) ->
 @pytest.mark.redis
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sparse", [False, True])
-def test_target_prompt_logprobs_dense_and_csr(teacher: Any, base64: Any, sparse: bool) -> None:
+def test_target_prompt_logprobs_dense_and_csr(teacher: Any, base_f64: Any, sparse: bool) -> None:
     """The teacher at ids the student chose, per position; -1 asks nothing (0.0 back); rows
     before the first named id are not scored; the answer keeps the request's layout."""
     ids = PROMPTS[2]
@@ -393,7 +393,7 @@ def test_target_prompt_logprobs_dense_and_csr(teacher: Any, base64: Any, sparse:
     got = response.target_prompt_logprobs
     assert (got.sparse_crow_indices is not None) == sparse and got.shape == [n - 1, k]
     dense = got.to_numpy()
-    lp = _logprobs(base64, ids)
+    lp = _logprobs(base_f64, ids)
     t = target.numpy()
     want = np.where(t >= 0, np.take_along_axis(lp, np.maximum(t, 0), axis=1), 0.0)
     np.testing.assert_allclose(dense, want, atol=TOL)
@@ -404,12 +404,12 @@ def test_target_prompt_logprobs_dense_and_csr(teacher: Any, base64: Any, sparse:
 @pytest.mark.redis
 @pytest.mark.timeout(300)
 def test_model_path_names_adapters_and_versions(
-    service: Any, fleet: tuple[GatewayThread, Path], base64: Any
+    service: Any, fleet: tuple[GatewayThread, Path], base_f64: Any
 ) -> None:
     ids = PROMPTS[1]
     refs = {
-        f"tinker://{ADAPTERS[0]}": merged_float64(base64, fleet[1] / ADAPTERS[0]),
-        f"tinker://adapter:{ADAPTERS[2]}": merged_float64(base64, fleet[1] / ADAPTERS[2]),
+        f"tinker://{ADAPTERS[0]}": merged_float64(base_f64, fleet[1] / ADAPTERS[0]),
+        f"tinker://adapter:{ADAPTERS[2]}": merged_float64(base_f64, fleet[1] / ADAPTERS[2]),
         "tinker://version:step-1": tiny_causal("llama", seed=11).double().eval(),
     }
     for path, ref in refs.items():
