@@ -54,7 +54,7 @@ DOC_URL = "redis://127.0.0.1:6379/0"
 DOC_METRICS = "127.0.0.1:9400"
 DOC_GATEWAYS = ("localhost:8000", "127.0.0.1:8000")
 """How the pages address the gateway (``scoring-worker gateway --port 8000``)."""
-DOC_GATEWAY_KEY = "doc-gateway-key"
+DOC_GATEWAY_KEY = "tml-doc-gateway-key"  # the Tinker SDK sends only tml- keys
 DOC_DBS = (14, 15, 13)
 """Databases of the machine's Redis the doc blocks may use: a run takes the first one whose lock
 it sets, and flushes it before and after."""

@@ -51,6 +51,7 @@ class BatchKey:
     topk: int | None = None
     adapter: str | None = None
     version: str | None = None
+    gather_width: int | None = None  # K of per-sequence gather ids (a job holds one K)
 
 
 @dataclass

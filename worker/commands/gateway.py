@@ -54,7 +54,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         "GATEWAY_API_KEY",
         None,
-        "require Authorization: Bearer <key> on every route but /health",
+        "require Authorization: Bearer <key> (or X-API-Key: <key>) on every route but /health; "
+        "Tinker SDK clients send only keys that start with tml-",
     )
     flag(
         "--model-name",
@@ -121,6 +122,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
     )
     flag(
+        "--tinker-max-pending",
+        "GATEWAY_TINKER_MAX_PENDING",
+        4096,
+        "Tinker samples submitted and not yet retrieved, at most; more get 429 (the SDK backs off)",
+        type=int,
+    )
+    flag(
+        "--tinker-result-ttl-s",
+        "GATEWAY_TINKER_RESULT_TTL_S",
+        600.0,
+        "seconds a Tinker sample's answer waits to be retrieved before it is dropped",
+        type=float,
+    )
+    flag(
         "--server-log-level",
         "GATEWAY_SERVER_LOG_LEVEL",
         "warning",
@@ -159,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
             max_concurrent=int(args.max_concurrent),
             resubmit_after_s=resubmit if resubmit > 0 else None,
             require_worker=not _truthy(args.no_worker_check),
+            tinker_max_pending=int(args.tinker_max_pending),
+            tinker_result_ttl_s=float(args.tinker_result_ttl_s),
         )
         settings = redis_settings(args, client_name="scoring-gateway")
         port = int(args.port)

@@ -14,6 +14,7 @@ second is the load this serves.)
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -23,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from worker.client.aio import AsyncScoringClient
-from worker.gateway import openrlhf, pooling, service, sglang, slime, vllm
+from worker.gateway import openrlhf, pooling, service, sglang, slime, tinker, vllm
 from worker.gateway.config import GatewayConfig
 from worker.gateway.core import GatewayCore
 from worker.gateway.errors import error_body, error_code, error_headers, error_message
@@ -38,14 +39,19 @@ from worker.gateway.middleware import (
     Scope,
     Send,
 )
+from worker.gateway.tinker_futures import FutureStore
 
 log = logging.getLogger(__name__)
 
 #: One module per peer format, then the service routes.
-FORMATS = (openrlhf, slime, vllm, pooling, sglang, service)
+FORMATS = (openrlhf, slime, vllm, pooling, sglang, tinker, service)
 ROUTES: dict[tuple[str, str], Route] = {
-    (r.method, r.path): r for m in FORMATS for r in m.router.routes
+    (r.method, r.path): r for m in FORMATS for r in m.router.routes if r.pattern is None
 }
+#: Routes whose paths name segments, matched in order after the lookup misses.
+TEMPLATES: list[tuple[Route, re.Pattern[str]]] = [
+    (r, r.pattern) for m in FORMATS for r in m.router.routes if r.pattern is not None
+]
 PATHS = frozenset(path for _, path in ROUTES)
 
 
@@ -65,12 +71,23 @@ def invalid_body(exc: ValidationError | ValueError) -> Response:
     return error_response("bad_request", "invalid request body: " + "; ".join(parts or [str(exc)]))
 
 
+def _templated(scope: Scope) -> Route | None:
+    """The route whose pattern matches (its segments into ``scope["path_params"]``)."""
+    for route, pattern in TEMPLATES:
+        if route.method == scope["method"] and (match := pattern.match(scope["path"])):
+            scope["path_params"] = match.groupdict()
+            return route
+    return None
+
+
 class GatewayApp:
     """The routes' dispatcher and the lifespan (``scope["app"]`` is this object, so
     ``request.app.state.core`` reaches the core)."""
 
     def __init__(self, core: GatewayCore) -> None:
-        self.state = SimpleNamespace(core=core)
+        config = core.config
+        futures = FutureStore(config.tinker_max_pending, config.tinker_result_ttl_s)
+        self.state = SimpleNamespace(core=core, tinker_futures=futures)
         self.core = core
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -85,7 +102,7 @@ class GatewayApp:
         await response(scope, receive, send)
 
     async def _answer(self, scope: Scope, request: Request) -> Response:
-        route = ROUTES.get((scope["method"], scope["path"]))
+        route = ROUTES.get((scope["method"], scope["path"])) or _templated(scope)
         if route is None:
             if scope["path"] in PATHS:
                 return error_response(
@@ -117,6 +134,7 @@ class GatewayApp:
                     return
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                await self.state.tinker_futures.close()
                 await self.core.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return

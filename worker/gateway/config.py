@@ -13,7 +13,8 @@ OPEN_PATHS = frozenset({"/health", "/health/"})
 class GatewayConfig:
     """How the gateway serves (every field has the flag of the same name, ``--api-key`` ...).
 
-    ``api_key``: when set, every route but ``/health`` needs ``Authorization: Bearer <key>``.
+    ``api_key``: when set, every route but ``/health`` needs ``Authorization: Bearer <key>`` or
+    ``X-API-Key: <key>`` (the Tinker SDK's header; it only sends keys that start ``tml-``).
     ``model_name``: the name ``/v1/models`` lists first and a request's ``model`` may carry for
     the base weights (None: the ``model`` the live workers report). ``timeout_s``: how long a
     request waits for its scores before a 504 (also the job's ``deadline_ms``). ``window_ms``,
@@ -21,6 +22,9 @@ class GatewayConfig:
     ``max_body_bytes`` (413 above) and ``max_concurrent`` (503 above) are the limits.
     ``resubmit_after_s``: a job without a result that long is added again (None: off).
     ``worker_check_s``: how long a "some worker is alive" answer is reused.
+    ``tinker_max_pending``: Tinker samples submitted and not yet retrieved, at most (more get
+    429, which the SDK backs off from); ``tinker_result_ttl_s``: how long an answer waits to be
+    retrieved before it is dropped.
     """
 
     api_key: str | None = None
@@ -34,6 +38,8 @@ class GatewayConfig:
     resubmit_after_s: float | None = 30.0
     worker_check_s: float = 1.0
     require_worker: bool = True
+    tinker_max_pending: int = 4096
+    tinker_result_ttl_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
@@ -44,5 +50,7 @@ class GatewayConfig:
             raise ValueError("max_batch_seqs and max_batch_tokens must be >= 1")
         if self.max_body_bytes < 1 or self.max_concurrent < 1:
             raise ValueError("max_body_bytes and max_concurrent must be >= 1")
+        if self.tinker_max_pending < 1 or self.tinker_result_ttl_s <= 0:
+            raise ValueError("tinker_max_pending must be >= 1 and tinker_result_ttl_s > 0")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset for no key)")

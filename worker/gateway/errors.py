@@ -4,7 +4,8 @@ Codes are the wire codes of ``worker.errors.ERROR_TABLE`` (what a job's error re
 raised on the producer side as ``JobFailed`` subclasses or, for input the client refuses before
 sending, as ``worker.errors.BadRequest``: both carry ``code``) plus the gateway's own
 (``unauthorized``, ``payload_too_large``, ``no_worker``, ``overloaded``, ``timeout``,
-``unavailable``). The body, whatever the route::
+``unavailable``; the Tinker routes' ``rate_limited`` and ``result_gone``). The body, whatever
+the route::
 
     {"error": {"code": "<code>", "message": "<why>", "status": <http status>}}
 
@@ -23,8 +24,10 @@ HTTP_STATUS: dict[str, int] = {
     "unauthorized": 401,  # missing or wrong Authorization: Bearer
     "not_found": 404,  # no such route
     "model_not_found": 404,  # the model / adapter / version names no weights
+    "result_gone": 410,  # a Tinker future this gateway does not hold (expired): submit again
     "payload_too_large": 413,  # the body is over --max-body-bytes
     "too_long": 413,  # a sequence is over the model's positions
+    "rate_limited": 429,  # too many Tinker samples pending (the SDK backs off and resends)
     "internal": 500,  # the worker failed on the job
     "dead_letter": 500,  # workers died on the job max_deliveries times
     "no_worker": 503,  # no live worker serves the queue

@@ -6,12 +6,15 @@ A route is ``@router.post(path)`` over ``async def handler(body: SomeModel, requ
 is parsed and validated as ``SomeModel`` (pydantic, ``model_validate_json``) before the handler
 runs, so a malformed body is a 400 before any work; ``@router.get(path)`` handlers take the
 request alone. Dispatch is a dictionary lookup (``worker.gateway.app``): no per-request framework
-machinery beyond Starlette's ``Request`` and ``Response``.
+machinery beyond Starlette's ``Request`` and ``Response``. A path may name segments
+(``/api/v1/sessions/{session_id}/finish``): such a route is matched by its pattern after the
+lookup misses, its segments in ``request.path_params``.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import typing
 from collections.abc import Awaitable, Callable
@@ -40,6 +43,17 @@ class Route:
     path: str
     model: type[BaseModel] | None
     handler: Handler
+
+    @property
+    def pattern(self) -> re.Pattern[str] | None:
+        """The path's pattern when it names segments (``{name}``: one segment), else None."""
+        if "{" not in self.path:
+            return None
+        parts = re.split(r"\{(\w+)\}", self.path)
+        regex = "".join(
+            re.escape(p) if i % 2 == 0 else f"(?P<{p}>[^/]+)" for i, p in enumerate(parts)
+        )
+        return re.compile(regex + "$")
 
 
 class Router:

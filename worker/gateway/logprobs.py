@@ -13,6 +13,13 @@ twice into the same key). prime-rl reads the first value of each dict as the act
 log-prob, TRL sorts by ``rank``: both hold. ``decoded_token`` is ``None``: the gateway has no
 tokenizer (neither client reads it).
 
+vLLM's log-probs at chosen ids (``docs/training/prompt_token_id_logprobs.md``):
+``prompt_logprob_token_ids`` is one candidate list shared by every scored row, or one list per
+row (exactly ``len - 1 - prompt_logprob_start`` rows, shorter rows padded with -1); the answer
+``prompt_token_id_logprobs`` is a base64 ``.npy`` float32 ``[rows, K]`` whose row ``i`` scores
+token ``prompt_logprob_start + i + 1`` at the row's ids in order, ``-inf`` where the id is -1.
+The job gathers them (``gather`` output, per-position ids; -1 sent as id 0).
+
 SGLang (``python/sglang/srt/managers/io_struct.py``; ``meta_info.input_token_logprobs``):
 ``[logprob, token_id, None]`` per input position from ``logprob_start_len``, the logprob of
 position 0 being ``None``; with ``top_logprobs_num`` k, ``input_top_logprobs`` holds per position
@@ -21,9 +28,15 @@ a list of k ``[logprob, token_id, None]`` (``None`` at position 0).
 
 from __future__ import annotations
 
+import base64
+import io
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from worker.client.results import SeqScore
+from worker.gateway.errors import GatewayError
 
 
 def _rows(score: SeqScore, k: int) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
@@ -68,3 +81,61 @@ def sglang_input_logprobs(
         if k:
             tops.append([[lp, tid, None] for tid, lp in zip(top_ids[i], top_lps[i], strict=True)])
     return tok, (tops if k else None)
+
+
+@dataclass(frozen=True)
+class ChosenIds:
+    """``prompt_logprob_token_ids`` of one prompt: ``ids`` ``[rows, K]`` (-1: none), row ``i``
+    scoring token ``start + i + 1``."""
+
+    ids: np.ndarray  # [rows, K] int64
+    start: int
+
+    @classmethod
+    def of(cls, length: int, given: list[Any], start: int | None) -> ChosenIds:
+        """The ids of a prompt of ``length`` tokens (400 when they do not fit it)."""
+        start = 0 if start is None else start
+        if start < 0:
+            raise GatewayError("bad_request", f"prompt_logprob_start must be >= 0, got {start}")
+        rows = max(length - 1 - start, 0)
+        if given and isinstance(given[0], list):
+            if len(given) != rows:
+                raise GatewayError(
+                    "bad_request",
+                    f"prompt_logprob_token_ids has {len(given)} rows: the prompt of {length} "
+                    f"tokens from prompt_logprob_start {start} scores {rows}",
+                )
+            k = max((len(row) for row in given), default=0)
+            ids = np.full((rows, k), -1, dtype=np.int64)
+            for i, row in enumerate(given):
+                ids[i, : len(row)] = row
+        else:
+            ids = np.tile(np.asarray(given, dtype=np.int64), (rows, 1)).reshape(rows, len(given))
+        if ids.shape[1] == 0 and rows:
+            raise GatewayError("bad_request", "prompt_logprob_token_ids names no id")
+        return cls(ids, start)
+
+    @property
+    def width(self) -> int:
+        """K."""
+        return int(self.ids.shape[1])
+
+    def gather_ids(self, first: int, length: int) -> np.ndarray:
+        """The gather ids ``[length - first, K]`` int32 of a job scoring positions ``first..``
+        (positions before ``start + 1`` and -1 cells read id 0, dropped from the answer)."""
+        out = np.zeros((length - first, self.width), dtype=np.int32)
+        lo = self.start + 1 - first  # the row of position start + 1 in the job
+        out[lo:] = np.maximum(self.ids, 0)
+        return out
+
+    def answer(self, score: SeqScore | None, first: int) -> str:
+        """``prompt_token_id_logprobs``: the base64 ``.npy`` of ``[rows, K]`` float32."""
+        rows, k = self.ids.shape
+        matrix = np.full((rows, k), -np.inf, dtype=np.float32)
+        if rows and k and score is not None and score.gather_logps is not None:
+            gathered = np.asarray(score.gather_logps, dtype=np.float32).reshape(-1, k)
+            matrix[:] = gathered[self.start + 1 - first :]
+            matrix[self.ids < 0] = -np.inf
+        buffer = io.BytesIO()
+        np.save(buffer, matrix, allow_pickle=False)
+        return base64.b64encode(buffer.getvalue()).decode()

@@ -1,8 +1,8 @@
 """Auth, limits and metrics as ASGI middleware, around every route (never inside one).
 
 * ``AuthMiddleware``: with an API key set, a request to any path but ``OPEN_PATHS`` needs
-  ``Authorization: Bearer <key>`` (compared in constant time); otherwise 401 ``unauthorized``
-  before the body is read, so nothing is scored.
+  ``Authorization: Bearer <key>`` or ``X-API-Key: <key>`` (the Tinker SDK's header; compared in
+  constant time); otherwise 401 ``unauthorized`` before the body is read, so nothing is scored.
 * ``LimitsMiddleware``: a body over ``max_body_bytes`` (by ``Content-Length``, or counted while
   it streams in) gets 413 ``payload_too_large``; more than ``max_concurrent`` requests in flight
   get 503 ``overloaded``.
@@ -51,20 +51,28 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 
 class AuthMiddleware:
-    """401 without the right ``Authorization: Bearer`` (when a key is set)."""
+    """401 without the right ``Authorization: Bearer`` or ``X-API-Key`` (when a key is set)."""
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode() if api_key else None
+        self._key = api_key.encode() if api_key else b""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self._expected is None or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         given = _header(scope, b"authorization") or b""
-        if not hmac.compare_digest(given, self._expected):
-            why = "missing API key" if not given else "wrong API key"
-            await send_error(send, "unauthorized", f"{why}: send Authorization: Bearer <key>")
+        api_key = _header(scope, b"x-api-key") or b""
+        if not (
+            hmac.compare_digest(given, self._expected) or hmac.compare_digest(api_key, self._key)
+        ):
+            why = "missing API key" if not (given or api_key) else "wrong API key"
+            await send_error(
+                send,
+                "unauthorized",
+                f"{why}: send Authorization: Bearer <key> (or X-API-Key: <key>)",
+            )
             return
         await self.app(scope, receive, send)
 

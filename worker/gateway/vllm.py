@@ -15,6 +15,13 @@ Peers' clients:
   ``prompt_logprobs`` dict as the actual token's log-prob; the response model is vLLM's
   ``GenerateResponse``, ``vllm/entrypoints/serve/disagg/protocol.py``).
 
+Teacher log-probs at chosen ids (vLLM's ``docs/training/prompt_token_id_logprobs.md``):
+``sampling_params.prompt_logprob_token_ids`` (one candidate list for every scored row, or one list
+per row) from ``prompt_logprob_start`` on ``/inference/v1/generate`` answer
+``prompt_token_id_logprobs``, a base64 ``.npy`` float32 ``[rows, K]`` (row ``i`` scores token
+``start + i + 1``; ``worker.gateway.logprobs.ChosenIds``), beside ``prompt_logprobs`` when that
+is asked too (else ``null``); slime's per-position teacher scoring sends these.
+
 Scoring only: ``max_tokens`` above 1, ``n`` above 1, ``stream``, sampled-token ``logprobs`` and
 text prompts are a 400; with ``max_tokens`` 1 the answer carries no generated text (``text`` is
 ``""``, ``finish_reason`` ``"length"``, no generated token ids). The log-probs use
@@ -26,9 +33,9 @@ prompt log-probs, TRL asks for it. Entry format, ``rank`` included: ``worker.gat
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from starlette.requests import Request
 
 from worker.client.coalesce import BatchKey
@@ -43,9 +50,12 @@ from worker.gateway.http import (
     scoring_only,
     temperature,
 )
-from worker.gateway.logprobs import vllm_prompt_logprobs
+from worker.gateway.logprobs import ChosenIds, vllm_prompt_logprobs
 
 router = Router()
+
+#: An id of ``prompt_logprob_token_ids``: a token id, or -1 (a row's padding: ``-inf`` back).
+CandidateId = Annotated[StrictInt, Field(ge=-1, le=2**31 - 1)]
 
 
 class CompletionRequest(BaseModel):
@@ -74,6 +84,8 @@ class SamplingParams(BaseModel):
     prompt_logprobs: int | None = None
     logprobs: int | None = None
     n: int = 1
+    prompt_logprob_token_ids: list[list[CandidateId]] | list[CandidateId] | None = None
+    prompt_logprob_start: int | None = None
 
 
 class GenerateRequest(BaseModel):
@@ -88,8 +100,11 @@ class GenerateRequest(BaseModel):
     stream: bool | None = False
 
 
-def _check(n: int, stream: bool | None, logprobs: int | None, k: int | None) -> int:
-    """The top-k of a scoring request; 400 for what only generation could answer."""
+def _check(
+    n: int, stream: bool | None, logprobs: int | None, k: int | None, ids: bool = False
+) -> int | None:
+    """The top-k of a scoring request (None: no ``prompt_logprobs``, allowed only with
+    ``ids``, ``prompt_logprob_token_ids``); 400 for what only generation could answer."""
     if n != 1:
         raise GatewayError("bad_request", f"n={n}: one choice per prompt (nothing is sampled)")
     if stream:
@@ -99,10 +114,12 @@ def _check(n: int, stream: bool | None, logprobs: int | None, k: int | None) -> 
             "bad_request", "logprobs of generated tokens: nothing is generated; use prompt_logprobs"
         )
     if k is None:
+        if ids:
+            return None
         raise GatewayError(
             "bad_request",
             "set prompt_logprobs (0 for the actual tokens only, k "
-            "for the top k too): this gateway only scores prompts",
+            "for the top k too) or prompt_logprob_token_ids: this gateway only scores prompts",
         )
     if k < 0:
         raise GatewayError(
@@ -112,8 +129,19 @@ def _check(n: int, stream: bool | None, logprobs: int | None, k: int | None) -> 
     return k
 
 
-def _key(k: int, temp: float, weights: tuple[str | None, str | None]) -> BatchKey:
-    outputs = ("logps", "rank", "topk") if k else ("logps", "rank")
+def _key(
+    k: int | None,
+    temp: float,
+    weights: tuple[str | None, str | None],
+    chosen: ChosenIds | None = None,
+) -> BatchKey:
+    """The job settings: ``logps`` and ``rank`` (+ ``topk``) for ``prompt_logprobs`` k, and
+    ``gather`` for chosen ids."""
+    outputs: tuple[str, ...] = ()
+    if k is not None:
+        outputs = ("logps", "rank", "topk") if k else ("logps", "rank")
+    if chosen is not None:
+        outputs += ("gather",)
     return BatchKey(
         mode="reference",
         temperature=temp,
@@ -121,6 +149,7 @@ def _key(k: int, temp: float, weights: tuple[str | None, str | None]) -> BatchKe
         topk=k or None,
         adapter=weights[0],
         version=weights[1],
+        gather_width=chosen.width if chosen is not None else None,
     )
 
 
@@ -144,6 +173,7 @@ async def completions(body: CompletionRequest, request: Request) -> Json:
     """Prompt log-probs of token-id prompts, as vLLM's ``/v1/completions`` answers them."""
     scoring_only(body.max_tokens)
     k = _check(body.n, body.stream, body.logprobs, body.prompt_logprobs)
+    assert k is not None  # _check refuses a missing prompt_logprobs without chosen ids
     prompt = body.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
         raise GatewayError(
@@ -184,19 +214,39 @@ async def completions(body: CompletionRequest, request: Request) -> Json:
 
 @router.post("/inference/v1/generate")
 async def generate(body: GenerateRequest, request: Request) -> Json:
-    """Prompt log-probs of ``token_ids``, as vLLM's ``GenerateResponse``."""
+    """Prompt log-probs of ``token_ids``, and the log-probs at chosen ids
+    (``prompt_logprob_token_ids``), as vLLM's ``GenerateResponse``."""
     params = body.sampling_params
     scoring_only(params.max_tokens)
-    k = _check(params.n, body.stream, params.logprobs, params.prompt_logprobs)
+    given = params.prompt_logprob_token_ids
+    k = _check(params.n, body.stream, params.logprobs, params.prompt_logprobs, given is not None)
     ids = list(body.token_ids)
-    (score,) = await _score(
-        request, "/inference/v1/generate", [ids], k, temperature(params.temperature), body.model
-    )
-    return Json(
-        {
-            "request_id": body.request_id or request_id("gen"),
-            "choices": [{"index": 0, "logprobs": None, "finish_reason": "length", "token_ids": []}],
-            "prompt_logprobs": vllm_prompt_logprobs(ids, score, k),
-            "kv_transfer_params": None,
-        }
-    )
+    if len(ids) < 2:
+        raise GatewayError(
+            "bad_request", f"prompt has {len(ids)} tokens: at least 2 (the first has no log-prob)"
+        )
+    chosen = ChosenIds.of(len(ids), given, params.prompt_logprob_start) if given else None
+    if given is not None and chosen is None:
+        raise GatewayError("bad_request", "prompt_logprob_token_ids names no id")
+    first = 1 if k is not None or chosen is None else chosen.start + 1
+    score = None
+    if first < len(ids):
+        core = core_of(request)
+        key = _key(k, temperature(params.temperature), await core.weights(body.model), chosen)
+        seq: dict[str, Any] = {"tokens": ids, "prompt_len": first}
+        if chosen is not None:
+            seq["gather_ids"] = chosen.gather_ids(first, len(ids))
+        (score,) = await core.score("/inference/v1/generate", [seq], key)
+    prompt_logprobs = None
+    if k is not None:
+        assert score is not None  # scored from position 1, and the prompt has 2 tokens or more
+        prompt_logprobs = vllm_prompt_logprobs(ids, score, k)
+    answer: dict[str, Any] = {
+        "request_id": body.request_id or request_id("gen"),
+        "choices": [{"index": 0, "logprobs": None, "finish_reason": "length", "token_ids": []}],
+        "prompt_logprobs": prompt_logprobs,
+        "kv_transfer_params": None,
+    }
+    if chosen is not None:
+        answer["prompt_token_id_logprobs"] = chosen.answer(score, first)
+    return Json(answer)
