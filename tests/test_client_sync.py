@@ -112,7 +112,9 @@ def test_score_many_never_exceeds_max_in_flight(
 
 
 def test_timeout_names_the_job_and_the_wait(redis_url: str, key_prefix: str) -> None:
-    with ScoringClient(redis_url, queue=key_prefix) as client:  # no worker at all
+    stream = keys.job_streams(key_prefix)[0]
+    redis.Redis.from_url(redis_url).xgroup_create(stream, "scoring", id="0", mkstream=True)
+    with ScoringClient(redis_url, queue=key_prefix) as client:  # served once, no worker now
         handle = client.submit([([1, 2, 3], 1)])
         start = time.monotonic()
         with pytest.raises(ScoringTimeout) as info:
@@ -121,6 +123,7 @@ def test_timeout_names_the_job_and_the_wait(redis_url: str, key_prefix: str) -> 
     assert info.value.job_id == handle.job_id
     assert handle.job_id in str(info.value)
     assert "0.3 s" in str(info.value)
+    assert f"no worker served queue {key_prefix!r}" in str(info.value)
     assert isinstance(info.value, TimeoutError)
 
 

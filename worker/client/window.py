@@ -17,7 +17,7 @@ from typing import Any
 
 from worker.client.core import ClientCore, new_job_id
 from worker.client.effects import END, NextItem, Steps
-from worker.client.errors import JobFailed, ScoringTimeout, client_checks, job_failed
+from worker.client.errors import JobFailed, client_checks, job_failed
 from worker.client.inputs import JobSpec, as_job_spec, with_defaults
 from worker.client.results import ScoreResult
 
@@ -73,9 +73,7 @@ class ScoreWindow:
                 break
             now = time.monotonic()
             if now >= head_deadline:
-                raise ScoringTimeout(
-                    head, now - head_start, self.core.reply_stream, self.core.timeout_hint()
-                )
+                raise (yield from self.core.timeout(head, now - head_start))
         job_id, raw = got
         del self.pending[job_id]
         if raw.ok:
