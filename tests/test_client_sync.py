@@ -213,7 +213,7 @@ def test_reply_stream_expires_when_closed_with_jobs_outstanding(
     redis_url: str, key_prefix: str
 ) -> None:
     r = redis.Redis.from_url(redis_url)
-    client = ScoringClient(redis_url, queue=key_prefix, reply_ttl_s=30)
+    client = ScoringClient(redis_url, queue=key_prefix, reply_ttl_s=30, wait_for_unknown_queue=True)
     client.submit([([1, 2, 3], 1)])  # nobody answers
     client.close()
     assert 0 < r.ttl(client.reply_stream) <= 30
@@ -267,7 +267,7 @@ sys.meta_path.insert(0, Block())
 import worker.client, worker.client.aio, worker.streams.admin
 from worker.client import ScoringClient
 url, queue = sys.argv[1], sys.argv[2]
-with ScoringClient(url, queue=queue) as c:
+with ScoringClient(url, queue=queue, wait_for_unknown_queue=True) as c:
     h = c.submit([([1, 2, 3], 1)])
     assert h.job_id
 assert not any(m.split(".")[0] in ("torch", "transformers") for m in sys.modules)

@@ -188,11 +188,11 @@ class AsyncScoringClient(ClientBase):
 
     async def live_workers(self, refresh: bool = False) -> int | None:
         """How many workers serve this queue now (see ``ScoringClient.live_workers``)."""
-        return await self._run(self._core.count_live_workers(refresh))
+        return await self._run(self._core.workers.count(refresh))
 
     async def queue_state(self) -> QueueState:
         """Whether the queue is served now or was (see ``ScoringClient.queue_state``)."""
-        return await self._run(self._core.queue_state())
+        return await self._run(self._core.workers.state())
 
     async def list_queues(self) -> list[str] | None:
         """The other queues the server holds (what ``UnknownQueueError`` names); None when the

@@ -39,7 +39,7 @@ from worker.client.errors import ClientClosed, ScoringTimeout, client_checks
 from worker.client.inputs import normalize_seqs
 from worker.client.resubmit import Resubmitter
 from worker.client.results import JobHandle, SeqScore, unwrap
-from worker.client.workers import QueueState, WorkerCheck
+from worker.client.workers import WorkerCheck
 from worker.config import DEFAULT_REDIS_URL, RedisSettings
 from worker.modes import MODES
 
@@ -183,14 +183,6 @@ class ClientCore:
                 version=version,
             )
         return PreparedJob(job_id, self.stream_for(job_id), payload, len(specs))
-
-    def count_live_workers(self, refresh: bool = False) -> Steps[int | None]:
-        """How many workers serve this client's queue (``WorkerCheck.count``)."""
-        return (yield from self.workers.count(refresh))
-
-    def queue_state(self) -> Steps[QueueState]:
-        """Whether the queue is served now or was (``WorkerCheck.state``)."""
-        return (yield from self.workers.state())
 
     def timeout(self, job_id: str, waited_s: float) -> Steps[ScoringTimeout]:
         """The ``ScoringTimeout`` of ``job_id``, saying whether a worker serves the queue now."""

@@ -185,12 +185,12 @@ class ScoringClient(ClientBase):
     def live_workers(self, refresh: bool = False) -> int | None:
         """How many workers serve this queue now (live heartbeats); ``None`` when the server
         will not say. Cached after the first ask; ``refresh`` asks again."""
-        return self._run(self._core.count_live_workers(refresh))
+        return self._run(self._core.workers.count(refresh))
 
     def queue_state(self) -> QueueState:
         """Whether the queue is served now (live workers) or was (a consumer group): the state
         the queue rule reads (``worker.client.workers``)."""
-        return self._run(self._core.queue_state())
+        return self._run(self._core.workers.state())
 
     def forget(self, handle_or_id: JobHandle | str) -> bool:
         """Give up on a job: drop its buffered result and stop tracking it; a result arriving
