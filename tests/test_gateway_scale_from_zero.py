@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import redis
 import requests
@@ -120,6 +121,9 @@ def test_the_key_rides_in_the_url_as_http_basic(
             ok = requests.post(f"http://openrlhf:{KEY}@{host}/get_reward", json=body, timeout=30)
             assert ok.status_code == 200, ok.text
             assert ok.json()["rewards"] == pytest.approx([_noop_text("ab")])
+            # httpx (and aiohttp) turn the URL's userinfo into Basic too
+            via_httpx = httpx.post(f"http://k:{KEY}@{host}/get_reward", json=body, timeout=30)
+            assert via_httpx.status_code == 200, via_httpx.text
             header = requests.post(
                 g.url + "/get_reward", json=body, headers={"X-API-Key": KEY}, timeout=30
             )
