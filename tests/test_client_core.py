@@ -6,6 +6,7 @@ replies and check what the core asks for and what it keeps.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 import redis
 
 from worker import protocol
-from worker.client import ClientClosed, ScoringTimeout, TooLongError
+from worker.client import ClientClosed, ScoringTimeout, TooLongError, UnknownQueueError
 from worker.client.core import ClientCore
 from worker.client.effects import END, Block, Command, Delivered, Effect, NextItem, Pause, Steps
 from worker.client.window import ScoreWindow
@@ -199,28 +200,90 @@ def test_the_window_keeps_max_in_flight_and_forgets_what_is_left() -> None:
         )  # fmt: skip
 
 
-def test_the_first_submit_asks_once_whether_a_worker_serves_the_queue() -> None:
-    core = ClientCore(queue="q", client_id="c")
-    seen: list[Effect] = []
+def _queue_answers(live: int, groups: list[Any], seen: list[Effect]) -> Callable[[Effect], Any]:
+    """Answers for a queue with ``live`` workers and ``groups`` on its stream (``None``: no such
+    stream); ``SCAN`` finds two other queues."""
 
     def answer(effect: Effect) -> Any:
         seen.append(effect)
-        return 0 if effect.name == "zcount" else b"5-0"  # type: ignore[union-attr]
+        name = effect.name  # type: ignore[union-attr]
+        if name == "zcount":
+            return live
+        if name == "xinfo_groups":
+            if groups is None:
+                raise redis.ResponseError("no such key")
+            return groups
+        if name == "scan":
+            names = [b"scoring:{other}:jobs", b"scoring:{q}:jobs", b"scoring:{w2}:workers"]
+            return 0, names if "jobs" in effect.kwargs["match"] else [b"scoring:{w2}:workers"]  # type: ignore[union-attr]
+        return b"5-0"
 
+    return answer
+
+
+def test_a_served_queue_is_asked_once_then_jobs_wait() -> None:
+    core = ClientCore(queue="q", client_id="c")
+    seen: list[Effect] = []
+    answer = _queue_answers(0, [{"name": "scoring"}], seen)  # a group, no live worker
     for job_id in ("j1", "j2"):
         drive(core.submit(core.prepare(SEQ, job_id=job_id)), answer)
-    assert [e.name for e in seen] == ["zcount", "xadd", "xadd"]  # type: ignore[union-attr]
+    assert [e.name for e in seen] == ["zcount", "xinfo_groups", "xadd", "xadd"]  # type: ignore[union-attr]
     assert seen[0].args[0] == "scoring:{q}:workers"  # type: ignore[union-attr]
-    assert core.workers.live == 0 and "no worker served queue 'q'" in (core.timeout_hint() or "")
+    assert seen[1].args[0] == "scoring:{q}:jobs"  # type: ignore[union-attr]
+    # a timeout then says no worker served the queue (asked again at the timeout)
+    exc = drive(core.timeout("j1", 1.0), answer)
+    assert isinstance(exc, ScoringTimeout) and "no worker served queue 'q'" in str(exc)
+    assert seen[-1].name == "zcount"  # type: ignore[union-attr]
+
+
+def test_a_queue_with_a_live_worker_is_not_asked_for_groups() -> None:
+    core = ClientCore(queue="q", client_id="c")
+    seen: list[Effect] = []
+    drive(core.submit(core.prepare(SEQ, job_id="j1")), _queue_answers(2, [], seen))
+    assert [e.name for e in seen] == ["zcount", "xadd"]  # type: ignore[union-attr]
+    exc = drive(core.timeout("j1", 1.0), _queue_answers(2, [], seen))
+    assert "no worker served" not in str(exc)
+
+
+@pytest.mark.parametrize("groups", [None, []], ids=["no-stream", "no-group"])
+def test_an_unknown_queue_is_refused_before_any_xadd(groups: list[Any] | None) -> None:
+    core = ClientCore(queue="q", client_id="c", partitions=2)
+    seen: list[Effect] = []
+    answer = _queue_answers(0, groups, seen)  # type: ignore[arg-type]
+    for _ in range(2):  # asked again at each submit while unknown
+        with pytest.raises(UnknownQueueError) as info:
+            drive(core.submit(core.prepare(SEQ, job_id="j1")), answer)
+        assert info.value.code == "unknown_queue" and info.value.queue == "q"
+        assert info.value.queues == ["other", "w2"]  # the queues there are, not itself
+        assert "'q'" in str(info.value) and "other, w2" in str(info.value)
+    names = [e.name for e in seen]  # type: ignore[union-attr]
+    assert "xadd" not in names and names.count("zcount") == 2
+    assert names.count("xinfo_groups") == 4  # both partitions, twice
+    assert core.outstanding == {} and core.resubmitter.due(["j1"], 1e18) == []
+
+
+def test_wait_for_unknown_queue_submits_anyway_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    core = ClientCore(queue="q", client_id="c", wait_for_unknown_queue=True)
+    seen: list[Effect] = []
+    with caplog.at_level(logging.WARNING):
+        for job_id in ("j1", "j2"):
+            drive(core.submit(core.prepare(SEQ, job_id=job_id)), _queue_answers(0, None, seen))
+    assert [e.name for e in seen] == ["zcount", "xinfo_groups", "xadd", "xadd"]  # type: ignore[union-attr]
+    warned = [r for r in caplog.records if "none ever did" in r.getMessage()]
+    assert len(warned) == 1
 
 
 def test_a_refused_worker_count_is_no_error() -> None:
     core = ClientCore(queue="q", client_id="c")
 
     def answer(effect: Effect) -> Any:
-        if effect.name == "zcount":  # type: ignore[union-attr]
-            raise redis.ResponseError("NOPERM this user has no permissions to run 'zcount'")
+        if effect.name in ("zcount", "xinfo_groups"):  # type: ignore[union-attr]
+            raise redis.ResponseError("NOPERM this user has no permissions to run it")
         return b"5-0"
 
     assert drive(core.submit(core.prepare(SEQ, job_id="j1")), answer).entry_id == "5-0"
-    assert core.workers.live is None and core.timeout_hint() is None
+    assert core.workers.live is None
+    exc = drive(core.timeout("j1", 1.0), answer)
+    assert "is a worker serving this queue?" in str(exc)

@@ -193,8 +193,9 @@ def test_async_cluster_durable_submit_waits_on_the_streams_primary(
 
     async def submit_one(replicas: int) -> tuple[int, str]:
         async with AsyncScoringClient(
-            cluster.url, queue=key_prefix, durable_replicas=replicas, durable_timeout_ms=300
-        ) as client:
+            cluster.url, queue=key_prefix, durable_replicas=replicas, durable_timeout_ms=300,
+            wait_for_unknown_queue=True,  # no worker here: the XADD's durability is the subject
+        ) as client:  # fmt: skip
             handle = await client.submit(SEQS)
             return client.undurable, handle.entry_id
 

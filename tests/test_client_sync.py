@@ -112,7 +112,9 @@ def test_score_many_never_exceeds_max_in_flight(
 
 
 def test_timeout_names_the_job_and_the_wait(redis_url: str, key_prefix: str) -> None:
-    with ScoringClient(redis_url, queue=key_prefix) as client:  # no worker at all
+    stream = keys.job_streams(key_prefix)[0]
+    redis.Redis.from_url(redis_url).xgroup_create(stream, "scoring", id="0", mkstream=True)
+    with ScoringClient(redis_url, queue=key_prefix) as client:  # served once, no worker now
         handle = client.submit([([1, 2, 3], 1)])
         start = time.monotonic()
         with pytest.raises(ScoringTimeout) as info:
@@ -121,6 +123,7 @@ def test_timeout_names_the_job_and_the_wait(redis_url: str, key_prefix: str) -> 
     assert info.value.job_id == handle.job_id
     assert handle.job_id in str(info.value)
     assert "0.3 s" in str(info.value)
+    assert f"no worker served queue {key_prefix!r}" in str(info.value)
     assert isinstance(info.value, TimeoutError)
 
 
@@ -210,7 +213,7 @@ def test_reply_stream_expires_when_closed_with_jobs_outstanding(
     redis_url: str, key_prefix: str
 ) -> None:
     r = redis.Redis.from_url(redis_url)
-    client = ScoringClient(redis_url, queue=key_prefix, reply_ttl_s=30)
+    client = ScoringClient(redis_url, queue=key_prefix, reply_ttl_s=30, wait_for_unknown_queue=True)
     client.submit([([1, 2, 3], 1)])  # nobody answers
     client.close()
     assert 0 < r.ttl(client.reply_stream) <= 30
@@ -264,7 +267,7 @@ sys.meta_path.insert(0, Block())
 import worker.client, worker.client.aio, worker.streams.admin
 from worker.client import ScoringClient
 url, queue = sys.argv[1], sys.argv[2]
-with ScoringClient(url, queue=queue) as c:
+with ScoringClient(url, queue=queue, wait_for_unknown_queue=True) as c:
     h = c.submit([([1, 2, 3], 1)])
     assert h.job_id
 assert not any(m.split(".")[0] in ("torch", "transformers") for m in sys.modules)

@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 import redis
 
 from tests.support.daemon import WorkerProc
-from worker.client import BadRequestError, JobFailed, ScoringClient
+from worker.client import BadRequestError, JobFailed, ScoringClient, UnknownQueueError
 from worker.devtools.embedded import free_port
 from worker.devtools.tiny import save_tiny_models
 from worker.errors import ConfigError
@@ -148,29 +149,34 @@ def test_an_unreachable_redis_is_one_line() -> None:
 
 
 @pytest.mark.usefixtures("cleanup_keys")
-def test_the_client_warns_when_no_worker_serves_the_queue(
-    redis_url: str, key_prefix: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    with ScoringClient(redis_url, queue=key_prefix) as client, caplog.at_level(logging.WARNING):
-        client.submit([([1, 2, 3], 1)])
-        client.submit([([1, 2, 3], 1)])
+def test_the_client_refuses_a_queue_nobody_ever_served(redis_url: str, key_prefix: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    r.xadd(f"scoring:{{{key_prefix}-real}}:jobs", {"x": "1"})  # another queue, listed
+    with ScoringClient(redis_url, queue=key_prefix) as client:
+        start = time.monotonic()
+        with pytest.raises(UnknownQueueError) as info:
+            client.score([([1, 2, 3], 1)], timeout=60)
+        assert time.monotonic() - start < 5  # at once, not after the timeout
         assert client.live_workers() == 0
-    warned = [r for r in caplog.records if "no worker serves queue" in r.getMessage()]
-    assert len(warned) == 1 and key_prefix in warned[0].getMessage()  # once per client
+    assert info.value.code == "unknown_queue" and f"{key_prefix}-real" in (info.value.queues or [])
+    assert f"no worker serves queue {key_prefix!r}" in str(info.value)
+    assert r.exists(f"scoring:{{{key_prefix}}}:jobs") == 0  # nothing was written
+    r.delete(f"scoring:{{{key_prefix}-real}}:jobs")
 
 
 @pytest.mark.usefixtures("cleanup_keys")
 def test_the_client_sees_a_live_worker(
     redis_url: str, key_prefix: str, reference_worker: WorkerProc, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with ScoringClient(redis_url, queue=key_prefix) as client, caplog.at_level(logging.WARNING):
+    with ScoringClient(redis_url, queue=key_prefix) as client, caplog.at_level(logging.INFO):
         assert client.score([([1, 5, 6, 7], 1)], timeout=60)[0].logps.shape == (3,)
         assert client.live_workers() == 1
+        assert client.queue_state().known is True
     assert not [r for r in caplog.records if "no worker serves" in r.getMessage()]
 
 
 @pytest.mark.usefixtures("cleanup_keys")
-def test_enqueue_fails_fast_when_no_worker_serves_the_queue(
+def test_enqueue_refuses_an_unknown_queue_at_once(
     redis_url: str, key_prefix: str, tmp_path: Path
 ) -> None:
     src = tmp_path / "in.jsonl"
@@ -180,8 +186,8 @@ def test_enqueue_fails_fast_when_no_worker_serves_the_queue(
         proc = _cli("enqueue", "--redis-url", redis_url, "--queue", key_prefix, "--file",
                     str(src), "--out", str(out), *extra, timeout=30)  # fmt: skip
         assert proc.returncode == 2, proc.stderr
-        assert f"error: no worker serves queue {key_prefix!r}" in proc.stderr
-        assert "--wait-for-workers" in proc.stderr
+        assert f"error: no worker serves queue {key_prefix!r} and none ever did" in proc.stderr
+        assert "nothing was submitted" in proc.stderr and "--wait-for-workers" in proc.stderr
     assert redis.Redis.from_url(redis_url).exists(f"scoring:{{{key_prefix}}}:jobs") == 0
 
 

@@ -70,7 +70,7 @@ def test_every_error_code_has_a_status_and_the_table_covers_the_wire_codes() -> 
     assert set(ERROR_CODES) <= set(HTTP_STATUS)
     assert HTTP_STATUS["bad_request"] == 400 and HTTP_STATUS["unauthorized"] == 401
     assert HTTP_STATUS["model_not_found"] == 404 and HTTP_STATUS["too_long"] == 413
-    assert HTTP_STATUS["no_worker"] == 503 and HTTP_STATUS["timeout"] == 504
+    assert HTTP_STATUS["unknown_queue"] == 503 and HTTP_STATUS["timeout"] == 504
 
 
 @pytest.mark.parametrize("key", [None, "wrong"])
@@ -224,13 +224,15 @@ def test_service_routes(gateway: GatewayThread) -> None:
     assert "scoring_gateway_in_flight" in text and "scoring_gateway_jobs_total" in text
 
 
-def test_no_worker_is_503_and_no_answer_in_time_is_504(redis_url: str, key_prefix: str) -> None:
-    with GatewayThread(redis_url, key_prefix) as g:
+@pytest.mark.usefixtures("cleanup_keys")
+def test_unknown_queue_is_503_and_no_answer_in_time_is_504(redis_url: str, key_prefix: str) -> None:
+    with GatewayThread(redis_url, key_prefix) as g:  # no worker ever served the queue
         r = requests.post(g.url + "/reward", json={"prompt": "a", "response": "b"}, timeout=10)
-        assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker"
-    with GatewayThread(redis_url, key_prefix, require_worker=False, timeout_s=0.5) as g:
+        assert r.status_code == 503 and r.json()["error"]["code"] == "unknown_queue"
+    with GatewayThread(redis_url, key_prefix, allow_unknown_queue=True, timeout_s=0.5) as g:
         r = requests.post(g.url + "/reward", json={"prompt": "a", "response": "b"}, timeout=10)
         assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+        assert f"no worker served queue {key_prefix!r}" in r.json()["error"]["message"]
 
 
 def test_gateway_command_fails_cleanly_on_start_up_errors(tmp_path: Path) -> None:

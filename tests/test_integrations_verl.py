@@ -1,8 +1,9 @@
-"""``worker.integrations.verl`` / ``verl_manager`` against their documented signatures (verl
-itself does not install here: its dependencies pin other torch and vLLM builds), through a real
-no-op worker: ``compute_score(data_source, solution_str, ground_truth, extra_info, **kw)`` per
-sample, coalesced; the token-exact manager's ``run_single`` on a verl-shaped data item (left-
-padded ``prompts``, right-padded ``responses``, ``attention_mask`` over both), as
+"""``worker.integrations.verl`` / ``verl_manager`` against their documented signatures, with or
+without verl installed (verl's own reward loop: ``tests/test_integrations_verl_loop.py``),
+through a real no-op worker: ``compute_score(data_source, solution_str, ground_truth,
+extra_info, **kw)`` per sample, coalesced; the token-exact manager's ``run_single`` on a
+verl-shaped data item (left-padded ``prompts``, right-padded ``responses``, ``attention_mask``
+over both), as
 ``verl/experimental/reward_loop/reward_manager/dapo.py`` reads one."""
 
 from __future__ import annotations

@@ -54,9 +54,14 @@ def _k8s(kind: str, path: str | None = None) -> list[dict[str, Any]]:
     return [d for f in files for d in _yaml_docs(f) if d.get("kind") == kind]
 
 
+def _named(kind: str, name: str) -> dict[str, Any]:
+    (found,) = [d for d in _k8s(kind) if d["metadata"]["name"] == name]
+    return found
+
+
 def _deployment() -> dict[str, Any]:
-    (dep,) = _k8s("Deployment")
-    return dep
+    """The workers' Deployment (gateway.yaml holds the gateway's)."""
+    return _named("Deployment", "scoring-worker")
 
 
 def _container_env(container: dict[str, Any]) -> dict[str, Any]:
@@ -163,6 +168,9 @@ def test_dashboard_covers_what_operators_need() -> None:
         "scoring_attention_fallbacks_total", "scoring_kv_outputs_rejected_total",
         "scoring_dead_lettered_total", "scoring_oom_splits_total", "scoring_worker_up",
         "scoring_model_loaded", "scoring_build_info",
+        # the gateway: requests, coalesced jobs, 4xx/5xx by code, latency
+        "scoring_gateway_requests_total", "scoring_gateway_jobs_total",
+        "scoring_gateway_errors_total", "scoring_gateway_request_seconds_bucket",
     }  # fmt: skip
     assert needed <= used, sorted(needed - used)
 
@@ -207,7 +215,7 @@ def test_worker_down_alert_matches_every_scrape_set_up_in_ops() -> None:
     prom = yaml.safe_load((OPS / "prometheus/prometheus.yml").read_text())
     (job,) = [j["job_name"] for j in prom["scrape_configs"] if j.get("dns_sd_configs")]
     assert matched({"job": job})
-    (pm,) = _k8s("PodMonitor")
+    pm = _named("PodMonitor", "scoring-worker")
     dep = _deployment()
     pod_labels = dep["spec"]["template"]["metadata"]["labels"]
     assert matched({"job": pod_labels[pm["spec"]["jobLabel"]]})
@@ -242,7 +250,7 @@ def test_keda_prometheus_query_uses_exported_names() -> None:
 def test_compose_mounts_build_and_services_exist() -> None:
     compose = _compose()
     services = compose["services"]
-    assert {"redis", "worker", "producer", "prometheus", "grafana"} <= set(services)
+    assert {"redis", "worker", "producer", "gateway", "prometheus", "grafana"} <= set(services)
     for name, svc in services.items():
         for vol in svc.get("volumes", []):
             src = vol.split(":", 1)[0]
@@ -472,13 +480,15 @@ def test_deployment_env_names_are_serve_flags() -> None:
 
 
 def test_secret_refs_line_up() -> None:
-    (secret,) = _k8s("Secret")
+    secret = _named("Secret", "scoring-worker-redis")
     keys_in_secret = set(secret["stringData"])
-    (c,) = _deployment()["spec"]["template"]["spec"]["containers"]
-    for value in _container_env(c).values():
-        if isinstance(value, dict) and "secretKeyRef" in value:
-            ref = value["secretKeyRef"]
-            assert ref["name"] == secret["metadata"]["name"] and ref["key"] in keys_in_secret
+    secrets = {s["metadata"]["name"]: set(s["stringData"]) for s in _k8s("Secret")}
+    for dep in _k8s("Deployment"):  # the workers' and the gateway's
+        (c,) = dep["spec"]["template"]["spec"]["containers"]
+        for value in _container_env(c).values():
+            if isinstance(value, dict) and "secretKeyRef" in value:
+                ref = value["secretKeyRef"]
+                assert ref["key"] in secrets.get(ref["name"], set()), ref
     (auth,) = _k8s("TriggerAuthentication")
     for ref in auth["spec"]["secretTargetRef"]:
         assert ref["name"] == secret["metadata"]["name"] and ref["key"] in keys_in_secret
@@ -559,7 +569,7 @@ def test_keda_prometheus_query_counts_pending_and_survives_a_missing_lag_series(
 
 
 def test_podmonitor_selects_the_worker_pods_and_port() -> None:
-    (pm,) = _k8s("PodMonitor")
+    pm = _named("PodMonitor", "scoring-worker")
     dep = _deployment()
     pod_labels = dep["spec"]["template"]["metadata"]["labels"]
     for k, v in pm["spec"]["selector"]["matchLabels"].items():
@@ -747,3 +757,77 @@ def test_keda_prometheus_scaledobject_follows_the_recommendation() -> None:
     assert down["stabilizationWindowSeconds"] == want["stabilizationWindowSeconds"]
     assert down["policies"] == want["scaleDownPolicies"]
     assert spec["minReplicaCount"] >= 1
+
+
+# ------------------------------------------------------------------ the gateway
+def _gateway_container() -> dict[str, Any]:
+    (c,) = _named("Deployment", "scoring-gateway")["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def test_gateway_deployment_runs_the_gateway_with_its_key_from_a_secret() -> None:
+    c = _gateway_container()
+    args = _parse_cli(c["args"])
+    assert args.command == "gateway"
+    flags = {o for a in _subparser("gateway")._actions for o in a.option_strings}
+    env = _container_env(c)
+    for name in env:  # every SCORING_* variable is the env form of a real gateway flag
+        if name.startswith("SCORING_"):
+            flag = "--" + name[len("SCORING_") :].lower().replace("_", "-")
+            flag = flag.replace("--gateway-", "--")
+            assert flag in flags | {"--log-json"}, f"{name}: gateway has no {flag}"
+    assert env["SCORING_GATEWAY_API_KEY"] == {
+        "secretKeyRef": {"name": "scoring-gateway", "key": "api-key"}
+    }
+    assert env["SCORING_GATEWAY_HOST"] == "0.0.0.0"
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert int(env["SCORING_GATEWAY_PORT"]) == ports["http"]
+    # the gateway feeds the queue and partitions the workers serve
+    (w,) = _deployment()["spec"]["template"]["spec"]["containers"]
+    for name in ("SCORING_QUEUE", "SCORING_PARTITIONS"):
+        assert env[name] == _container_env(w)[name], name
+    assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
+    grace = _named("Deployment", "scoring-gateway")["spec"]["template"]["spec"][
+        "terminationGracePeriodSeconds"
+    ]
+    assert grace >= float(env["SCORING_GATEWAY_TIMEOUT_S"])  # in-flight requests are answered
+
+
+def test_gateway_readiness_is_health_which_needs_no_key_and_no_worker() -> None:
+    from worker.gateway.config import OPEN_PATHS
+
+    c = _gateway_container()
+    probe = c["readinessProbe"]["httpGet"]
+    assert probe["path"] in OPEN_PATHS and probe["port"] == "http"
+    assert "httpGet" not in c["livenessProbe"]  # a Redis outage is no reason to restart
+
+
+def test_gateway_service_and_podmonitor_select_its_pods_and_port() -> None:
+    dep = _named("Deployment", "scoring-gateway")
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    port_names = {p["name"] for p in _gateway_container()["ports"]}
+    svc = _named("Service", "scoring-gateway")
+    assert all(labels.get(k) == v for k, v in svc["spec"]["selector"].items())
+    assert all(p["targetPort"] in port_names for p in svc["spec"]["ports"])
+    pm = _named("PodMonitor", "scoring-gateway")
+    assert all(labels.get(k) == v for k, v in pm["spec"]["selector"]["matchLabels"].items())
+    (ep,) = pm["spec"]["podMetricsEndpoints"]
+    assert ep["port"] in port_names and ep["path"] == "/metrics"
+    creds = ep["authorization"]["credentials"]  # /metrics is behind the key
+    assert creds == {"name": "scoring-gateway", "key": "api-key"}
+    # the workers' alert on `up` does not count the gateways
+    assert labels["app.kubernetes.io/name"] != "scoring-worker"
+
+
+def test_compose_gateway_command_parses_and_prometheus_scrapes_it() -> None:
+    services = _compose()["services"]
+    gw = services["gateway"]
+    args = _parse_cli(gw["command"])
+    assert args.command == "gateway" and args.host == "0.0.0.0"
+    assert args.redis_url == _parse_cli(services["worker"]["command"]).redis_url
+    assert any(p.endswith(f":{args.port}") for p in gw["ports"])
+    cfg = yaml.safe_load((OPS / "prometheus/prometheus.yml").read_text())
+    (job,) = [j for j in cfg["scrape_configs"] if j["job_name"] == "scoring-gateway"]
+    assert job["static_configs"][0]["targets"] == [f"gateway:{args.port}"]
+    assert job["authorization"]["credentials"] == gw["environment"]["SCORING_GATEWAY_API_KEY"]
+    assert "gateway" in _dockerfile().split('pip install ".[', 1)[1].split("]", 1)[0]

@@ -18,7 +18,7 @@ import redis
 from tests.faults.servers import RedisServer, have_redis_server
 from tests.support.daemon import WorkerProc, wait_until
 from worker import keys
-from worker.client import ScoringClient
+from worker.client import ScoringClient, UnknownQueueError
 
 pytestmark = [
     pytest.mark.redis,
@@ -41,7 +41,8 @@ WORKER_ACL = (
 PRODUCER_ACL = (
     "resetkeys %W~scoring:*:jobs ~scoring:*:replies:* %R~scoring:*:workers resetchannels -@all "
     "+ping +hello +client|setname +client|setinfo +xadd +xread +xdel +expire +del "
-    "+zcount"  # the first submit asks whether a worker serves the queue
+    "+zcount "  # the queue rule: does a worker serve the queue?
+    "(%R~scoring:*:jobs +xinfo|groups)"  # ... or did one (a group)? read-only, that one command
 )
 NOBODY_ACL = "resetkeys ~scoring:* resetchannels -@all +ping +hello +client|setname +info +xlen"
 
@@ -186,6 +187,28 @@ def test_worker_without_permission_exits_with_one_clear_line(
         assert "Traceback" not in log
     finally:
         worker.stop()
+
+
+@pytest.mark.timeout(60)
+def test_the_producer_user_applies_the_queue_rule(acl_server: RedisServer, key_prefix: str) -> None:
+    admin = acl_server.admin()
+    admin.acl_log_reset()
+    url = acl_server.user_url("producer", PRODUCER_PASSWORD)
+    with (  # never served: refused, nothing written
+        ScoringClient(url, queue=key_prefix) as client,
+        pytest.raises(UnknownQueueError) as info,
+    ):
+        client.submit([{"tokens": [1, 2, 3], "prompt_len": 1}])
+    assert info.value.queues is None  # no +scan: the refusal cannot list the queues
+    assert admin.exists(keys.job_streams(key_prefix)[0]) == 0
+    assert {e["object"] for e in _denials(admin, {"producer"})} == {"scan"}
+    admin.acl_log_reset()
+    admin.xgroup_create(keys.job_streams(key_prefix)[0], "scoring", id="$", mkstream=True)
+    with ScoringClient(url, queue=key_prefix) as client:  # a group, no worker: the job waits
+        client.submit([{"tokens": [1, 2, 3], "prompt_len": 1}])
+    assert admin.xlen(keys.job_streams(key_prefix)[0]) == 1
+    assert _denials(admin, {"producer"}) == []
+    admin.delete(keys.job_streams(key_prefix)[0])
 
 
 @pytest.mark.timeout(60)

@@ -187,13 +187,15 @@ def test_clients_return_numpy_arrays_and_old_results_are_byte_identical(
     seqs = [{"tokens": [1, 2, 3, 4, 5], "prompt_len": 2, "gather_ids": np.ones((3, 2), np.int32)},
             {"tokens": [5, 6, 7], "mask": [0, 1, 1], "gather_ids": [[1, 2], [3, 4]]}]  # fmt: skip
     try:
-        with ScoringClient(redis_url, queue=key_prefix) as c:
+        with ScoringClient(redis_url, queue=key_prefix, wait_for_unknown_queue=True) as c:
             scores = c.score(seqs, outputs=("logps", "entropy", "topk", "gather"), topk=4,
                              float16=True, timeout=30)  # fmt: skip
             plain = c.score([(s["tokens"], 1) for s in seqs], timeout=30)
 
         async def run() -> Any:
-            async with AsyncScoringClient(redis_url, queue=key_prefix) as ac:
+            async with AsyncScoringClient(
+                redis_url, queue=key_prefix, wait_for_unknown_queue=True
+            ) as ac:
                 return await ac.score([([1, 2, 3], 1)], outputs=("entropy",), timeout=30)
 
         async_scores = asyncio.run(run())

@@ -92,6 +92,22 @@ def queue_of(job_stream: str) -> str | None:
     return queue if _QUEUE_RE.match(queue) else None
 
 
+def queue_of_key(key: str) -> str | None:
+    """The logical queue of a job stream (``queue_of``) or of a workers index
+    (``workers_index``); ``None`` for any other key. What ``info --list`` and a producer's
+    refusal of an unknown queue list."""
+    if key.endswith(":jobs"):
+        return queue_of(key)
+    tag = hash_tag(key)
+    if tag is None or key != f"{PREFIX}:{{{tag}}}:workers":
+        return None
+    return tag if _QUEUE_RE.match(tag) else None
+
+
+#: The ``SCAN MATCH`` patterns of the keys ``queue_of_key`` reads a queue from.
+QUEUE_KEY_PATTERNS = (f"{PREFIX}:{{*}}:jobs", f"{PREFIX}:{{*}}:workers")
+
+
 def same_slot(a: str, b: str) -> bool:
     """True when two keys hash to the same Cluster slot."""
     from redis.crc import key_slot

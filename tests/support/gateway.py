@@ -21,7 +21,10 @@ class GatewayThread:
 
     def __init__(self, redis_url: str, queue: str, **config: Any) -> None:
         self.config = GatewayConfig(**config)
-        self.app = create_app(self.config, lambda: AsyncScoringClient(redis_url, queue=queue))
+        self.app = create_app(
+            self.config,
+            lambda: AsyncScoringClient(redis_url, queue=queue, wait_for_unknown_queue=True),
+        )
         self.core = self.app.core  # type: ignore[attr-defined]
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]

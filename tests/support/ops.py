@@ -89,10 +89,14 @@ def promql_refs(expr: str) -> Refs:
 
 
 def series_catalog(metrics: WorkerMetrics | None = None) -> dict[str, tuple[str, frozenset[str]]]:
-    """Every series name a ``WorkerMetrics`` can export -> (family, label names)."""
+    """Every series name a ``WorkerMetrics`` or the gateway's ``GatewayMetrics`` can export ->
+    (family, label names)."""
+    from worker.gateway.metrics import GatewayMetrics
+
     metrics = metrics or WorkerMetrics(CollectorRegistry())
     out: dict[str, tuple[str, frozenset[str]]] = {}
-    for obj in vars(metrics).values():
+    sources = [*vars(metrics).values(), *vars(GatewayMetrics(CollectorRegistry())).values()]
+    for obj in sources:
         if not isinstance(obj, MetricWrapperBase):
             continue
         name, kind, labels = obj._name, obj._type, frozenset(obj._labelnames)

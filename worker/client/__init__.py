@@ -40,6 +40,7 @@ from worker.client.errors import (
     ModelNotFoundError,
     ScoringTimeout,
     TooLongError,
+    UnknownQueueError,
     UnsupportedModeError,
     job_failed,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "ScoringTimeout",
     "SeqScore",
     "TooLongError",
+    "UnknownQueueError",
     "UnsupportedModeError",
     "as_job_spec",
     "job_failed",

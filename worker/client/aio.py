@@ -25,10 +25,11 @@ import redis
 from worker.client.base import ClientBase
 from worker.client.core import new_job_id
 from worker.client.effects import END, Block, Command, Delivered, DurableAdd, Effect, Pause, Steps
-from worker.client.errors import ClientClosed, JobFailed
+from worker.client.errors import ClientClosed, JobFailed, ScoringTimeout
 from worker.client.inputs import JobSpec, teacher_settings
 from worker.client.results import JobHandle, ScoreResult, SeqScore, job_id_of, unwrap
 from worker.client.window import ScoreWindow
+from worker.client.workers import QueueState
 from worker.config import DEFAULT_REDIS_URL
 from worker.connections import connect_async, xadd_wait_async
 from worker.protocol import Result
@@ -189,7 +190,21 @@ class AsyncScoringClient(ClientBase):
 
     async def live_workers(self, refresh: bool = False) -> int | None:
         """How many workers serve this queue now (see ``ScoringClient.live_workers``)."""
-        return await self._run(self._core.count_live_workers(refresh))
+        return await self._run(self._core.workers.count(refresh))
+
+    async def queue_state(self) -> QueueState:
+        """Whether the queue is served now or was (see ``ScoringClient.queue_state``)."""
+        return await self._run(self._core.workers.state())
+
+    async def list_queues(self) -> list[str] | None:
+        """The other queues the server holds (what ``UnknownQueueError`` names); None when the
+        server will not list them."""
+        return await self._run(self._core.workers.list_queues())
+
+    async def timeout_error(self, job_id: str, waited_s: float) -> ScoringTimeout:
+        """The ``ScoringTimeout`` of ``job_id`` after ``waited_s``, saying whether a worker
+        serves the queue now (a ``Coalescer`` caller past its deadline)."""
+        return await self._run(self._core.timeout(job_id, waited_s))
 
     def forget(self, handle_or_id: JobHandle | str) -> bool:
         """Give up on a job (see ``ScoringClient.forget``); a plain method, not a coroutine."""

@@ -22,6 +22,12 @@ class ClientBase:
     TLS arguments), ``client_id`` (names the reply stream), ``mode`` (the default mode),
     ``reply_ttl_s``, ``block_ms`` (the reader's ``XREAD BLOCK``) and ``limits``.
 
+    The queue rule (``worker.client.workers``): a submit to a queue that no worker serves nor
+    ever did (no consumer group) raises ``UnknownQueueError`` and writes nothing;
+    ``wait_for_unknown_queue=True`` submits anyway (a fleet that creates its group on first
+    start); ``check_workers=False`` never asks. A queue with a group waits for a worker within
+    the caller's timeout (scale from zero, a restart).
+
     Producer-side at-least-once (docs/guarantees.md): ``resubmit_after_s`` (default None: off) adds
     a job again, same id, when its result has not arrived that long after its last ``XADD``, up
     to ``max_submits`` ``XADD`` commands in all (default 3); ``durable_replicas`` (default 0:

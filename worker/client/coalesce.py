@@ -121,7 +121,7 @@ class Coalescer:
         try:
             return await asyncio.wait_for(asyncio.shield(caller.future), timeout_s)
         except asyncio.TimeoutError:
-            raise ScoringTimeout("(coalesced)", timeout_s, self.client.reply_stream) from None
+            raise await self.client.timeout_error("(coalesced)", timeout_s) from None
         finally:
             caller.future.cancel()  # no-op once answered; a late answer is then dropped
 

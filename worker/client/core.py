@@ -96,6 +96,7 @@ class ClientCore:
         durable_replicas: int = 0,
         durable_timeout_ms: int = 1000,
         check_workers: bool = True,
+        wait_for_unknown_queue: bool = False,
     ) -> None:
         self.client_id = client_id or uuid.uuid4().hex[:16]
         if settings is None:
@@ -133,8 +134,11 @@ class ClientCore:
         self.durable_replicas = int(durable_replicas)
         self.durable_timeout_ms = int(durable_timeout_ms)
         self.undurable = 0  # durable adds that fewer replicas than asked acknowledged in time
-        # is a worker serving the queue? asked at the first submit (check_workers=False: never)
-        self.workers = WorkerCheck(queue, enabled=check_workers)
+        # the queue rule (worker.client.workers): an unknown queue is refused before any XADD
+        # unless wait_for_unknown_queue; check_workers=False: never asked, never refused
+        self.workers = WorkerCheck(
+            queue, self.job_streams, enabled=check_workers, wait_unknown=wait_for_unknown_queue
+        )
 
     # -- jobs
 
@@ -174,21 +178,18 @@ class ClientCore:
             )  # fmt: skip
         return PreparedJob(job_id, self.stream_for(job_id), payload, len(specs))
 
-    def count_live_workers(self, refresh: bool = False) -> Steps[int | None]:
-        """How many workers serve this client's queue (``WorkerCheck.count``)."""
-        return (yield from self.workers.count(refresh))
-
-    def timeout_hint(self) -> str | None:
-        """What a ``ScoringTimeout`` says beside the job (``WorkerCheck.timeout_hint``)."""
-        return self.workers.timeout_hint()
+    def timeout(self, job_id: str, waited_s: float) -> Steps[ScoringTimeout]:
+        """The ``ScoringTimeout`` of ``job_id``, saying whether a worker serves the queue now."""
+        hint = yield from self.workers.timeout_hint()
+        return ScoringTimeout(job_id, waited_s, self.reply_stream, hint)
 
     def submit(self, job: PreparedJob) -> Steps[JobHandle]:
-        """Add ``job`` to its stream; it counts as outstanding from before the ``XADD``. The
-        first submit checks that a worker serves the queue (a warning when none does)."""
+        """Add ``job`` to its stream; it counts as outstanding from before the ``XADD``. Until
+        the queue is known, each submit applies the queue rule first (``WorkerCheck.admit``):
+        an unknown queue raises ``UnknownQueueError`` and nothing is written."""
         if self.closed:
             raise ClientClosed("the client is closed")
-        if not self.workers.checked:
-            yield from self.workers.count()
+        yield from self.workers.admit()
         now = time.monotonic()
         self.outstanding[job.job_id] = now
         try:
@@ -275,9 +276,7 @@ class ClientCore:
         start = time.monotonic()
         got = yield from self.wait_any([job_id], timeout_s)
         if got is None:
-            raise ScoringTimeout(
-                job_id, time.monotonic() - start, self.reply_stream, self.timeout_hint()
-            )
+            raise (yield from self.timeout(job_id, time.monotonic() - start))
         return got[1]
 
     def score(self, job: PreparedJob, timeout_s: float | None) -> Steps[list[SeqScore]]:

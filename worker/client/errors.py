@@ -1,5 +1,5 @@
-"""What a producer catches: ``JobFailed`` and its subclass per wire error code, ``ScoringTimeout``
-and ``ClientClosed``.
+"""What a producer catches: ``JobFailed`` and its subclass per wire error code, ``ScoringTimeout``,
+``UnknownQueueError`` and ``ClientClosed``.
 
 Each ``JobFailed`` subclass is also the ``worker.errors`` class of its code, so
 ``except worker.errors.TooLong`` catches ``TooLongError``. The code -> class map is built from
@@ -122,6 +122,32 @@ class ScoringTimeout(TimeoutError):
         )
         self.job_id = job_id
         self.waited_s = waited_s
+
+
+class UnknownQueueError(errors.ConfigError):
+    """A submit refused before anything was written: no worker serves the queue and none ever
+    did (no consumer group on its streams), a typo or a fleet not started yet; ``queue`` names
+    it, ``queues`` the queues the server holds (None: the server would not list them)."""
+
+    code = "unknown_queue"
+
+    def __init__(self, queue: str, queues: list[str] | None) -> None:
+        there = (
+            "the server lists none"
+            if queues == []
+            else "queues there: " + ", ".join(queues)
+            if queues
+            else "'scoring-worker info --list' lists the queues there are"
+        )
+        super().__init__(
+            f"no worker serves queue {queue!r} and none ever did (no consumer group on its "
+            f"streams): nothing was submitted ({there}); wait_for_unknown_queue=True waits anyway",
+            hint=f"check the queue name, or start a worker (scoring-worker serve --queue {queue}); "
+            "for a fleet that creates its group on first start, wait anyway "
+            "(enqueue --wait-for-workers SECONDS, gateway --allow-unknown-queue)",
+        )
+        self.queue = queue
+        self.queues = queues
 
 
 class ClientClosed(RuntimeError):

@@ -17,6 +17,7 @@ from worker.client.errors import ClientClosed, JobFailed
 from worker.client.inputs import JobSpec, teacher_settings
 from worker.client.results import JobHandle, ScoreResult, SeqScore, job_id_of, unwrap
 from worker.client.window import ScoreWindow
+from worker.client.workers import QueueState
 from worker.config import DEFAULT_REDIS_URL
 from worker.connections import connect, xadd_wait
 from worker.protocol import Result
@@ -187,9 +188,13 @@ class ScoringClient(ClientBase):
 
     def live_workers(self, refresh: bool = False) -> int | None:
         """How many workers serve this queue now (live heartbeats); ``None`` when the server
-        will not say. The first submit asks once and warns when none does; ``refresh`` asks
-        again."""
-        return self._run(self._core.count_live_workers(refresh))
+        will not say. Cached after the first ask; ``refresh`` asks again."""
+        return self._run(self._core.workers.count(refresh))
+
+    def queue_state(self) -> QueueState:
+        """Whether the queue is served now (live workers) or was (a consumer group): the state
+        the queue rule reads (``worker.client.workers``)."""
+        return self._run(self._core.workers.state())
 
     def forget(self, handle_or_id: JobHandle | str) -> bool:
         """Give up on a job: drop its buffered result and stop tracking it; a result arriving

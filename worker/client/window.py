@@ -20,7 +20,6 @@ from worker.client.effects import END, NextItem, Steps
 from worker.client.errors import (
     BadRequestError,
     JobFailed,
-    ScoringTimeout,
     client_checks,
     job_failed,
 )
@@ -85,9 +84,7 @@ class ScoreWindow:
                 break
             now = time.monotonic()
             if now >= head_deadline:
-                raise ScoringTimeout(
-                    head, now - head_start, self.core.reply_stream, self.core.timeout_hint()
-                )
+                raise (yield from self.core.timeout(head, now - head_start))
         job_id, raw = got
         del self.pending[job_id]
         if raw.ok:

@@ -33,6 +33,7 @@ from worker.client import (
     ScoreResult,
     ScoringClient,
     ScoringTimeout,
+    UnknownQueueError,
     normalize_seqs,
 )
 from worker.commands._options import add_queue_args, add_redis_args, redis_settings
@@ -109,8 +110,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         metavar="SECONDS",
-        help="wait this long for a worker to serve the queue (default: fail at once when none "
-        "does)",
+        help="on a queue no worker has served yet (no consumer group), wait this long for one "
+        "before submitting (default 0: refuse such a queue at once, exit 2, nothing written; a "
+        "queue with a group always waits, within --timeout)",
     )
     parser.add_argument("--ordered", action="store_true", help="write results in input order")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -277,21 +279,20 @@ def _line(item: ScoreResult | JobFailed) -> dict[str, Any]:
     return out
 
 
-def _wait_for_workers(client: ScoringClient, queue: str, wait_s: float) -> bool:
-    """Whether a worker serves ``queue`` (live heartbeats), waiting up to ``wait_s`` for one;
-    True when the server will not say (an ACL without ``ZCOUNT``)."""
+def _wait_for_queue(client: ScoringClient, wait_s: float) -> None:
+    """Wait up to ``wait_s`` for a queue no worker has served yet to be served (a live worker
+    or a consumer group); the first submit then applies the queue rule."""
     deadline = time.monotonic() + wait_s
-    count = client.live_workers(refresh=True)
-    while count == 0 and time.monotonic() < deadline:
+    while client.queue_state().known is False and time.monotonic() < deadline:
         time.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))
-        count = client.live_workers(refresh=True)
-    return count != 0
 
 
 def run(args: argparse.Namespace) -> int:
     """Score every line of ``--file`` not yet in ``--out``. Exit 0 when every line of the output
     is a result; 1 when any is an error (earlier ones included) or a line could not be read; 2
-    when no worker serves the queue (unless ``--wait-for-workers`` saw one come)."""
+    when the queue is unknown (no worker serves it and none ever did; ``--wait-for-workers``
+    waits that long for one first). A queue with a consumer group waits for a worker within
+    ``--timeout`` (scale from zero)."""
     earlier = _earlier(args.out, args.retry_errors)
     done = earlier.done
     total = _count_lines(args.file)
@@ -303,14 +304,8 @@ def run(args: argparse.Namespace) -> int:
         settings, queue=args.queue, partitions=args.partitions, mode=args.mode
     )
     try:
-        if not _wait_for_workers(client, args.queue, args.wait_for_workers):
-            waited = f" within {args.wait_for_workers:g} s" if args.wait_for_workers else ""
-            print(f"error: no worker serves queue {args.queue!r} on {settings.redacted_url}"
-                  f"{waited}: nothing was submitted", file=sys.stderr)  # fmt: skip
-            print(f"  start one (scoring-worker serve --queue {args.queue}), check the name "
-                  "(scoring-worker info --list), or wait with --wait-for-workers SECONDS",
-                  file=sys.stderr)  # fmt: skip
-            return 2
+        if args.wait_for_workers > 0:
+            _wait_for_queue(client, args.wait_for_workers)
         bar = _progress(None if total is None else max(total - len(done), 0), args.no_progress)
         src = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")  # noqa: SIM115
         with src, open(args.out, "a", encoding="utf-8") as out:
@@ -337,6 +332,11 @@ def run(args: argparse.Namespace) -> int:
                 out.flush()
                 if bar is not None:
                     bar.update(1)
+    except UnknownQueueError as exc:  # refused at the first submit: nothing was written
+        waited = f" (waited {args.wait_for_workers:g} s)" if args.wait_for_workers else ""
+        print(f"error: {exc} on {settings.redacted_url}{waited}", file=sys.stderr)
+        print(f"  {exc.hint}", file=sys.stderr)
+        return 2
     except ScoringTimeout as exc:
         print(f"error: {exc}; re-run the same command to resume", file=sys.stderr)
         return 1

@@ -54,8 +54,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         "GATEWAY_API_KEY",
         None,
-        "require Authorization: Bearer <key> (or X-API-Key: <key>) on every route but /health; "
-        "Tinker SDK clients send only keys that start with tml-",
+        "require the key on every route but /health: Authorization: Bearer <key>, HTTP Basic "
+        "with the key as password (http://k:<key>@host/...), or X-API-Key: <key> (Tinker SDK "
+        "clients send only keys that start with tml-)",
     )
     flag(
         "--model-name",
@@ -115,10 +116,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=float,
     )
     flag(
+        "--allow-unknown-queue",
+        "GATEWAY_ALLOW_UNKNOWN_QUEUE",
+        False,
+        "requests to a queue no worker ever served (no consumer group) wait for one too, for a "
+        "fleet that creates its group on first start (default: 503 unknown_queue at once; a "
+        "queue with a group always waits)",
+        action="store_true",
+    )
+    flag(
         "--no-worker-check",
         "GATEWAY_NO_WORKER_CHECK",
         False,
-        "queue requests even when no live worker serves the queue (default: 503 no_worker at once)",
+        "ask Redis nothing about the queue: every request waits, /health says nothing of the "
+        "queue (a producer ACL without ZCOUNT / XINFO GROUPS)",
         action="store_true",
     )
     flag(
@@ -173,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
             max_body_bytes=int(args.max_body_bytes),
             max_concurrent=int(args.max_concurrent),
             resubmit_after_s=resubmit if resubmit > 0 else None,
-            require_worker=not _truthy(args.no_worker_check),
+            check_queue=not _truthy(args.no_worker_check),
+            allow_unknown_queue=_truthy(args.allow_unknown_queue),
             tinker_max_pending=int(args.tinker_max_pending),
             tinker_result_ttl_s=float(args.tinker_result_ttl_s),
         )
@@ -197,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
             queue=args.queue,
             partitions=args.partitions,
             resubmit_after_s=config.resubmit_after_s,
+            wait_for_unknown_queue=True,  # the gateway applies the queue rule per request
         )
 
     app = create_app(config, client)

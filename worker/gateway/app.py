@@ -150,7 +150,7 @@ def create_app(
     core = GatewayCore(config, client_factory, metrics)
     app = GatewayApp(core)
     limited = LimitsMiddleware(
-        AuthMiddleware(app, config.api_key), config.max_body_bytes, config.max_concurrent
+        AuthMiddleware(app, config.api_key, metrics), config.max_body_bytes, config.max_concurrent
     )
     wrapped = MetricsMiddleware(limited, metrics, PATHS)
     wrapped.core = core  # type: ignore[attr-defined]  # tests and benchmarks reach the core

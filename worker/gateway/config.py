@@ -21,7 +21,12 @@ class GatewayConfig:
     ``max_batch_seqs``, ``max_batch_tokens``: the coalescing of concurrent requests into jobs.
     ``max_body_bytes`` (413 above) and ``max_concurrent`` (503 above) are the limits.
     ``resubmit_after_s``: a job without a result that long is added again (None: off).
-    ``worker_check_s``: how long a "some worker is alive" answer is reused.
+    ``worker_check_s``: how long an answer about the queue (live workers, a consumer group) is
+    reused. The queue rule, per request: a queue that is served, or has a consumer group, takes
+    the request and it waits for a worker within ``timeout_s`` (scale from zero, restarts); a
+    queue with neither is refused (503 ``unknown_queue``) unless ``allow_unknown_queue`` (a fleet
+    that creates its group on first start). ``check_queue`` False: nothing is asked (every
+    request waits; ``/health`` says nothing of the queue).
     ``tinker_max_pending``: Tinker samples submitted and not yet retrieved, at most (more get
     429, which the SDK backs off from); ``tinker_result_ttl_s``: how long an answer waits to be
     retrieved before it is dropped.
@@ -37,7 +42,8 @@ class GatewayConfig:
     max_concurrent: int = 8192
     resubmit_after_s: float | None = 30.0
     worker_check_s: float = 1.0
-    require_worker: bool = True
+    check_queue: bool = True
+    allow_unknown_queue: bool = False
     tinker_max_pending: int = 4096
     tinker_result_ttl_s: float = 600.0
 

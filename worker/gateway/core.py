@@ -1,10 +1,17 @@
 """The one place requests become jobs: ``GatewayCore`` owns the asyncio client and its
-``Coalescer``, knows whether any worker serves the queue, what the served model is called and
+``Coalescer``, applies the queue rule to each request, knows what the served model is called and
 which weights a request's ``model`` names. Every peer format's route calls ``score``.
 
-Redis commands of its own (read only): ``ZRANGEBYSCORE scoring:{q}:workers <now> +inf LIMIT 0 1``
-(a live worker's heartbeat, ``worker.streams.heartbeat``) and ``HGET scoring:{q}:worker:<c>
-model`` (the model it serves), each answer reused for ``worker_check_s``; ``PING`` for health.
+The queue rule (``worker.client.workers``), per request: a queue with a live worker or a
+consumer group takes the request, which waits for a worker within ``timeout_s`` (scale from zero:
+the queued job is the lag the autoscaler starts a worker on); a queue with neither is answered
+503 ``unknown_queue`` at once, naming the queues there are, unless ``allow_unknown_queue``.
+
+Redis commands of its own (read only), each answer reused for ``worker_check_s``:
+``ZRANGEBYSCORE scoring:{q}:workers <now> +inf LIMIT 0 1`` (a live worker's heartbeat,
+``worker.streams.heartbeat``) and ``HGET scoring:{q}:worker:<c> model`` (the model it serves),
+then the client's ``ZCOUNT`` and, while no worker is live, ``XINFO GROUPS`` (the queue's
+state); ``SCAN`` for the queues a refusal names; ``PING`` for health.
 """
 
 from __future__ import annotations
@@ -18,9 +25,10 @@ from typing import Any
 from worker import keys
 from worker.client.aio import AsyncScoringClient
 from worker.client.coalesce import BatchKey, Coalescer
+from worker.client.errors import UnknownQueueError
 from worker.client.results import SeqScore
+from worker.client.workers import QueueState
 from worker.gateway.config import GatewayConfig
-from worker.gateway.errors import GatewayError
 from worker.gateway.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
@@ -45,12 +53,15 @@ class GatewayCore:
         self._factory = client_factory
         self.client: AsyncScoringClient | None = None
         self.coalescer: Coalescer | None = None
-        self._alive: tuple[float, str | None] = (-1e9, None)  # (checked at, a live consumer)
+        # (checked at, a live consumer, the queue's state)
+        self._alive: tuple[float, str | None, QueueState] = (-1e9, None, QueueState(None, None))
         self._checking: asyncio.Future[str | None] | None = None  # the one check under way
         self._served: str | None = None  # the model a live worker reported last
+        self._refusal: tuple[float, UnknownQueueError] | None = None  # the last, with its time
 
     async def start(self) -> None:
-        """Create the client and the coalescer (in the running loop)."""
+        """Create the client and the coalescer (in the running loop); warn when the queue is
+        unknown (no worker serves it, none ever did)."""
         self.client = self._factory()
         self.coalescer = Coalescer(
             self.client,
@@ -59,6 +70,27 @@ class GatewayCore:
             max_tokens=self.config.max_batch_tokens,
             on_job=self.metrics.jobs.inc,
         )
+        if not self.config.check_queue:
+            return
+        try:
+            state = await self.queue_state()
+        except Exception as exc:  # Redis away at start: requests will say so
+            log.warning("cannot ask Redis about queue %r: %s", self.queue, exc)
+            return
+        if state.known is False:
+            queues = await self.client.list_queues()
+            log.warning(
+                "queue %r is unknown: no worker serves it and none ever did (no consumer group); "
+                "%s until a worker starts on it (queues there: %s)%s",
+                self.queue,
+                "requests wait"
+                if self.config.allow_unknown_queue
+                else "requests are refused (503 unknown_queue)",
+                ", ".join(queues or []) or "none listed",
+                "" if self.config.allow_unknown_queue else "; --allow-unknown-queue waits instead",
+            )
+        elif state.live == 0:
+            log.info("no worker serves queue %r yet: requests wait for one", self.queue)
 
     async def close(self) -> None:
         """Answer what is in flight, then close the client (its reply stream goes)."""
@@ -77,20 +109,37 @@ class GatewayCore:
 
     async def score(self, route: str, seqs: Sequence[Any], key: BatchKey) -> list[SeqScore]:
         """The scores of ``seqs`` (sequence maps as ``ScoringClient.score`` takes them), in
-        order, coalesced with concurrent requests of the same ``key``. Raises ``GatewayError``
-        (``no_worker``), ``BadRequest`` / ``JobFailed`` (their ``code``) or ``ScoringTimeout``."""
+        order, coalesced with concurrent requests of the same ``key``. Raises
+        ``UnknownQueueError`` (the queue rule), ``BadRequest`` / ``JobFailed`` (their ``code``)
+        or ``ScoringTimeout``."""
         assert self.coalescer is not None, "GatewayCore.start was not awaited"
         if not seqs:
             return []
-        if self.config.require_worker and await self.live_worker() is None:
-            raise GatewayError("no_worker", f"no live worker serves queue {self.queue!r}")
+        if self.config.check_queue and not self.config.allow_unknown_queue:
+            await self.admit()
         self.metrics.sequences.labels(route=route).inc(len(seqs))
         return await self.coalescer.score(list(seqs), key, self.config.timeout_s)
+
+    async def admit(self) -> None:
+        """The queue rule: raise ``UnknownQueueError`` when no worker serves the queue and none
+        ever did (the refusal, with the queues it names, reused for ``worker_check_s``)."""
+        if (await self.queue_state()).known is not False:
+            return
+        now = time.monotonic()
+        if self._refusal is None or now - self._refusal[0] >= self.config.worker_check_s:
+            assert self.client is not None
+            self._refusal = (now, UnknownQueueError(self.queue, await self.client.list_queues()))
+        raise self._refusal[1]
+
+    async def queue_state(self) -> QueueState:
+        """The queue's state (live workers, a consumer group), reused for ``worker_check_s``."""
+        await self.live_worker()
+        return self._alive[2]
 
     async def live_worker(self) -> str | None:
         """A consumer whose heartbeat has not expired (None: no worker serves the queue); one
         check at a time, its answer reused for ``worker_check_s``."""
-        checked, consumer = self._alive
+        checked, consumer, _ = self._alive
         if time.monotonic() - checked < self.config.worker_check_s:
             return consumer
         if self._checking is not None:  # another request is asking Redis: share its answer
@@ -109,7 +158,8 @@ class GatewayCore:
         return consumer
 
     async def _find_worker(self) -> str | None:
-        """One live consumer (and the model it serves, for ``model_name``)."""
+        """One live consumer (and the model it serves, for ``model_name``) and the queue's
+        state."""
         now = time.monotonic()
         assert self.client is not None
         redis = self.client.redis
@@ -121,7 +171,10 @@ class GatewayCore:
             model = await redis.hget(keys.worker_heartbeat(self.queue, consumer), "model")
             if model:
                 self._served = _text(model)
-        self._alive = (now, consumer)
+        state = (
+            await self.client.queue_state() if self.config.check_queue else QueueState(None, None)
+        )
+        self._alive = (now, consumer, state)
         return consumer
 
     async def ping(self) -> bool:

@@ -3,9 +3,9 @@
 Codes are the wire codes of ``worker.errors.ERROR_TABLE`` (what a job's error result carries,
 raised on the producer side as ``JobFailed`` subclasses or, for input the client refuses before
 sending, as ``worker.errors.BadRequest``: both carry ``code``) plus the gateway's own
-(``unauthorized``, ``payload_too_large``, ``no_worker``, ``overloaded``, ``timeout``,
-``unavailable``; the Tinker routes' ``rate_limited`` and ``result_gone``). The body, whatever
-the route::
+(``unauthorized``, ``payload_too_large``, ``overloaded``, ``timeout``, ``unavailable``; the
+Tinker routes' ``rate_limited`` and ``result_gone``) and the client's refusal of a queue nobody
+serves (``unknown_queue``, ``UnknownQueueError``). The body, whatever the route::
 
     {"error": {"code": "<code>", "message": "<why>", "status": <http status>}}
 
@@ -21,7 +21,7 @@ from typing import Any
 HTTP_STATUS: dict[str, int] = {
     "bad_request": 400,  # malformed body or input (also before any work)
     "unsupported_mode": 400,  # e.g. a reward route on a queue whose workers serve no reward model
-    "unauthorized": 401,  # missing or wrong Authorization: Bearer
+    "unauthorized": 401,  # missing or wrong key (Bearer, Basic password or X-API-Key)
     "not_found": 404,  # no such route
     "model_not_found": 404,  # the model / adapter / version names no weights
     "result_gone": 410,  # a Tinker future this gateway does not hold (expired): submit again
@@ -30,7 +30,7 @@ HTTP_STATUS: dict[str, int] = {
     "rate_limited": 429,  # too many Tinker samples pending (the SDK backs off and resends)
     "internal": 500,  # the worker failed on the job
     "dead_letter": 500,  # workers died on the job max_deliveries times
-    "no_worker": 503,  # no live worker serves the queue
+    "unknown_queue": 503,  # no worker serves the queue and none ever did (no consumer group)
     "overloaded": 503,  # more requests in flight than --max-concurrent
     "unavailable": 503,  # Redis cannot be reached
     "expired": 504,  # still queued at its deadline

@@ -5,7 +5,8 @@
 * ``scoring_gateway_in_flight``: requests being answered now;
 * ``scoring_gateway_errors_total{route, code}``: error answers by error code;
 * ``scoring_gateway_jobs_total``: jobs submitted (requests are coalesced into them);
-* ``scoring_gateway_sequences_total{route}``: sequences sent for scoring.
+* ``scoring_gateway_sequences_total{route}``: sequences sent for scoring;
+* ``scoring_gateway_unauthorized_total{reason}``: 401s, by ``missing`` or ``wrong`` key.
 
 ``route`` is the route's path (a few fixed values; ``other`` for anything else).
 """
@@ -63,4 +64,10 @@ class GatewayMetrics:
         self.jobs = Counter("scoring_gateway_jobs_total", "Jobs submitted.", registry=r)
         self.sequences = Counter(
             "scoring_gateway_sequences_total", "Sequences sent to score.", ["route"], registry=r
+        )
+        self.unauthorized = Counter(
+            "scoring_gateway_unauthorized_total",
+            "Requests refused for a missing or wrong key.",
+            ["reason"],
+            registry=r,
         )

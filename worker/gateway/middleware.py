@@ -1,8 +1,12 @@
 """Auth, limits and metrics as ASGI middleware, around every route (never inside one).
 
-* ``AuthMiddleware``: with an API key set, a request to any path but ``OPEN_PATHS`` needs
-  ``Authorization: Bearer <key>`` or ``X-API-Key: <key>`` (the Tinker SDK's header; compared in
-  constant time); otherwise 401 ``unauthorized`` before the body is read, so nothing is scored.
+* ``AuthMiddleware``: with an API key set, a request to any path but ``OPEN_PATHS`` needs the
+  key (``presented_key``: ``Authorization: Bearer <key>``, HTTP Basic with the key as the
+  password and any user name, so ``http://k:<key>@host/...`` carries it for clients that send no
+  header, or ``X-API-Key: <key>``, the Tinker SDK's header), compared in constant time;
+  otherwise 401 ``unauthorized`` before the body is read, so nothing is scored. Each 401 is counted
+  (``scoring_gateway_unauthorized_total{reason}``) and logged, one line per
+  ``UNAUTHORIZED_LOG_S`` at most with the count since the last.
 * ``LimitsMiddleware``: a body over ``max_body_bytes`` (by ``Content-Length``, or counted while
   it streams in) gets 413 ``payload_too_large``; more than ``max_concurrent`` requests in flight
   get 503 ``overloaded``.
@@ -15,7 +19,10 @@ requests a second.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
+import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -23,6 +30,11 @@ from typing import Any
 from worker.gateway.config import OPEN_PATHS
 from worker.gateway.errors import ERROR_HEADER, error_body
 from worker.gateway.metrics import GatewayMetrics
+
+log = logging.getLogger(__name__)
+
+#: At most one log line about refused keys per this many seconds (with the count since the last).
+UNAUTHORIZED_LOG_S = 10.0
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -50,31 +62,73 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
-class AuthMiddleware:
-    """401 without the right ``Authorization: Bearer`` or ``X-API-Key`` (when a key is set)."""
+def presented_key(scope: Scope) -> bytes | None:
+    """The key a request presents: ``Authorization: Bearer <key>``, the password of
+    ``Authorization: Basic`` (any user name; what ``requests`` and ``aiohttp`` send for a URL
+    ``http://user:<key>@host/``), or ``X-API-Key: <key>``; None when it presents none."""
+    auth = _header(scope, b"authorization")
+    if auth:
+        scheme, _, value = auth.partition(b" ")
+        scheme = scheme.lower()
+        if scheme == b"bearer":
+            return value.strip()
+        if scheme == b"basic":
+            try:
+                _, _, password = base64.b64decode(value.strip(), validate=True).partition(b":")
+            except (binascii.Error, ValueError):
+                return b""
+            return password
+        return b""  # another scheme: a key, but not ours
+    return _header(scope, b"x-api-key")
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+
+class AuthMiddleware:
+    """401 without the right key (when a key is set); 401s counted and logged, rate-limited."""
+
+    def __init__(
+        self, app: ASGIApp, api_key: str | None, metrics: GatewayMetrics | None = None
+    ) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode() if api_key else None
-        self._key = api_key.encode() if api_key else b""
+        self._expected = api_key.encode() if api_key else None
+        self.metrics = metrics
+        self._refused = 0  # 401s since the last log line
+        self._logged_at = -1e9  # monotonic
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self._expected is None or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        given = _header(scope, b"authorization") or b""
-        api_key = _header(scope, b"x-api-key") or b""
-        if not (
-            hmac.compare_digest(given, self._expected) or hmac.compare_digest(api_key, self._key)
-        ):
-            why = "missing API key" if not (given or api_key) else "wrong API key"
+        given = presented_key(scope)
+        if given is None or not hmac.compare_digest(given, self._expected):
+            reason = "missing" if given is None else "wrong"
+            self._note(reason, scope)
             await send_error(
                 send,
                 "unauthorized",
-                f"{why}: send Authorization: Bearer <key> (or X-API-Key: <key>)",
+                f"{reason} API key: send Authorization: Bearer <key>, or the key as the "
+                "password of the URL (http://k:<key>@host/...)",
             )
             return
         await self.app(scope, receive, send)
+
+    def _note(self, reason: str, scope: Scope) -> None:
+        """Count a 401 and log it (one line per ``UNAUTHORIZED_LOG_S``, with the count)."""
+        if self.metrics is not None:
+            self.metrics.unauthorized.labels(reason=reason).inc()
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._logged_at < UNAUTHORIZED_LOG_S:
+            return
+        client = scope.get("client") or ("?", 0)
+        log.warning(
+            "401 unauthorized: %d request(s) without the right key in the last %.0f s (latest: "
+            "%s key, %s %s from %s); a client that sends no header can carry the key in the "
+            "URL: http://k:<key>@host:port/...",
+            self._refused, min(now - self._logged_at, UNAUTHORIZED_LOG_S), reason,
+            scope.get("method", "?"), scope.get("path", "?"), client[0],
+        )  # fmt: skip
+        self._refused = 0
+        self._logged_at = now
 
 
 class LimitsMiddleware:

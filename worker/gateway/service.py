@@ -3,7 +3,11 @@
 
 ``/health`` answers 200 while Redis answers (503 ``unavailable`` otherwise) and needs no key:
 TRL's ``VLLMClient.check_server`` (``trl/generation/vllm_client.py``) and prime-rl's
-``check_health`` poll it. ``/v1/models`` lists the served model first (TRL reads
+``check_health`` poll it, and a Kubernetes readiness probe (no live worker is still ready: the
+gateway's requests are what scales the workers from zero). Its body reports the queue:
+``{"status": "ok", "queue": q, "worker": bool, "queue_state": {"known", "live_workers",
+"consumer_group"}}`` (``known`` false: requests are refused as ``unknown_queue``).
+``/v1/models`` lists the served model first (TRL reads
 ``data[0].id`` and sends it back as ``model``; vLLM's ``ModelList``). ``/metrics`` is the
 Prometheus text of ``worker.gateway.metrics``.
 """
@@ -25,12 +29,20 @@ router = Router()
 @router.get("/health")
 @router.get("/health/")
 async def health(request: Request) -> Json:
-    """200 while Redis answers."""
+    """200 while Redis answers, with the queue's state."""
     core = core_of(request)
     if not await core.ping():
         raise GatewayError("unavailable", "Redis does not answer")
     worker = await core.live_worker()
-    return Json({"status": "ok", "queue": core.queue, "worker": worker is not None})
+    state = await core.queue_state()
+    return Json(
+        {
+            "status": "ok",
+            "queue": core.queue,
+            "worker": worker is not None,
+            "queue_state": state.to_json(),
+        }
+    )
 
 
 @router.get("/v1/models")

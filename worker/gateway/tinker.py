@@ -194,6 +194,7 @@ async def get_sampler(request: Request) -> Json:
 async def asample(body: SampleRequest, request: Request) -> Json:
     """Start the job of one sample request; its future's id and one id per sample at once."""
     core, futures = core_of(request), futures_of(request)
+    await core.admit()  # the queue rule: a queue nobody serves is refused here, not in a future
     sid, seq = body.sampling_session_id, body.seq_id
     rid = f"{sid}/{seq}" if sid is not None and seq is not None else f"s-{secrets.token_hex(12)}"
     answer = {

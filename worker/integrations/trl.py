@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from worker.client.coalesce import BatchKey
-from worker.integrations.shared import coalescer, settings
+from worker.integrations.shared import coalescer, settings, wait_unknown
 
 
 def sequence(prompt: Any, completion: Any) -> dict[str, Any]:
@@ -49,8 +49,10 @@ class RewardFunction:
         timeout_s: float = 600.0,
         adapter: str | None = None,
         version: str | None = None,
+        wait_for_unknown_queue: bool | None = None,
     ) -> None:
         self.redis_url, self.queue = settings(redis_url, queue)
+        self.wait_for_unknown_queue = wait_unknown(wait_for_unknown_queue)
         self.partitions = partitions
         self.__name__ = name
         self.timeout_s = timeout_s
@@ -66,7 +68,12 @@ class RewardFunction:
         seqs = [sequence(p, c) for p, c in zip(prompts, completions, strict=True)]
         if not seqs:
             return []
-        batcher = coalescer(self.redis_url, self.queue, self.partitions)
+        batcher = coalescer(
+            self.redis_url,
+            self.queue,
+            self.partitions,
+            wait_for_unknown_queue=self.wait_for_unknown_queue,
+        )
         scores = await batcher.score(seqs, self.key, self.timeout_s)
         return [float(s.reward) if s.reward is not None else float("nan") for s in scores]
 
@@ -75,5 +82,7 @@ def reward_function(
     redis_url: str | None = None, queue: str | None = None, **options: Any
 ) -> RewardFunction:
     """A reward function for ``GRPOTrainer(reward_funcs=[...])`` scored by the workers of
-    ``queue`` (``options``: ``partitions``, ``name``, ``timeout_s``, ``adapter``, ``version``)."""
+    ``queue`` (``options``: ``partitions``, ``name``, ``timeout_s``, ``adapter``, ``version``,
+    ``wait_for_unknown_queue``). A queue no worker ever served raises ``UnknownQueueError`` at
+    the first call (a typo), unless ``wait_for_unknown_queue``."""
     return RewardFunction(redis_url, queue=queue, **options)

@@ -9,8 +9,14 @@ shared``). What is scored: ``solution_str`` (the decoded response, special token
 verl decodes it), after the prompt when ``extra_info`` carries one under ``prompt_key`` (a string
 is prepended as text, a list of chat messages becomes ``messages`` with the response as the
 assistant's turn); re-tokenized by the reward model's own tokenizer. For token-exact rewards use
-``worker.integrations.verl_manager``. The Redis URL and queue come from ``reward_kwargs``
-(``redis_url``, ``queue``) or ``SCORING_REDIS_URL`` / ``SCORING_QUEUE``.
+``worker.integrations.verl_manager``.
+
+Settings: the keyword arguments, which verl fills from
+``reward.custom_reward_function.reward_kwargs`` (``redis_url``, ``queue``, ``partitions``,
+``timeout_s``, ``wait_for_unknown_queue``, ...: verl's ``get_custom_reward_fn`` passes them on
+every call), else ``SCORING_REDIS_URL`` / ``SCORING_QUEUE`` / ``SCORING_WAIT_FOR_UNKNOWN_QUEUE``
+(on other Ray nodes only through a ``runtime_env``). A queue no worker ever served raises
+``UnknownQueueError`` at once (a typo), unless ``wait_for_unknown_queue``.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from worker.client.coalesce import BatchKey
-from worker.integrations.shared import coalescer, settings
+from worker.integrations.shared import coalescer, settings, wait_unknown
 
 
 def sequence(solution_str: str, extra_info: Any, prompt_key: str = "prompt") -> dict[str, Any]:
@@ -44,11 +50,15 @@ async def compute_score(
     timeout_s: float = 600.0,
     adapter: str | None = None,
     version: str | None = None,
+    wait_for_unknown_queue: bool | None = None,
     **kwargs: Any,
 ) -> float:
     """The reward model's score of one sample (see the module docstring)."""
     url, q = settings(redis_url, queue)
     key = BatchKey(mode="reward", adapter=adapter, version=version)
     seq = sequence(solution_str, extra_info, prompt_key)
-    (score,) = await coalescer(url, q, partitions).score([seq], key, timeout_s)
+    batcher = coalescer(
+        url, q, int(partitions), wait_for_unknown_queue=wait_unknown(wait_for_unknown_queue)
+    )
+    (score,) = await batcher.score([seq], key, float(timeout_s))
     return float(score.reward) if score.reward is not None else float("nan")

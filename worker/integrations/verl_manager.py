@@ -14,8 +14,13 @@ jobs.
 
 The base class is verl's when verl is installed (imported at import time: a subclass needs it),
 else a stand-in with the same constructor, so this module imports without verl or torch.
-Settings: ``redis_url`` / ``queue`` keyword arguments, else ``SCORING_REDIS_URL`` /
-``SCORING_QUEUE``.
+
+Settings (``redis_url``, ``queue``, ``partitions``, ``timeout_s``, ``wait_for_unknown_queue``),
+first found wins: the keyword arguments; verl's own config, ``reward.reward_kwargs`` (where
+verl's managers read theirs, ``dapo.py``) then ``reward.custom_reward_function.reward_kwargs``;
+``SCORING_REDIS_URL`` / ``SCORING_QUEUE`` / ``SCORING_WAIT_FOR_UNKNOWN_QUEUE`` (on other Ray
+nodes only through a ``runtime_env``); the defaults. A queue no worker ever served raises
+``UnknownQueueError`` at the first call (a typo), unless ``wait_for_unknown_queue``.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from worker.client.coalesce import BatchKey
-from worker.integrations.shared import coalescer, settings
+from worker.integrations.shared import coalescer, settings, wait_unknown
 
 try:  # the framework's base class, when it is there
     from verl.experimental.reward_loop.reward_manager.base import (
@@ -36,6 +41,36 @@ except ImportError:  # verl (or torch) not installed: a stand-in with verl's con
             self.config = config
             self.tokenizer = tokenizer
             self.compute_score = compute_score
+
+
+#: The settings the manager reads from verl's config (module docstring).
+SETTINGS = ("redis_url", "queue", "partitions", "timeout_s", "wait_for_unknown_queue")
+
+
+def _get(section: Any, key: str) -> Any:
+    """``section[key]`` of a verl config node (``DictConfig`` or dict); None when absent."""
+    if section is None:
+        return None
+    try:
+        return section.get(key)
+    except Exception:  # a node that is not a mapping, or a struct config without the key
+        return None
+
+
+def config_settings(config: Any) -> dict[str, Any]:
+    """The fleet's settings in verl's config: ``reward.reward_kwargs`` over
+    ``reward.custom_reward_function.reward_kwargs`` (only the keys of ``SETTINGS``)."""
+    reward = _get(config, "reward")
+    found: dict[str, Any] = {}
+    for section in (
+        _get(_get(reward, "custom_reward_function"), "reward_kwargs"),
+        _get(reward, "reward_kwargs"),
+    ):
+        for key in SETTINGS:
+            value = _get(section, key)
+            if value is not None:
+                found[key] = value
+    return found
 
 
 def _ids(value: Any) -> list[int]:
@@ -64,14 +99,24 @@ class ScoringRewardManager(_Base):
         *,
         redis_url: str | None = None,
         queue: str | None = None,
-        partitions: int = 1,
-        timeout_s: float = 600.0,
+        partitions: int | None = None,
+        timeout_s: float | None = None,
+        wait_for_unknown_queue: bool | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(config, tokenizer, compute_score)
-        self.redis_url, self.queue = settings(redis_url, queue)
-        self.partitions = partitions
-        self.timeout_s = timeout_s
+        given = {
+            "redis_url": redis_url,
+            "queue": queue,
+            "partitions": partitions,
+            "timeout_s": timeout_s,
+            "wait_for_unknown_queue": wait_for_unknown_queue,
+        }
+        found = {**config_settings(config), **{k: v for k, v in given.items() if v is not None}}
+        self.redis_url, self.queue = settings(found.get("redis_url"), found.get("queue"))
+        self.partitions = int(found.get("partitions", 1))
+        self.timeout_s = float(found.get("timeout_s", 600.0))
+        self.wait_for_unknown_queue = wait_unknown(found.get("wait_for_unknown_queue"))
         self.key = BatchKey(mode="reward")
 
     async def run_single(self, data: Any) -> dict[str, Any]:
@@ -79,7 +124,12 @@ class ScoringRewardManager(_Base):
         if len(data) != 1:
             raise ValueError(f"run_single takes one item, got {len(data)}")
         seq = sequence_of(data[0])
-        batcher = coalescer(self.redis_url, self.queue, self.partitions)
+        batcher = coalescer(
+            self.redis_url,
+            self.queue,
+            self.partitions,
+            wait_for_unknown_queue=self.wait_for_unknown_queue,
+        )
         (score,) = await batcher.score([seq], self.key, self.timeout_s)
         reward = float(score.reward) if score.reward is not None else float("nan")
         return {"reward_score": reward, "reward_extra_info": {"rm_score": reward}}

@@ -111,13 +111,11 @@ def known_queues(client: Any, max_keys: int = 100_000) -> list[str]:
     scoring:{*}:jobs`` and ``scoring:{*}:workers``, at most ``max_keys`` keys looked at per
     pattern), sorted. For ``info`` when the queue asked for is not one of them."""
     found: set[str] = set()
-    for pattern in (f"{keys.PREFIX}:{{*}}:jobs", f"{keys.PREFIX}:{{*}}:workers"):
+    for pattern in keys.QUEUE_KEY_PATTERNS:
         for n, key in enumerate(client.scan_iter(match=pattern, count=1000)):
             if n >= max_keys:
                 break
-            name = as_text(key)
-            tag = keys.hash_tag(name) or ""
-            queue = keys.queue_of(name) if name.endswith(":jobs") else tag
+            queue = keys.queue_of_key(as_text(key))
             if queue:
                 found.add(queue)
     return sorted(found)

@@ -139,7 +139,10 @@ class Soak:
         rng = random.Random(0)
         pending: deque[Any] = deque()
         url = f"redis://127.0.0.1:{self.server.port}/0"
-        with ScoringClient(url, queue=self.queue, resubmit_after_s=15.0, max_submits=5) as client:
+        with ScoringClient(
+            url, queue=self.queue, resubmit_after_s=15.0, max_submits=5,
+            wait_for_unknown_queue=True,  # the first worker may not have made its group yet
+        ) as client:  # fmt: skip
             raw = redis.Redis(port=self.server.port)
             i, start = 0, time.monotonic()
             while not self._stop.is_set():

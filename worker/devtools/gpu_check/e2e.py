@@ -155,7 +155,8 @@ def step_e2e(setup: Setup, report: StepReport) -> None:
             try:
                 report.stage("scoring in process while the worker loads")
                 expected = _in_process(model_dir, setup.device, dtype, jobs)
-                with ScoringClient(server.url, queue=queue) as client:
+                # a fresh server: the loading worker creates the group, so wait for it anyway
+                with ScoringClient(server.url, queue=queue, wait_for_unknown_queue=True) as client:
                     report.stage("waiting for the worker's first result")
                     report.put(first_job_s=_first_result(client, jobs[0], proc, report, log_path))
                     report.stage("timed jobs")
