@@ -216,7 +216,7 @@ def test_asample_without_a_worker_is_idempotent_and_backs_off(
         MACHINE_REDIS_URL,
         queue,
         api_key=KEY,
-        require_worker=False,
+        allow_unknown_queue=True,
         tinker_max_pending=2,
         timeout_s=5,
     ) as g:
@@ -456,3 +456,29 @@ def test_user_errors_raise_without_retry(service: Any, teacher: Any) -> None:
     assert failed.value.category == types.RequestErrorCategory.User
     with pytest.raises(tinker.NotFoundError):
         service.create_sampling_client(base_model="Qwen/Qwen3-8B").result()
+
+
+@pytest.mark.redis
+@pytest.mark.timeout(60)
+def test_asample_on_a_queue_nobody_ever_served_is_refused_at_once() -> None:
+    """The queue rule on the Tinker route: 503 ``unknown_queue`` before any job or future."""
+    from tests.conftest import MACHINE_REDIS_URL
+
+    queue = f"tk{uuid.uuid4().hex[:8]}"
+    with GatewayThread(MACHINE_REDIS_URL, queue, api_key=KEY, timeout_s=5) as g:
+        body = {
+            "sampling_session_id": session_id(None, None),
+            "seq_id": 1,
+            "num_samples": 1,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+            "sampling_params": {"max_tokens": 1},
+            "prompt_logprobs": True,
+        }
+        got = requests.post(
+            f"{g.url}/api/v1/asample", json=body, headers={"X-API-Key": KEY}, timeout=10
+        )
+        assert got.status_code == 503, got.text
+        assert got.json()["error"]["code"] == "unknown_queue"
+        assert not g.core.metrics.registry.get_sample_value(
+            "scoring_gateway_sequences_total", {"route": "/api/v1/asample"}
+        )

@@ -115,14 +115,16 @@ class GatewayCore:
         assert self.coalescer is not None, "GatewayCore.start was not awaited"
         if not seqs:
             return []
-        if self.config.check_queue and not self.config.allow_unknown_queue:
-            await self.admit()
+        await self.admit()
         self.metrics.sequences.labels(route=route).inc(len(seqs))
         return await self.coalescer.score(list(seqs), key, self.config.timeout_s)
 
     async def admit(self) -> None:
         """The queue rule: raise ``UnknownQueueError`` when no worker serves the queue and none
-        ever did (the refusal, with the queues it names, reused for ``worker_check_s``)."""
+        ever did (the refusal, with the queues it names, reused for ``worker_check_s``); never
+        with ``check_queue`` off or ``allow_unknown_queue`` on."""
+        if not self.config.check_queue or self.config.allow_unknown_queue:
+            return
         if (await self.queue_state()).known is not False:
             return
         now = time.monotonic()
