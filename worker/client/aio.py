@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import redis
@@ -163,6 +163,7 @@ class AsyncScoringClient(ClientBase):
         version: str | None = None,
         step: Mapping[str, Any] | None = None,
         options: ScoreOptions | None = None,
+        prefix: Any = None,
     ) -> JobHandle:
         """Enqueue one job (see ``ScoringClient.submit``, teacher outputs too)."""
         self._ensure_reader()
@@ -170,7 +171,7 @@ class AsyncScoringClient(ClientBase):
         request = teacher_settings(outputs, topk, gather_ids, sampling, float16)
         job = self._core.prepare(
             seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id, outputs=request,
-            adapter=adapter, version=version, step=step, options=options,
+            adapter=adapter, version=version, step=step, options=options, prefix=prefix,
         )  # fmt: skip
         return await self._run(self._core.submit(job))
 
@@ -228,6 +229,7 @@ class AsyncScoringClient(ClientBase):
         version: str | None = None,
         step: Mapping[str, Any] | None = None,
         options: ScoreOptions | None = None,
+        prefix: Any = None,
     ) -> list[SeqScore]:
         """Submit one job and await its scores; forgotten on a timeout or cancellation."""
         self._ensure_reader()
@@ -236,8 +238,24 @@ class AsyncScoringClient(ClientBase):
         job = self._core.prepare(
             seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s, job_id=job_id,
             outputs=request, adapter=adapter, version=version, step=step, options=options,
+            prefix=prefix,
         )  # fmt: skip
         return await self._run(self._core.score(job, timeout))
+
+    async def score_groups(
+        self,
+        prompt: Any,
+        completions: Sequence[Any],
+        mode: str | None = None,
+        temperature: float = 1.0,
+        **kwargs: Any,
+    ) -> list[SeqScore]:
+        """Score a group: ``completions`` (token ids, or maps with ``tokens``) of one
+        ``prompt`` (token ids), as one job that carries the prompt once (``prefix``); one
+        ``SeqScore`` per completion, its log-probs over the completion's tokens (unless a map
+        gives ``prompt_len`` or ``mask``, counted over prompt and completion). ``kwargs``:
+        as ``score`` (``timeout``, ``outputs``, ``adapter``, ...)."""
+        return await self.score(list(completions), mode, temperature, prefix=prompt, **kwargs)
 
     async def score_many(
         self,

@@ -163,18 +163,19 @@ class ClientCore:
         version: str | None = None,
         step: Any = None,
         options: ScoreOptions | None = None,
+        prefix: Any = None,
     ) -> PreparedJob:
         """Validate and encode a job (see ``ScoringClient.submit`` for the arguments); input
         the worker would reject raises ``BadRequestError`` here, before anything is sent."""
         job_id = job_id or new_job_id()
         with client_checks(job_id, meta):
-            specs = normalize_seqs(seqs)
+            specs = normalize_seqs(seqs, prefix)  # whole sequences: a prefix goes on the wire once
             if expires_in_s is not None:
                 deadline_ms = int((time.time() + expires_in_s) * 1000)
             payload = protocol.encode_job(
                 job_id, mode or self.mode, self.reply_stream, specs, temperature=temperature,
                 deadline_ms=deadline_ms, meta=meta, outputs=output_request(outputs, specs),
-                adapter=adapter, step=step, version=version, options=options,
+                adapter=adapter, step=step, version=version, options=options, prefix=prefix,
             )  # fmt: skip
         return PreparedJob(job_id, self.stream_for(job_id), payload, len(specs))
 

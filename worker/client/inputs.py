@@ -73,15 +73,41 @@ def normalize_seq(seq: Any, index: int = 0) -> protocol.SeqSpec:
     return out
 
 
-def normalize_seqs(seqs: Any) -> list[protocol.SeqSpec]:
-    """A job's sequences; a single dict/tuple sequence is accepted as a one-sequence job."""
-    if isinstance(seqs, (Mapping, protocol.SeqSpec)) or (
+def normalize_seqs(seqs: Any, prefix: Any = None) -> list[protocol.SeqSpec]:
+    """A job's sequences; a single dict/tuple sequence is accepted as a one-sequence job. With
+    ``prefix`` (token ids), each sequence is what follows it (a map with ``tokens``, or the ids
+    alone) and comes back whole: ``prefix + tokens``, ``prompt_len`` ``len(prefix)`` unless it
+    gives ``prompt_len`` or ``mask`` (counted over the whole sequence)."""
+    if prefix is not None:
+        seqs = with_prefix(seqs, prefix)
+    elif isinstance(seqs, (Mapping, protocol.SeqSpec)) or (
         isinstance(seqs, tuple) and len(seqs) == 2 and not isinstance(seqs[1], (Mapping, tuple))
     ):
         seqs = [seqs]
     out = [normalize_seq(s, i) for i, s in enumerate(seqs)]
     if not out:
         raise errors.BadRequest("a job needs at least one sequence")
+    return out
+
+
+def with_prefix(seqs: Any, prefix: Any) -> list[dict[str, Any]]:
+    """Sequence maps of ``prefix`` followed by each of ``seqs`` (maps with ``tokens`` or bare
+    token ids), each scored after the prefix unless it says otherwise."""
+    head = protocol.as_int32_array(prefix)
+    if len(head) == 0:
+        raise errors.BadRequest("prefix must hold at least one token id")
+    if isinstance(seqs, Mapping):
+        seqs = [seqs]
+    out = []
+    for i, seq in enumerate(seqs):
+        if not isinstance(seq, Mapping):
+            seq = {"tokens": seq}
+        elif seq.get("tokens") is None:
+            raise errors.BadRequest(f"seqs[{i}]: with a prefix, a sequence needs 'tokens'")
+        whole = dict(seq, tokens=head + protocol.as_int32_array(seq["tokens"]))
+        if seq.get("prompt_len") is None and seq.get("mask") is None:
+            whole["prompt_len"] = len(head)
+        out.append(whole)
     return out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import redis
@@ -148,6 +148,7 @@ class ScoringClient(ClientBase):
         version: str | None = None,
         step: Mapping[str, Any] | None = None,
         options: ScoreOptions | None = None,
+        prefix: Any = None,
     ) -> JobHandle:
         """Enqueue one job and return its handle (``result(handle)`` waits for it).
 
@@ -165,13 +166,15 @@ class ScoringClient(ClientBase):
         may be ``{"messages": [...]}`` (the reward model's chat template renders it).
         ``options``: the job's options as one ``worker.request.ScoreOptions`` (weights, teacher
         outputs, step; every job option there is), instead of the separate arguments.
+        ``prefix``: token ids every sequence starts with, sent once (``score_groups``); each of
+        ``seqs`` is then what follows it (see ``normalize_seqs``).
         """
         self._ensure_reader()
         job_id = job_id or new_job_id()
         request = teacher_settings(outputs, topk, gather_ids, sampling, float16)
         job = self._core.prepare(
             seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id, outputs=request,
-            adapter=adapter, version=version, step=step, options=options,
+            adapter=adapter, version=version, step=step, options=options, prefix=prefix,
         )  # fmt: skip
         return self._run(self._core.submit(job))
 
@@ -221,6 +224,7 @@ class ScoringClient(ClientBase):
         version: str | None = None,
         step: Mapping[str, Any] | None = None,
         options: ScoreOptions | None = None,
+        prefix: Any = None,
     ) -> list[SeqScore]:
         """Submit one job and wait for its scores (one ``SeqScore`` per sequence). On a timeout
         (or an interrupt) the job is forgotten: its late result is dropped."""
@@ -230,8 +234,24 @@ class ScoringClient(ClientBase):
         job = self._core.prepare(
             seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s, job_id=job_id,
             outputs=request, adapter=adapter, version=version, step=step, options=options,
+            prefix=prefix,
         )  # fmt: skip
         return self._run(self._core.score(job, timeout))
+
+    def score_groups(
+        self,
+        prompt: Any,
+        completions: Sequence[Any],
+        mode: str | None = None,
+        temperature: float = 1.0,
+        **kwargs: Any,
+    ) -> list[SeqScore]:
+        """Score a group: ``completions`` (token ids, or maps with ``tokens``) of one
+        ``prompt`` (token ids), as one job that carries the prompt once (``prefix``); one
+        ``SeqScore`` per completion, its log-probs over the completion's tokens (unless a map
+        gives ``prompt_len`` or ``mask``, counted over prompt and completion). ``kwargs``:
+        as ``score`` (``timeout``, ``outputs``, ``adapter``, ...)."""
+        return self.score(list(completions), mode, temperature, prefix=prompt, **kwargs)
 
     def score_many(
         self,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ from worker.protocol.outputs import (
     encode_output_request,
     gather_width,
 )
+from worker.protocol.prefix import after_prefix, check_prefix, decode_prefix
 from worker.protocol.rewards import (
     check_reward_job,
     decode_step,
@@ -108,12 +110,15 @@ def encode_job(
     version: str | None = None,
     step: StepOptions | Mapping[str, Any] | None = None,
     options: ScoreOptions | None = None,
+    prefix: Any = None,
 ) -> bytes:
     """Encode a job payload; each seq is a ``SeqSpec`` or a map with ``tokens`` and
     ``prompt_len`` or ``mask`` (and per-position ``gather_ids``). ``outputs``: the teacher
     outputs to ask for. ``adapter``/``version``: the weights to score with (None: the worker's
     base). ``step``: the process-reward step map. ``options``: all of these as one
-    ``ScoreOptions`` (then none of them separately). Validates structure so producers fail
+    ``ScoreOptions`` (then none of them separately). ``prefix``: token ids every sequence
+    starts with (a GRPO group's prompt), sent once: ``seqs`` hold the whole sequences, and
+    the wire carries each one's tokens after the prefix. Validates structure so producers fail
     fast."""
     if options is not None:
         if (outputs, adapter, version, step) != (None, None, None, None):
@@ -130,6 +135,7 @@ def encode_job(
         isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0
     ):
         raise ProtocolError(f"temperature must be a finite number > 0, got {temperature!r}")
+    head = None if prefix is None else check_prefix(as_int32_array(prefix))
     wire_seqs = []
     specs: list[SeqSpec] = []
     for i, s in enumerate(seqs):
@@ -138,7 +144,8 @@ def encode_job(
         elif not untokenized(s) or len(s.tokens):
             validate_seq(s.tokens, s.prompt_len, s.mask, i)
         specs.append(s)
-        entry: dict[str, Any] = {"tokens": le_bytes(s.tokens)} if len(s.tokens) else {}
+        tokens = s.tokens if head is None else after_prefix(s, head, i)
+        entry: dict[str, Any] = {"tokens": le_bytes(tokens)} if len(s.tokens) else {}
         if s.prompt_len is not None:
             entry["prompt_len"] = int(s.prompt_len)
         elif s.mask is not None:
@@ -161,6 +168,8 @@ def encode_job(
         body["deadline_ms"] = int(deadline_ms)
     if meta is not None:
         body["meta"] = meta
+    if head is not None:
+        body["prefix"] = le_bytes(head)
     if outputs is not None:
         if mode == "reward":
             raise ProtocolError("teacher outputs need mode reference or both, not 'reward'")
@@ -204,7 +213,8 @@ def decode_job(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> Job:
     meta = body.get("meta")
     if meta is not None and len(msgpack.packb(meta, use_bin_type=True)) > limits.max_meta_bytes:
         raise ProtocolError(f"meta is larger than {limits.max_meta_bytes} bytes", raw=raw)
-    seqs = _decode_seqs(body.get("seqs"), limits, raw)
+    head = _raw(decode_prefix, body.get("prefix"), raw)
+    seqs = _decode_seqs(body.get("seqs"), limits, raw, head)
     try:
         width = gather_width(
             [(s.num_scored, None if s.gather_ids is None else len(s.gather_ids)) for s in seqs]
@@ -242,8 +252,12 @@ def _raw(fn: Any, *args: Any) -> Any:
         raise ProtocolError(exc.message, raw=args[-1]) from None
 
 
-def _decode_seqs(raw_seqs: Any, limits: Limits, raw: bytes) -> tuple[SeqSpec, ...]:
-    """The ``seqs`` of a decoded job body, checked against ``limits`` and validated."""
+def _decode_seqs(
+    raw_seqs: Any, limits: Limits, raw: bytes, head: array | None = None
+) -> tuple[SeqSpec, ...]:
+    """The ``seqs`` of a decoded job body, checked against ``limits`` and validated; with the
+    job's ``prefix`` (``head``), each sequence is the prefix then its ``tokens``, and its
+    ``prompt_len`` is the prefix's length unless it gives a ``prompt_len`` or ``mask``."""
     if not isinstance(raw_seqs, list) or not raw_seqs:
         raise ProtocolError("seqs must be a non-empty array", raw=raw)
     if len(raw_seqs) > limits.max_seqs:
@@ -256,6 +270,8 @@ def _decode_seqs(raw_seqs: Any, limits: Limits, raw: bytes) -> tuple[SeqSpec, ..
         if not isinstance(s, dict):
             raise ProtocolError(f"seqs[{i}] must be a map", raw=raw)
         if messages_only(s):  # reward inputs: a conversation or text the worker tokenizes
+            if head is not None:
+                raise ProtocolError(f"seqs[{i}]: a job with a prefix needs tokens", raw=raw)
             seqs.append(_raw(reward_seq, s, i, raw))
             continue
         raw_tokens = s.get("tokens")
@@ -269,7 +285,7 @@ def _decode_seqs(raw_seqs: Any, limits: Limits, raw: bytes) -> tuple[SeqSpec, ..
             raise ProtocolError(
                 f"seqs[{i}].tokens must be int32 bin or an array of ints{hint}", raw=raw
             )
-        total += n
+        total += n + (len(head) if head is not None else 0)  # what the worker holds
         if total > limits.max_tokens:
             raise ProtocolError(f"job has more than {limits.max_tokens} tokens", raw=raw)
         try:
@@ -278,6 +294,10 @@ def _decode_seqs(raw_seqs: Any, limits: Limits, raw: bytes) -> tuple[SeqSpec, ..
             raise ProtocolError(f"seqs[{i}].tokens: {exc.message}", raw=raw) from exc
         prompt_len = s.get("prompt_len")
         mask = s.get("mask")
+        if head is not None:
+            tokens = head + tokens
+            if prompt_len is None and mask is None:
+                prompt_len = len(head)
         if mask is not None and not isinstance(mask, bytes):
             if isinstance(mask, list) and all(isinstance(m, int) for m in mask):
                 mask = as_mask_bytes(mask)
