@@ -40,7 +40,7 @@ soak: venv
 	$(PY) -m worker.devtools.bench.soak --duration $(DURATION) --rate $(RATE)
 
 test-gpu: venv
-	$(PY) -m pytest -m gpu -v tests/test_gpu.py $(PYTEST_ARGS)
+	$(PY) -m pytest -m gpu -v tests/executor/test_gpu.py $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check worker tests

@@ -31,7 +31,7 @@ log = logging.getLogger("tests.conftest")
 # of the test's own source), so a run that passed passes again and a CI failure replays exactly.
 # "dev" (local runs) keeps exploring new examples each run. CI=true selects "ci";
 # HYPOTHESIS_PROFILE names one explicitly ("long" is "dev" for long fuzz runs, see
-# tests/test_fuzz_protocol.py).
+# tests/protocol/test_fuzz.py).
 if HAVE_HYPOTHESIS:
     settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
     settings.register_profile("dev")

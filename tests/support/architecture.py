@@ -1,6 +1,6 @@
 """The layer rules of ``worker/`` as data, and a checker that reads imports with ``ast``.
 
-``tests/test_architecture.py`` runs the checker over the real tree; its self-tests feed it
+``tests/system/test_architecture.py`` runs the checker over the real tree; its self-tests feed it
 synthetic sources. ``docs/architecture.md`` shows the same table (a test keeps them equal).
 
 What counts as an import: every ``import``/``from ... import`` anywhere in a module: at the top,

@@ -2,7 +2,7 @@
 holds token 13:
 ``python tests/support/crash_worker.py URL STREAM CONSUMER CLAIM_IDLE_MS MAX_DELIVERIES``.
 
-Used by ``test_daemon_atleastonce.py`` to show that a job that crashes the worker cannot take
+Used by ``tests/daemon/test_atleastonce.py`` to show that a job that crashes the worker cannot take
 its batch-mates with it to the dead-letter stream."""
 
 from __future__ import annotations

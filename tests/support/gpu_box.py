@@ -1,5 +1,5 @@
 """An interpreter built like the GPU machine's, for the GPU check's CPU run
-(``tests/test_gpu_check.py``).
+(``tests/devtools/test_gpu_check.py``).
 
 The GPU machine's ``python3`` has torch, transformers, peft, msgpack and prometheus-client (and
 their own dependencies) and nothing else: no ``test`` extra, no redis-py, no Redis server, no

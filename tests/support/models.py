@@ -18,8 +18,8 @@ VOCAB = 96
 ARCHS: tuple[str, ...] = ("llama", "qwen2", "gpt2", "mistral")
 
 # bf16 weights vs float32 on the tiny Llama (6 sequences of 120 tokens, 80 scored), the
-# comparison of tests/test_gpu.py. Measured in bf16 on CPU (2026-12-01, `pytest
-# tests/test_gpu_check.py -k bf16_error -s`, 5 model seeds x 3 token seeds): the largest
+# comparison of tests/executor/test_gpu.py. Measured in bf16 on CPU (2026-12-01, `pytest
+# tests/devtools/test_gpu_check.py -k bf16_error -s`, 5 model seeds x 3 token seeds): the largest
 # |logp error| was 0.109 and the largest mean |error| of a sequence 0.018 (the old atol of 0.1
 # sat on the first). CUDA's bf16 kernels round differently from the CPU's, so each bound leaves
 # about 2.3x and 2.7x headroom over what was measured, and the mean catches a systematic drift

@@ -1,4 +1,4 @@
-"""One rank of the two-rank group scenarios of ``tests/test_tensor_parallel_group.py``.
+"""One rank of the two-rank group scenarios of ``tests/executor/test_tensor_parallel_group.py``.
 
 ``python -m tests.support.tp_ranks --rank R --size 2 --port P --out FILE --models DIR`` (started
 by ``worker.devtools.bench.tensor_parallel.launch``). Both ranks run the same phases in the same
@@ -95,7 +95,7 @@ def _inject(phase: str, rank: int, model: Any) -> Any:
 
         mapping["sdpa"] = broken
         return lambda: mapping.__setitem__("sdpa", sdpa)
-    if phase == "kv":  # as tests/test_executor_kv.py leaks one
+    if phase == "kv":  # as tests/executor/test_kv.py leaks one
         from transformers.cache_utils import DynamicCache
 
         backbone = model.model

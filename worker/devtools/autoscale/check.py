@@ -1,7 +1,8 @@
 """The simulation's queueing core checked against real workers.
 
-``python -m worker.devtools.autoscale.check [--replicas 1,2]`` (``tests/test_autoscale_check.py``
-runs the same with the test Redis): one arrival trace of RL-like bursts is replayed
+``python -m worker.devtools.autoscale.check [--replicas 1,2]``
+(``tests/devtools/test_autoscale_check.py`` runs the same with the test Redis): one arrival trace
+of RL-like bursts is replayed
 
 1. through real ``serve --scorer noop`` processes with a fixed per-token cost
    (``--noop-us-per-token``) and per-batch cost (``--noop-delay-ms``), at a fixed replica count,

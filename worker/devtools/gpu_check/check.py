@@ -12,7 +12,7 @@ Steps, each timed and limited (``STEPS``; the limits add up to less than ``DEFAU
 
 1. ``install``: the missing wheels unpacked into ``OUT/scratch/site``, put on every subprocess's
    ``PYTHONPATH``;
-2. ``env``; 3. ``pytest -m gpu tests/test_gpu.py``; 4. ``bench``; 5. ``oom``; 6. ``e2e``;
+2. ``env``; 3. ``pytest -m gpu tests/executor/test_gpu.py``; 4. ``bench``; 5. ``oom``; 6. ``e2e``;
    7. ``tp`` (TP=2 over NCCL; skipped with a note below two GPUs); 8. ``backends`` (last:
    flex_attention compiles, the slowest and least predictable step). Steps 2 and 4-8 run as
    ``python -m worker.devtools.gpu_check.steps NAME`` processes, each

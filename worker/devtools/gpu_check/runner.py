@@ -35,7 +35,7 @@ from typing import Any
 from worker.devtools.gpu_check import wheels as gpu_wheels
 
 ROOT = Path(__file__).resolve().parents[3]
-PYTEST_TARGET = "tests/test_gpu.py"
+PYTEST_TARGET = "tests/executor/test_gpu.py"
 DEADLINE_MARGIN_S = 5.0
 _PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)")
 _PYTEST_FINAL = re.compile(r"\d+ (passed|failed|skipped|errors?|deselected).* in [\d.]+s")

@@ -14,7 +14,7 @@ import pytest
 
 from tests.support import architecture as arch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "architecture.md"
 
 

@@ -1,7 +1,7 @@
 """The supervisor's own logic: child argv/env, restart with backoff, give-up, drain, SIGKILL.
 
 Children here are tiny Python scripts (no Redis, no model), so each test runs in about a second;
-tests/test_supervisor_serve.py runs the real ``serve --replicas 2``.
+tests/processes/test_supervisor_serve.py runs the real ``serve --replicas 2``.
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ def test_a_cuda_oom_frees_the_failed_forward_before_its_halves_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A fake OOM in the last layer's MLP (``tests/support/oom.py``, as in
-    ``tests/test_executor_oom.py``), on the GPU: each attempt starts with no more memory
+    ``tests/executor/test_oom.py``), on the GPU: each attempt starts with no more memory
     allocated than the first did, so nothing of a failed forward (each of its hidden-state
     tensors alone is 256 KiB, and a failed attempt holds about ten) was still held when its
     halves ran. The slack, one such tensor, is for what a new shape may allocate once."""

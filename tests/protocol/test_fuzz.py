@@ -10,8 +10,8 @@ CI runs a bounded number of examples per property under the derandomized hypothe
 "ci" (``tests/conftest.py``: the same examples every run); local runs explore new ones each
 time. For a long run::
 
-    HYPOTHESIS_PROFILE=long .venv/bin/python -m pytest tests/test_fuzz_protocol.py
-    SCORING_FUZZ_EXAMPLES=50000 .venv/bin/python -m pytest tests/test_fuzz_protocol.py
+    HYPOTHESIS_PROFILE=long .venv/bin/python -m pytest tests/protocol/test_fuzz.py
+    SCORING_FUZZ_EXAMPLES=50000 .venv/bin/python -m pytest tests/protocol/test_fuzz.py
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tests.support import architecture as arch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 CHECK = """
 import sys

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import redis
-from faults.servers import RedisServer, have_redis_server
 from prometheus_client import CollectorRegistry
 
+from tests.faults.servers import RedisServer, have_redis_server
 from tests.support.daemon import ROOT, collect, enqueue, wait_until
 from worker import keys
 from worker.config import RedisSettings

@@ -1,6 +1,7 @@
 """Partition fairness on a real 3-primary Redis Cluster (the standalone case is in
-test_supervisor_serve.py): one in-process noop worker serves 4 partitions whose slots live on
-different primaries, with very uneven work; no partition waits while another is being served."""
+tests/processes/test_supervisor_serve.py): one in-process noop worker serves 4 partitions whose
+slots live on different primaries, with very uneven work; no partition waits while another is
+being served."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from worker.devtools.tiny import save_tiny_models
 from worker.errors import ConfigError
 from worker.executor.weights import source
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.redis
 
 

@@ -19,7 +19,7 @@ import redis
 
 from worker.daemon.supervisor import ChildSpec, Supervisor, SupervisorConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _gone(pid: int, within_s: float = 0.0) -> bool:

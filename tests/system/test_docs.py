@@ -48,7 +48,7 @@ from tests.support.daemon import WorkerProc
 from worker.devtools.embedded import free_port
 from worker.devtools.tiny import save_tiny_models
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 DOC_URL = "redis://127.0.0.1:6379/0"
 DOC_METRICS = "127.0.0.1:9400"

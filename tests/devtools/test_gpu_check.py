@@ -34,7 +34,7 @@ from worker.devtools.gpu_check import runner as gpu_runner
 from worker.devtools.gpu_check import shapes as gpu_shapes
 from worker.devtools.gpu_check import wheels as gpu_wheels
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cuda() -> bool:
@@ -61,7 +61,7 @@ def test_dry_run_lists_every_step_and_command_and_exits_0(tmp_path: Path) -> Non
     for i, name in enumerate(gpu_check.STEP_NAMES):
         assert re.search(rf"^\[{i + 1}\] {name}: ", text, re.M), name
     assert f"unpacks each missing one's wheel into {out}/scratch/site" in text
-    assert "-m pytest -m gpu tests/test_gpu.py" in text
+    assert "-m pytest -m gpu tests/executor/test_gpu.py" in text
     assert f"--work {out} --deadline-s" in text and f"{out}/worker.log" in text
     assert "hidden_size=2048, num_hidden_layers=16" in text and "vocab_size=128256" in text
     assert "64 sequences, prompts 64-256, completions 16-1024" in text
@@ -573,7 +573,9 @@ def test_every_step_passes_on_cpu_under_an_interpreter_built_like_the_gpu_machin
 
 
 def _gpu_test_count() -> int:
-    return len(re.findall(r"^def test_", (ROOT / "tests" / "test_gpu.py").read_text(), re.M))
+    return len(
+        re.findall(r"^def test_", (ROOT / "tests" / "executor" / "test_gpu.py").read_text(), re.M)
+    )
 
 
 def _exit_after(seconds: float, code: int) -> None:

@@ -218,7 +218,7 @@ def test_distillation_example_runs_against_a_real_worker(
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "docs" / "examples" / "distill.py"
+    path = Path(__file__).resolve().parents[2] / "docs" / "examples" / "distill.py"
     spec = importlib.util.spec_from_file_location("distill_example", path)
     assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)

@@ -13,7 +13,7 @@ from worker import client, errors, protocol
 from worker.client import errors as client_errors
 from worker.observability.metrics import JOB_OUTCOMES
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 CODES = [kind.code for kind in errors.ERROR_TABLE]
 
 

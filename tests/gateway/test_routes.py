@@ -1,6 +1,6 @@
 """The HTTP gateway against a real no-op worker (``serve --scorer noop``) and a real Redis:
 auth, the error table, limits, coalescing of concurrent one-sample requests, and the service
-routes. Values against real models: ``tests/test_gateway_peers.py``."""
+routes. Values against real models: ``tests/gateway/test_peers.py``."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import pytest
 from worker.commands.demo import packaged_gguf
 from worker.devtools.samples import SAMPLES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
 
