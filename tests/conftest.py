@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from worker.devtools.embedded import EmbeddedRedis, free_port
+from worker.demo.embedded import EmbeddedRedis, free_port
 
 # hypothesis is a test-only import: the GPU check's python3 (no `test` extra) runs the GPU tests
 # without it, so nothing here may require it.

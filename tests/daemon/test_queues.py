@@ -293,8 +293,8 @@ def test_bad_queue_values_are_refused_with_exit_2(
 def test_the_queue_flags_reach_supervised_children_and_one_queue_is_as_before(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from worker.commands._fleet import child_flags, fleet_dests
     from worker.commands.serve import flag_defaults, worker_config
+    from worker.processes.fleet import child_flags, fleet_dests
 
     monkeypatch.delenv("SCORING_QUEUE", raising=False)
     parser = build_parser("serve")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from worker.commands.demo import packaged_gguf
-from worker.devtools.samples import SAMPLES
+from worker.demo.samples import SAMPLES
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.redis]

@@ -142,7 +142,7 @@ class _Clock:
 
 
 def _watch(clock: _Clock, **kwargs: Any) -> tuple[Any, socket.socket, list[tuple[str, int]]]:
-    from worker.commands._group import GroupWatch
+    from worker.processes.tp_group import GroupWatch
 
     faults: list[tuple[str, int]] = []
     done = threading.Event()
@@ -168,9 +168,9 @@ def test_a_peer_that_closes_its_channel_takes_the_group_down() -> None:
 def test_a_silent_peer_and_a_long_step_take_the_group_down(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from worker.commands import _group
+    from worker.processes import tp_group
 
-    monkeypatch.setattr(_group, "HEARTBEAT_TIMEOUT_S", 0.6)
+    monkeypatch.setattr(tp_group, "HEARTBEAT_TIMEOUT_S", 0.6)
     watch, theirs, faults = _watch(_Clock())
     assert watch.done.wait(5)
     assert "sent no heartbeat" in faults[0][0]
@@ -206,8 +206,8 @@ def test_a_stopped_watch_is_no_fault() -> None:
 
 def test_gpus_all_with_tensor_parallel_gives_each_group_its_gpus() -> None:
     from worker.cli import build_parser
-    from worker.commands._fleet import build_children
     from worker.commands.serve import flag_defaults
+    from worker.processes.fleet import build_children
 
     parser = build_parser("serve")
     args = parser.parse_args(["serve", "--gpus", "all", "--tensor-parallel", "2"])

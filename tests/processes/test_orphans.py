@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from worker.daemon.supervisor import ChildSpec, Supervisor, SupervisorConfig
+from worker.processes.supervisor import ChildSpec, Supervisor, SupervisorConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,7 +43,7 @@ def _gone(pid: int, within_s: float = 0.0) -> bool:
 
 PARENT = """
     import subprocess, sys, time
-    from worker.devtools.watchdog import Watchdog
+    from worker.processes.parent_death import Watchdog
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     dog = Watchdog(grace_s=2)
     dog.watch(child.pid)

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from worker.commands._fleet import build_children, child_flags, fleet_dests, parse_gpus
-from worker.daemon.supervisor import ChildSpec, Supervisor, SupervisorConfig
 from worker.errors import ConfigError
+from worker.processes.fleet import build_children, child_flags, fleet_dests, parse_gpus
+from worker.processes.supervisor import ChildSpec, Supervisor, SupervisorConfig
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -250,8 +250,8 @@ def test_children_never_supervise_again() -> None:
 
 
 def test_serve_refuses_fleet_flags_inside_a_child(monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.commands._fleet import run_fleet
     from worker.commands.serve import flag_defaults
+    from worker.processes.fleet import run_fleet
 
     monkeypatch.setenv("SCORING_SUPERVISED_CHILD", "1")
     assert run_fleet(_args(["serve", "--replicas", "2"]), flag_defaults()) == 2
@@ -259,7 +259,7 @@ def test_serve_refuses_fleet_flags_inside_a_child(monkeypatch: pytest.MonkeyPatc
 
 def test_serve_flags_reach_the_supervisor_config() -> None:
     """`serve` registers the restart-policy flags, and they end up in SupervisorConfig."""
-    from worker.commands._fleet import supervisor_config
+    from worker.processes.fleet import supervisor_config
 
     args = _args(["serve", "--scorer", "noop", "--replicas", "2", "--restart-limit", "3",
                   "--restart-backoff-s", "0.5", "--exit-on-give-up",

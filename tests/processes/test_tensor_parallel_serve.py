@@ -144,8 +144,8 @@ def test_what_a_group_cannot_serve_is_refused(models: tuple[str, str], tmp_path:
     from transformers import GPT2LMHeadModel
 
     from worker.cli import build_parser
-    from worker.commands._group import check_group
     from worker.errors import ConfigError
+    from worker.processes.tp_group import check_group
 
     ref, rew = models
     gpt2 = tmp_path / "gpt2"

@@ -42,7 +42,7 @@ ROOT = "root"
 EVERYTHING = frozenset(
     {"protocol", "client", "streams", "scorer", "executor", "daemon", "observability"}
     | {"gateway", "integrations"}
-    | {"commands", "devtools", ROOT}
+    | {"processes", "demo", "commands", "devtools", ROOT}
     | KERNEL
 )
 
@@ -91,6 +91,10 @@ RULES: dict[str, Rule] = {
               why="an HTTP front over the asyncio client: a producer"),
         _rule("integrations", {"client", *KERNEL}, TORCH,
               why="drop-in reward functions imported by trainers: producers"),
+        _rule("processes", {"executor", *KERNEL}, {"redis", "msgpack"},
+              why="starts, watches and stops worker processes; never the queue nor the wire"),
+        _rule("demo", {"processes", *KERNEL},
+              why="the demo's samples, tiny models and embedded server"),
         _rule("commands", EVERYTHING, why="the command line wires everything"),
         _rule("devtools", EVERYTHING, why="developer tools, not the runtime"),
         _rule("kernel", KERNEL, third_party_only=frozenset({"redis"}),

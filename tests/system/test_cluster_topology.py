@@ -17,7 +17,7 @@ from worker import connections
 from worker.config import RedisSettings
 from worker.daemon.config import WorkerConfig
 from worker.daemon.link import RedisLink
-from worker.devtools.embedded import free_port
+from worker.demo.embedded import free_port
 from worker.errors import ConfigError
 from worker.observability.health import HealthState
 from worker.observability.metrics import WorkerMetrics
@@ -97,7 +97,7 @@ def test_a_dead_first_seed_and_a_dead_only_seed_after_failover(cluster: Failover
 
 
 def test_supervised_children_get_every_cluster_node_flag() -> None:
-    from worker.commands._fleet import child_flags
+    from worker.processes.fleet import child_flags
 
     ns = __import__("argparse").Namespace(cluster_node=["b:2", "c:3"], cluster=False)
     flags = child_flags(ns, {"cluster_node": None, "cluster": False}, frozenset())

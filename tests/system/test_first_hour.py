@@ -18,8 +18,8 @@ import redis
 
 from tests.support.daemon import WorkerProc
 from worker.client import BadRequestError, JobFailed, ScoringClient
-from worker.devtools.embedded import free_port
-from worker.devtools.tiny import save_tiny_models
+from worker.demo.embedded import free_port
+from worker.demo.tiny import save_tiny_models
 from worker.errors import ConfigError
 from worker.executor.weights import source
 

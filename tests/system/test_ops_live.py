@@ -39,7 +39,7 @@ from tests.support.ops import (
     substitute_grafana,
 )
 from worker import keys
-from worker.devtools.embedded import free_port
+from worker.demo.embedded import free_port
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

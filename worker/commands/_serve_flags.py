@@ -7,11 +7,11 @@ import argparse
 import os
 import socket
 
-from worker.commands._fleet import add_fleet_args
 from worker.commands._help import name_env_vars
 from worker.commands._options import add_queue_args, add_redis_args
 from worker.commands._weights import add_weights_args
 from worker.config import env_bool, env_get
+from worker.processes.fleet import add_fleet_args
 from worker.protocol import DEFAULT_LIMITS
 
 

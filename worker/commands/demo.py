@@ -9,7 +9,7 @@ so nothing is downloaded; without it, a tiny random Llama (its scores mean nothi
 Nothing is left behind: SIGTERM (``timeout``, systemd, ``docker stop``), SIGHUP (a closed
 terminal) and SIGINT stop the worker (it drains) and the embedded server; if the demo itself is
 killed by ``kill -9``, the worker gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``) and the
-embedded server from its watchdog (:mod:`worker.devtools.watchdog`).
+embedded server from its watchdog (:mod:`worker.processes.parent_death`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from worker.commands._options import add_redis_args, redis_settings
-from worker.daemon.supervisor import set_pdeathsig
-from worker.devtools.embedded import free_port
+from worker.demo.embedded import free_port
+from worker.processes.parent_death import set_pdeathsig
 
 TINY = "tiny"
 
@@ -106,7 +106,7 @@ def split_model(path: str) -> tuple[str, str | None]:
 
 def save_models(directory: str) -> int:
     """``--save-models DIR``: write the tiny checkpoints and say how to use them."""
-    from worker.devtools.tiny import save_tiny_models
+    from worker.demo.tiny import save_tiny_models
 
     paths = save_tiny_models(directory)
     for name, path in paths.items():
@@ -280,7 +280,7 @@ def score_samples(
 def run(args: argparse.Namespace) -> int:
     """Run the demo; 0 when every sample was scored."""
     from worker.client import ScoringClient
-    from worker.devtools.samples import build_samples
+    from worker.demo.samples import build_samples
 
     if args.save_models:
         return save_models(args.save_models)
@@ -295,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
         note = None
         tiny_paths: dict[str, Path] = {}
         if TINY in (args.model, args.reward_model) or (args.model is None and not packaged_gguf()):
-            from worker.devtools.tiny import save_tiny_models
+            from worker.demo.tiny import save_tiny_models
 
             tiny_paths = save_tiny_models(workdir)
         if args.model in (None, TINY):
@@ -322,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
             url = args.redis_url
             print(f"redis: {redis_settings(args).redacted_url}")
         else:
-            from worker.devtools.embedded import EmbeddedRedis
+            from worker.demo.embedded import EmbeddedRedis
 
             server = EmbeddedRedis().start()
             url = server.url

@@ -13,13 +13,13 @@ import importlib.metadata
 import logging
 from typing import Any
 
-from worker.commands import _group
-from worker.commands._fleet import run_fleet, wants_fleet
 from worker.commands._options import parse_queue_specs, redis_settings
 from worker.commands._serve_flags import configure, default_consumer
 from worker.commands._weights import weights_config
 from worker.daemon.config import QueueShare, WorkerConfig, queue_shares
 from worker.errors import ConfigError
+from worker.processes import tp_group
+from worker.processes.fleet import run_fleet, wants_fleet
 from worker.protocol import Limits
 from worker.scorer import Scorer
 
@@ -180,7 +180,7 @@ def executor_config(args: argparse.Namespace) -> Any:
 
 def build_scorer(args: argparse.Namespace, group: Any = None) -> Scorer:
     """The noop scorer, a loaded ``StatelessExecutor`` (the one place serve imports it), or,
-    with ``group`` (``_group.start_leader``), the leader's scorer of a tensor-parallel group."""
+    with ``group`` (``tp_group.start_leader``), the leader's scorer of a tensor-parallel group."""
     if args.scorer == "noop":
         from worker.scorer.noop import NoopScorer
 
@@ -305,8 +305,10 @@ def run(args: argparse.Namespace) -> int:
     shares_from_args(args)  # a bad --queue fails here (exit 2), before any child starts
     if wants_fleet(args):
         return run_fleet(args, flag_defaults())
-    if _group.is_follower():  # rank 1..N-1 of a tensor-parallel group
-        return _group.run_follower(args, lambda comm, plans: load_group_executor(args, comm, plans))
+    if tp_group.is_follower():  # rank 1..N-1 of a tensor-parallel group
+        return tp_group.run_follower(
+            args, lambda comm, plans: load_group_executor(args, comm, plans)
+        )
     from worker.daemon import Worker
     from worker.observability.health import HealthState
     from worker.observability.metrics import WorkerMetrics
@@ -315,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
     client_name = f"scoring-worker:{config.consumer}"[:100].replace(" ", "_")
     settings = redis_settings(args, client_name=client_name)
     check_models(args)  # a typo fails here, in a second, not after the endpoint is up
-    group = _group.start_leader(args, flag_defaults()) if _group.group_size(args) > 1 else None
+    group = tp_group.start_leader(args, flag_defaults()) if tp_group.group_size(args) > 1 else None
     try:
         metrics = WorkerMetrics()
         health = HealthState()

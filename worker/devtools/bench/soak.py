@@ -38,7 +38,7 @@ import msgpack
 import redis
 
 from worker import keys
-from worker.devtools.embedded import free_port
+from worker.demo.embedded import free_port
 
 SERIES = ("rss_mib", "fds", "threads", "redis_used_mib", "redis_keys")
 

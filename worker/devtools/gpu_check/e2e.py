@@ -128,7 +128,7 @@ def step_e2e(setup: Setup, report: StepReport) -> None:
     import torch
 
     from worker.client import ScoringClient
-    from worker.devtools.embedded import EmbeddedRedis
+    from worker.demo.embedded import EmbeddedRedis
 
     shape, dtype = gs.e2e_shape(setup.tiny), gs.dtype_for(setup.device)
     jobs = _jobs(shape)

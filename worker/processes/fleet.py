@@ -1,9 +1,9 @@
 """``serve --replicas N`` / ``serve --gpus all|0,1,..``: the fleet flags and the child specs.
 
 ``serve`` parses its flags once; this module turns the parsed values into one
-:class:`~worker.daemon.supervisor.ChildSpec` per child and a
-:class:`~worker.daemon.supervisor.SupervisorConfig`, and hands both to the supervisor (which knows
-no ``serve`` flag). Each child gets:
+:class:`~worker.processes.supervisor.ChildSpec` per child and a
+:class:`~worker.processes.supervisor.SupervisorConfig`, and hands both to the supervisor (which
+knows no ``serve`` flag). Each child gets:
 
 * ``python -m worker serve`` with every ``serve`` flag whose parsed value differs from its default
   (its default comes from the same ``SCORING_*`` environment, which the child inherits), minus the
@@ -11,7 +11,7 @@ no ``serve`` flag). Each child gets:
 * ``--consumer <base>-<i>`` (base: ``--consumer``, else ``POD_NAME``, else the hostname);
 * ``--metrics-port <base+i>`` (``0`` and ``-1`` stay as they are);
 * ``CUDA_VISIBLE_DEVICES=<id>`` (GPU mode; ``<id>,<id>,..`` of N GPUs with ``--tensor-parallel N``:
-  each child is then a group, ``worker.commands._group``), else ``OMP_NUM_THREADS`` = cores / N
+  each child is then a group, ``worker.processes.tp_group``), else ``OMP_NUM_THREADS`` = cores / N
   unless set;
 * the global ``--log-level`` / ``--log-json`` as ``SCORING_LOG_LEVEL`` / ``SCORING_LOG_JSON``.
 """
@@ -29,8 +29,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from worker.config import env_bool, env_get
-from worker.daemon.supervisor import ChildSpec, SupervisorConfig, supervise
 from worker.errors import ConfigError
+from worker.processes.supervisor import ChildSpec, SupervisorConfig, supervise
 
 log = logging.getLogger(__name__)
 
