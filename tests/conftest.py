@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from worker.demo.embedded import EmbeddedRedis, free_port
+from worker.demo.embedded import EmbeddedRedis
+from worker.processes.local import free_port
 
 # hypothesis is a test-only import: the GPU check's python3 (no `test` extra) runs the GPU tests
 # without it, so nothing here may require it.

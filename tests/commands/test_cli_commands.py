@@ -16,7 +16,7 @@ from tests.support.daemon import WorkerProc, add_dead_letter, wait_until
 from worker import keys, protocol
 from worker.cli import main
 from worker.client import DeadLetterError, ScoringClient
-from worker.demo.embedded import free_port
+from worker.processes.local import free_port
 
 pytestmark = [pytest.mark.redis, pytest.mark.usefixtures("cleanup_keys")]
 

@@ -8,11 +8,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.support.daemon import start_demo
 from worker.commands.demo import packaged_gguf
 from worker.demo.samples import SAMPLES
 
@@ -75,26 +75,10 @@ def test_demo_tiny_model_external_redis_stops_on_ctrl_c(redis_url: str, key_pref
     starts with SIGINT ignored, as a background job of a non-interactive shell (or ``nohup``,
     or some CI runners) starts its children: Python keeps an inherited SIG_IGN, so the demo
     must install its own handler or this SIGINT is lost and the demo runs on."""
-    proc = subprocess.Popen(
-        [
-            sys.executable, "-m", "worker", "demo", "--model", "tiny",
-            "--redis-url", redis_url, "--queue", key_prefix,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
+    proc, out = start_demo(
+        ["--model", "tiny", "--redis-url", redis_url, "--queue", key_prefix],
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
-    )  # fmt: skip
-    out = ""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 240
-    while "press Ctrl-C" not in out and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        out += line
-    assert "press Ctrl-C" in out, out + (proc.stderr.read() if proc.stderr else "")
+    )
     assert "scores are meaningless" in out
     assert len(_rows(out)) == sum(len(c) for _, c in SAMPLES)
     proc.send_signal(signal.SIGINT)

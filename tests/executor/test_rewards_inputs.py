@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.models import _build, random_tokens, smollm2_gguf, tiny_causal, tiny_reward
+from tests.support.models import random_tokens, smollm2_gguf, tiny_causal, tiny_model, tiny_reward
 from worker.errors import BadRequest, ConfigError
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
 from worker.scorer.options import ScoreOptions
@@ -255,7 +255,7 @@ def _naive_lm_label(model: Any, ids: list[int], good: int, bad: int) -> np.ndarr
 @pytest.mark.parametrize("packing", ["packed", "unmasked", "padded"])
 @pytest.mark.parametrize("positive_index", [1, 0])
 def test_token_classification_prm_against_float64(packing: str, positive_index: int) -> None:
-    model = _build("ForTokenClassification", "llama", 3, num_labels=2)
+    model = tiny_model("ForTokenClassification", "llama", 3, num_labels=2)
     config = ExecutorConfig(mode="reward", packing=packing, bucket_pad_fraction=1.0)  # type: ignore[arg-type]
     ex = StatelessExecutor(config, reward_model=model)
     assert ex.layout == packing  # unmasked: a pad fraction of 1 makes one bucket with pads

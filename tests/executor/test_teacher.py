@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.models import random_tokens, tiny_causal
+from tests.support.models import random_model, random_tokens, tiny_causal
 from worker.errors import BadRequest
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
 from worker.executor.rewards.pooling import ValueHeadAdapter
@@ -28,15 +28,14 @@ ALL = ("logps", "entropy", "topk", "gather", "processed_logps")
 
 def tiny_gemma2(vocab: int = 96, seed: int = 0) -> torch.nn.Module:
     """A tiny Gemma2 (``final_logit_softcapping`` 5.0: a softcap that bites on these logits)."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+    from transformers import Gemma2Config
 
-    torch.manual_seed(seed)
     cfg = Gemma2Config(
         vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
         final_logit_softcapping=5.0, initializer_range=0.5, attn_implementation="eager",
     )  # fmt: skip
-    return Gemma2ForCausalLM(cfg).eval()
+    return random_model("Gemma2ForCausalLM", cfg, seed)
 
 
 def naive(model: torch.nn.Module, tokens: list[int], scored: np.ndarray, t: float) -> torch.Tensor:
@@ -189,10 +188,10 @@ def test_each_output_alone(spec: TokenOutputs, tile: int | None) -> None:
 
 @pytest.mark.parametrize("tile", [0, 100])
 def test_k_256_on_a_larger_vocabulary_with_small_byte_chunks(tile: int) -> None:
-    from tests.support.models import _build
+    from tests.support.models import tiny_model
 
     torch.manual_seed(0)
-    model = _build("ForCausalLM", "llama", 0, vocab=512)
+    model = tiny_model("ForCausalLM", "llama", 0, vocab=512)
     # blocks: 32 rows of [512] x 1; tiles of 100 ids (k = 256 spans several): 163 rows
     config = ExecutorConfig(logprob_chunk_bytes=64 * 1024, head_vocab_tile=tile)
     ex = StatelessExecutor(config, model)

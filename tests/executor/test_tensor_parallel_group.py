@@ -27,7 +27,7 @@ ATOL = 1e-5
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Run the phases of ``tests/support/tp_ranks.py`` once on two ranks; rank 0's record."""
-    from worker.devtools.bench.tensor_parallel import launch
+    from worker.processes.tp_local import launch
 
     root = tmp_path_factory.mktemp("tp-group")
     tiny_causal("llama", seed=0).save_pretrained(root / "ref")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.models import ARCHS, random_tokens, tiny_causal, tiny_reward
+from tests.support.models import ARCHS, random_model, random_tokens, tiny_causal, tiny_reward
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
 from worker.executor.rewards.pooling import ValueHeadAdapter
 
@@ -121,15 +121,14 @@ def test_auto_layout_per_backend_and_device_pad_fraction() -> None:
 def test_bidirectional_model_falls_back_to_masked_buckets() -> None:
     """A BERT reward model attends to the pads after a sequence: the load probe refuses both
     unmasked buckets and packed rows, and masked padded buckets give the one-by-one rewards."""
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import BertConfig
 
-    torch.manual_seed(0)
     config = BertConfig(
         vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=64, max_position_embeddings=64, num_labels=1, initializer_range=1.0,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )  # fmt: skip
-    model = BertForSequenceClassification(config).eval()
+    model = random_model("BertForSequenceClassification", config, 0)
     ex = StatelessExecutor(ExecutorConfig(mode="reward", bucket_pad_fraction=1.0), None, model)
     assert ex.layout == "padded"
     events = [(e.requested, e.used, e.reason) for e in ex.load_fallbacks]

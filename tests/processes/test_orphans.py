@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests.support.daemon import start_demo
 from worker.processes.supervisor import ChildSpec, Supervisor, SupervisorConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -134,22 +135,7 @@ def _server_pid(url: str) -> int:
 def test_demo_leaves_no_worker_nor_embedded_server_behind(sig: signal.Signals) -> None:
     """``scoring-worker demo`` (embedded Valkey, tiny model, interactive) stopped by SIGTERM
     (``timeout``, systemd, ``docker stop``), SIGHUP, or killed by ``kill -9``."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "worker", "demo", "--model", "tiny"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    assert proc.stdout is not None
-    out = ""
-    deadline = time.monotonic() + 240
-    while "press Ctrl-C" not in out and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        out += line
-    assert "press Ctrl-C" in out, out + (proc.stderr.read() if proc.stderr else "")
+    proc, out = start_demo(["--model", "tiny"])
     worker_pid = int(re.search(r"worker: pid (\d+)", out).group(1))  # type: ignore[union-attr]
     url = re.search(r"embedded Valkey at (redis://\S+)", out).group(1)  # type: ignore[union-attr]
     valkey_pid = _server_pid(url)

@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import redis
 
 from tests.support.daemon import ROOT, collect, enqueue, wait_until
 from worker import keys
+from worker.processes.local import LocalWorker
 
 pytestmark = pytest.mark.redis
 
@@ -46,30 +45,19 @@ def _children(ppid: int) -> dict[str, int]:
     return out
 
 
-class Supervised:
+class Supervised(LocalWorker):
     """``python -m worker serve --replicas N ...`` with its (tagged) output in a file."""
 
     def __init__(self, args: list[str], log_path: Path) -> None:
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", "serve", *args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+        super().__init__(args, log_path=log_path, cwd=ROOT, env={"PYTHONUNBUFFERED": "1"})
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 30.0) -> int:
+        """SIGKILL the children, then the supervisor; close the log."""
         if self.proc.poll() is None:
             for pid in _children(self.proc.pid).values():
                 os.kill(pid, signal.SIGKILL)
-            self.proc.kill()
-            self.proc.wait(10)
-        self._log.close()
+        self.kill()
+        return self.proc.returncode
 
 
 def _consumers(client: redis.Redis, stream: str) -> set[str]:
@@ -179,22 +167,19 @@ def test_flooded_partition_does_not_starve_the_others(
         pipe.xadd(streams[int(job_id[1])], {"payload": _payload(job_id, reply)})
     pipe.execute()
     log_path = tmp_path / "worker.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable, "-m", "worker", "serve", "--scorer", "noop",
-                "--redis-url", redis_url, "--queue", key_prefix, "--partitions", "4",
-                "--consumer", "fair", "--metrics-port", "-1", "--burst",
-                "--max-batch-tokens", "64", "--noop-delay-ms", "5",
-            ],
-            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-        )  # fmt: skip
-        try:
-            assert proc.wait(90) == 0, log_path.read_text()
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    worker = LocalWorker(
+        [
+            "--scorer", "noop",
+            "--redis-url", redis_url, "--queue", key_prefix, "--partitions", "4",
+            "--consumer", "fair", "--metrics-port", "-1", "--burst",
+            "--max-batch-tokens", "64", "--noop-delay-ms", "5",
+        ],
+        log_path=log_path, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert worker.proc.wait(90) == 0, log_path.read_text()
+    finally:
+        worker.kill()
     order = [
         _result_id(f[b"payload"]) for _, f in client.xrange(reply)
     ]  # the order results were written

@@ -6,7 +6,6 @@ what a group cannot serve is refused at start in one or two ``error:`` lines, ex
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ import redis
 from tests.support.daemon import ROOT, WorkerProc, metric, wait_until
 from tests.support.models import random_tokens, tiny_causal, tiny_config, tiny_reward
 from worker.client import ScoringClient
+from worker.processes.local import worker_command
 from worker.streams import read_heartbeats
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -122,8 +122,8 @@ def test_two_ranks_answer_what_one_process_does(
 
 def _serve(*flags: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "worker", "serve", "--device", "cpu", "--metrics-port", "-1",
-         "--redis-url", "redis://127.0.0.1:1/0", *flags],
+        worker_command(["--device", "cpu", "--metrics-port", "-1",
+                        "--redis-url", "redis://127.0.0.1:1/0", *flags]),
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )  # fmt: skip
 

@@ -15,7 +15,7 @@ import redis
 
 from tests.support.daemon import kill9_reclaim_scenario, wait_until
 from worker import keys, streams
-from worker.demo.embedded import free_port
+from worker.processes.local import free_port
 
 GROUP = keys.DEFAULT_GROUP
 

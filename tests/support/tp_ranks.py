@@ -1,7 +1,7 @@
 """One rank of the two-rank group scenarios of ``tests/executor/test_tensor_parallel_group.py``.
 
 ``python -m tests.support.tp_ranks --rank R --size 2 --port P --out FILE --models DIR`` (started
-by ``worker.devtools.bench.tensor_parallel.launch``). Both ranks run the same phases in the same
+by ``worker.processes.tp_local.launch``). Both ranks run the same phases in the same
 order; each phase builds its executor on the group and serves a few calls (rank 0 broadcasts,
 rank 1 follows until rank 0 stops it), with faults injected on some ranks only:
 
@@ -118,10 +118,11 @@ def _inject(phase: str, rank: int, model: Any) -> Any:
 def main() -> None:
     import transformers
 
-    from worker.devtools.bench.tensor_parallel import join, rss_bytes, serve_calls
+    from worker.devtools.bench.tensor_parallel import rss_bytes, serve_calls
     from worker.executor import ExecutorConfig
     from worker.executor.parallel.executor import ParallelExecutor
     from worker.executor.parallel.plan import tensor_parallel_plan
+    from worker.processes.tp_local import join
 
     parser = argparse.ArgumentParser()
     for flag in ("--rank", "--size", "--port"):

@@ -17,10 +17,10 @@ from worker import connections
 from worker.config import RedisSettings
 from worker.daemon.config import WorkerConfig
 from worker.daemon.link import RedisLink
-from worker.demo.embedded import free_port
 from worker.errors import ConfigError
 from worker.observability.health import HealthState
 from worker.observability.metrics import WorkerMetrics
+from worker.processes.local import free_port
 
 pytestmark = [pytest.mark.cluster, pytest.mark.redis]
 

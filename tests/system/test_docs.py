@@ -45,8 +45,8 @@ from sybil import Example, Sybil
 from sybil.parsers.markdown import CodeBlockParser, SkipParser
 
 from tests.support.daemon import WorkerProc
-from worker.demo.embedded import free_port
 from worker.demo.tiny import save_tiny_models
+from worker.processes.local import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]

@@ -18,10 +18,10 @@ import redis
 
 from tests.support.daemon import WorkerProc
 from worker.client import BadRequestError, JobFailed, ScoringClient
-from worker.demo.embedded import free_port
 from worker.demo.tiny import save_tiny_models
 from worker.errors import ConfigError
 from worker.executor.weights import source
+from worker.processes.local import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.redis

@@ -29,6 +29,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.daemon import WorkerProc, collect, enqueue, wait_until
+from tests.support.models import tiny_causal
 from tests.support.ops import (
     ALERTS,
     TARGET_LABELS,
@@ -39,7 +40,7 @@ from tests.support.ops import (
     substitute_grafana,
 )
 from worker import keys
-from worker.demo.embedded import free_port
+from worker.processes.local import free_port
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -79,24 +80,12 @@ class LeakyLlamaForCausalLM(LlamaForCausalLM):
 '''
 
 
-def _tiny_llama_config(**extra: Any) -> Any:
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **extra,
-    )  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny random Llama saved with save_pretrained."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(_tiny_llama_config()).save_pretrained(path)
+    # the library's default initializer range (0.02), not the tests' 0.2
+    tiny_causal("llama", 0, vocab=VOCAB, init_range=0.02).save_pretrained(path)
     return str(path)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.daemon import ROOT
-from worker.demo.embedded import free_port
+from worker.processes.local import free_port
 
 PROBE = """
 import redis

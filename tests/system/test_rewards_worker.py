@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from tests.support.daemon import WorkerProc, collect, enqueue, metric
-from tests.support.models import _build, smollm2_gguf
+from tests.support.models import smollm2_gguf, tiny_model
 from worker import keys
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -34,7 +34,7 @@ def test_prm_worker_bad_shapes_then_serves(redis_url: str, key_prefix: str, tmp_
     tok = load_tokenizer(str(found[0]), gguf_file=found[1])
     tok.chat_template = None  # a tokenizer without a chat template
     prm_dir = tmp_path / "prm"
-    model = _build("ForTokenClassification", "llama", 3, num_labels=2)
+    model = tiny_model("ForTokenClassification", "llama", 3, num_labels=2)
     model.save_pretrained(prm_dir)
     tok.save_pretrained(prm_dir)
     (prm_dir / "chat_template.jinja").unlink(missing_ok=True)

@@ -6,17 +6,10 @@ The server dies with the process that started it, even by ``kill -9``
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
+from worker.processes.local import free_port
 from worker.processes.parent_death import Watchdog
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class EmbeddedRedis:
@@ -72,3 +65,6 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+__all__ = ["EmbeddedRedis"]

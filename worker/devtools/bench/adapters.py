@@ -51,15 +51,18 @@ def smollm2_gguf() -> Path | None:
 
 
 def _synthetic(hidden: int, layers: int, seed: int) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from worker.demo.tiny import llama_config, random_model
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=4096, hidden_size=hidden, intermediate_size=hidden * 3,
-        num_hidden_layers=layers, num_attention_heads=max(hidden // 64, 1),
-        num_key_value_heads=max(hidden // 128, 1), max_position_embeddings=4096,
-    )  # fmt: skip
-    return LlamaForCausalLM(cfg).eval()
+    cfg = llama_config(
+        4096,
+        hidden,
+        hidden * 3,
+        4096,
+        num_hidden_layers=layers,
+        num_attention_heads=max(hidden // 64, 1),
+        num_key_value_heads=max(hidden // 128, 1),
+    )
+    return random_model("LlamaForCausalLM", cfg, seed)
 
 
 def _smollm2(gguf: Path) -> Any:

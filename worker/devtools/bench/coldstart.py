@@ -26,8 +26,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -39,9 +37,9 @@ from typing import Any
 import redis
 
 from worker import keys
-from worker.demo.embedded import free_port
 from worker.devtools.bench.adapters import smollm2_gguf
 from worker.observability.startup import PHASES
+from worker.processes.local import LocalWorker, free_port
 from worker.protocol import decode_result, encode_job
 
 _SAMPLE = re.compile(r'^(scoring_startup_(?:phase_)?seconds)\{(phase|until)="([a-z_]+)"\} (\S+)$')
@@ -78,42 +76,40 @@ def one_start(
     reply = keys.reply_stream(stream, "bench")
     client.delete(stream, reply)
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
     cmd = [
-        sys.executable, "-m", "worker", "serve", "--redis-url", url, "--queue", tag,
+        "--redis-url", url, "--queue", tag,
         *model, "--device", "cpu", "--consumer", tag, "--metrics-port", str(port),
         "--max-batch-tokens", str(max_batch_tokens), "--block-ms", "20",
     ]  # fmt: skip
     if warmup:
         cmd.append("--warmup")
-    with open(log_path, "ab") as log:
-        started = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                cwd=tree or None)  # fmt: skip
-        try:
-            while _get(f"http://127.0.0.1:{port}/readyz")[0] != 200:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"worker exited ({proc.returncode}); see {log_path}")
-                if time.perf_counter() - started > 600:
-                    raise RuntimeError(f"not ready after 600 s; see {log_path}")
-                time.sleep(0.01)
-            readyz = time.perf_counter() - started
-            tokens = [(i * 37 + 5) % 250 + 1 for i in range(128)]  # in the tiny vocab (259)
-            job = encode_job(f"{tag}-0", "reference", reply, [{"tokens": tokens, "prompt_len": 64}])
-            client.xadd(stream, {"payload": job})
-            got: Any = client.xread({reply: "0-0"}, count=1, block=600_000)
-            first = time.perf_counter() - started
-            if not got:
-                raise RuntimeError(f"no result; see {log_path}")
-            result = decode_result(got[0][1][0][1][b"payload"])
-            if not result.ok:
-                raise RuntimeError(f"first job failed: {result.error}")
-            figures = scrape_startup(_get(f"http://127.0.0.1:{port}/metrics")[1])
-        finally:
-            proc.terminate()
-            proc.wait(60)
+    started = time.perf_counter()
+    worker = LocalWorker(cmd, log_path=log_path, append=True, env=env, cwd=tree or None)
+    proc = worker.proc
+    try:
+        while _get(f"http://127.0.0.1:{port}/readyz")[0] != 200:
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker exited ({proc.returncode}); see {log_path}")
+            if time.perf_counter() - started > 600:
+                raise RuntimeError(f"not ready after 600 s; see {log_path}")
+            time.sleep(0.01)
+        readyz = time.perf_counter() - started
+        tokens = [(i * 37 + 5) % 250 + 1 for i in range(128)]  # in the tiny vocab (259)
+        job = encode_job(f"{tag}-0", "reference", reply, [{"tokens": tokens, "prompt_len": 64}])
+        client.xadd(stream, {"payload": job})
+        got: Any = client.xread({reply: "0-0"}, count=1, block=600_000)
+        first = time.perf_counter() - started
+        if not got:
+            raise RuntimeError(f"no result; see {log_path}")
+        result = decode_result(got[0][1][0][1][b"payload"])
+        if not result.ok:
+            raise RuntimeError(f"first job failed: {result.error}")
+        figures = scrape_startup(_get(f"http://127.0.0.1:{port}/metrics")[1])
+    finally:
+        worker.stop(60)
     client.delete(stream, reply, keys.dead_letter_stream(stream), keys.handback_key(stream))
     figures.update(readyz=readyz, first_result=first,
                    first_forward=float(result.info.get("compute_ms", 0.0)) / 1000.0)  # fmt: skip

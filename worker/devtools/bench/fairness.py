@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ import redis
 
 from worker import keys
 from worker.devtools.bench.capacity import RedisProcess
+from worker.processes.local import LocalWorker
 from worker.protocol import decode_result, encode_job
 
 TOKENS = 64
@@ -80,41 +80,26 @@ def _payload(job_id: str, reply: str) -> bytes:
     return encode_job(job_id, "reference", reply, [{"tokens": SEQ, "prompt_len": PROMPT_LEN}])
 
 
-@dataclass
-class WorkerProcess:
-    """A ``serve`` subprocess and its log file."""
-
-    proc: subprocess.Popen[bytes]
-    log_fh: Any
-
-    def poll(self) -> int | None:
-        """The exit code, None while it runs."""
-        return self.proc.poll()
-
-    def stop(self) -> None:
-        """SIGTERM (drain), SIGKILL after 30 s; close the log."""
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log_fh.close()
+def _start_worker(url: str, flags: list[str], args: argparse.Namespace, log: Path) -> LocalWorker:
+    """A noop ``serve`` subprocess logging to ``log``; ``stop()``: SIGTERM, SIGKILL after 30 s."""
+    cmd = [
+        "--redis-url", url, *flags, "--scorer", "noop",
+        "--noop-delay-ms", str(args.noop_delay_ms),
+        "--max-batch-tokens", str(args.max_batch_tokens), "--consumer", "fair",
+        "--metrics-port", "-1", "--result-maxlen", str(4 * args.burst + 100000),
+        "--block-ms", "100",
+    ]  # fmt: skip
+    return LocalWorker(
+        cmd,
+        log_path=log,
+        append=True,
+        log_level="WARNING",
+        env={"OMP_NUM_THREADS": "1"},
+        stdin=subprocess.DEVNULL,
+    )
 
 
-def _start_worker(url: str, flags: list[str], args: argparse.Namespace, log: Path) -> WorkerProcess:
-    cmd = [sys.executable, "-m", "worker", "--log-level", "WARNING", "serve", "--redis-url", url,
-           *flags, "--scorer", "noop", "--noop-delay-ms", str(args.noop_delay_ms),
-           "--max-batch-tokens", str(args.max_batch_tokens), "--consumer", "fair",
-           "--metrics-port", "-1", "--result-maxlen", str(4 * args.burst + 100000),
-           "--block-ms", "100"]  # fmt: skip
-    fh = open(log, "ab")  # noqa: SIM115 - closed by WorkerProcess.stop
-    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
-    return WorkerProcess(proc, fh)
-
-
-def _wait_results(client: Any, reply: str, n: int, proc: WorkerProcess, timeout_s: float) -> None:
+def _wait_results(client: Any, reply: str, n: int, proc: LocalWorker, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while int(client.xlen(reply)) < n:
         if proc.poll() is not None:

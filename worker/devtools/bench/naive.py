@@ -175,6 +175,7 @@ def run_worker(
 
     from worker import keys
     from worker.devtools.bench.e2e import collect_results
+    from worker.processes.local import LocalWorker
     from worker.protocol import encode_job
 
     tag = f"naive{os.getpid()}"
@@ -183,38 +184,36 @@ def run_worker(
     client = redis.Redis.from_url(url)
     client.delete(stream, reply)
     log_path = tmp / "worker.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", "--log-level", "WARNING", "serve", "--redis-url", url,
-             "--queue", tag, "--reference-model", model_path, "--device", "cpu",
-             "--consumer", "bench", "--metrics-port", "-1",
-             *([] if pipeline else ["--no-pipeline"])],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        try:
+    worker = LocalWorker(
+        ["--redis-url", url,
+         "--queue", tag, "--reference-model", model_path, "--device", "cpu",
+         "--consumer", "bench", "--metrics-port", "-1",
+         *([] if pipeline else ["--no-pipeline"])],
+        log_path=log_path, log_level="WARNING",
+    )  # fmt: skip
+    try:
 
-            def one_pass(prefix: str, batch: list[dict[str, Any]]) -> float:
-                client.delete(reply)
-                payloads = [
-                    encode_job(f"{prefix}{i}", "reference", reply, [s]) for i, s in enumerate(batch)
-                ]
-                start = time.perf_counter()
-                pipe = client.pipeline(transaction=False)
-                for p in payloads:
-                    pipe.xadd(stream, {"payload": p})
-                pipe.execute()
-                ok = collect_results(client, reply, len(batch), timeout_s=1800)
-                if ok != len(batch):
-                    raise RuntimeError(f"{len(batch) - ok} jobs failed; see {log_path}")
-                return time.perf_counter() - start
+        def one_pass(prefix: str, batch: list[dict[str, Any]]) -> float:
+            client.delete(reply)
+            payloads = [
+                encode_job(f"{prefix}{i}", "reference", reply, [s]) for i, s in enumerate(batch)
+            ]
+            start = time.perf_counter()
+            pipe = client.pipeline(transaction=False)
+            for p in payloads:
+                pipe.xadd(stream, {"payload": p})
+            pipe.execute()
+            ok = collect_results(client, reply, len(batch), timeout_s=1800)
+            if ok != len(batch):
+                raise RuntimeError(f"{len(batch) - ok} jobs failed; see {log_path}")
+            return time.perf_counter() - start
 
-            one_pass("warm", seqs[:2])
-            seconds = one_pass("timed", seqs)
-            peak = vm_hwm(proc.pid)
-        finally:
-            proc.terminate()
-            proc.wait(60)
-            client.delete(stream, reply, keys.dead_letter_stream(stream))
+        one_pass("warm", seqs[:2])
+        seconds = one_pass("timed", seqs)
+        peak = vm_hwm(worker.pid)
+    finally:
+        worker.stop(60)
+        client.delete(stream, reply, keys.dead_letter_stream(stream))
     return {"seconds": seconds, "peak_rss_bytes": peak}
 
 

@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -28,6 +26,7 @@ from typing import Any
 import redis
 
 from worker import keys
+from worker.processes.local import LocalWorker
 from worker.protocol import decode_result, encode_job
 
 
@@ -59,34 +58,31 @@ def run_once(
                     last = entry_id.decode()
                     arrived.setdefault(decode_result(fields[b"payload"]).id, now)
 
-    with open(log, "ab") as log_fh:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", "--log-level", "WARNING", "serve", "--redis-url", url,
-             "--queue", tag, "--scorer", "noop", "--noop-delay-ms", str(delay_ms),
-             "--max-wait-ms", str(max_wait_ms), "--consumer", "bench", "--metrics-port", "-1",
-             *([] if pipeline else ["--no-pipeline"])],
-            stdout=log_fh, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        try:
-            client.xadd(stream, {"payload": encode_job("warm", "reference", reply, [seq])})
-            while not client.xlen(reply):  # the worker is up and serving
-                time.sleep(0.05)
-            client.delete(reply)
-            reader = threading.Thread(target=read, daemon=True)
-            reader.start()
-            sent: list[float] = []
-            start = time.perf_counter()
-            for i, p in enumerate(payloads):
-                wait = start + i / rate - time.perf_counter()
-                if wait > 0:
-                    time.sleep(wait)
-                sent.append(time.perf_counter())
-                client.xadd(stream, {"payload": p})
-            reader.join()
-        finally:
-            proc.terminate()
-            proc.wait(30)
-            client.delete(stream, reply, keys.dead_letter_stream(stream))
+    worker = LocalWorker(
+        ["--redis-url", url, "--queue", tag, "--scorer", "noop", "--noop-delay-ms", str(delay_ms),
+         "--max-wait-ms", str(max_wait_ms), "--consumer", "bench", "--metrics-port", "-1",
+         *([] if pipeline else ["--no-pipeline"])],
+        log_path=log, append=True, log_level="WARNING",
+    )  # fmt: skip
+    try:
+        client.xadd(stream, {"payload": encode_job("warm", "reference", reply, [seq])})
+        while not client.xlen(reply):  # the worker is up and serving
+            time.sleep(0.05)
+        client.delete(reply)
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        sent: list[float] = []
+        start = time.perf_counter()
+        for i, p in enumerate(payloads):
+            wait = start + i / rate - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            sent.append(time.perf_counter())
+            client.xadd(stream, {"payload": p})
+        reader.join()
+    finally:
+        worker.stop(30)
+        client.delete(stream, reply, keys.dead_letter_stream(stream))
     if len(arrived) < n:
         raise RuntimeError(f"only {len(arrived)}/{n} results; see {log}")
     lat = sorted((arrived[f"j{i}"] - sent[i]) * 1000.0 for i in range(n))

@@ -100,7 +100,7 @@ def _two_ranks(
     not survive a fork), on the CPU a fork of this process (no second start of torch); each
     rank's record. Rank 1 exiting non-zero fails the step at once with its log tail; rank 1
     still running ``RESERVE_S`` before the deadline is killed and fails it."""
-    from worker.devtools.bench.tensor_parallel import free_port
+    from worker.processes.local import free_port
 
     work = setup.scratch / "tp"
     work.mkdir(parents=True, exist_ok=True)
@@ -203,11 +203,12 @@ def run_rank(
     """One rank: join the group, load the shards, score the sequences twice; what it saw."""
     import transformers
 
-    from worker.devtools.bench.tensor_parallel import join, serve_calls
+    from worker.devtools.bench.tensor_parallel import serve_calls
     from worker.executor import ExecutorConfig
     from worker.executor.parallel.executor import ParallelExecutor
     from worker.executor.parallel.group import Call
     from worker.executor.parallel.plan import tensor_parallel_plan
+    from worker.processes.tp_local import join
     from worker.scorer import DEFAULT_OPTIONS
 
     cuda = device.startswith("cuda")
