@@ -28,7 +28,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from worker.config import env_bool, env_get
+from worker.config import env_bool, env_float, env_get
 from worker.errors import ConfigError
 from worker.processes.supervisor import ChildSpec, SupervisorConfig, supervise
 
@@ -43,11 +43,6 @@ CHILD_MARKER_ENV = "SCORING_SUPERVISED_CHILD"
 PER_CHILD_DESTS = frozenset({"consumer", "metrics_port"})
 
 
-def _env_float(name: str, default: float) -> float:
-    raw = env_get(name)
-    return float(raw) if raw else default
-
-
 def add_fleet_args(parser: argparse.ArgumentParser) -> frozenset[str]:
     """Add ``--replicas``, ``--gpus`` and the restart policy flags; returns their dests."""
     g = parser.add_argument_group("supervisor (one child per GPU / replica)")
@@ -58,16 +53,16 @@ def add_fleet_args(parser: argparse.ArgumentParser) -> frozenset[str]:
         g.add_argument("--gpus", default=env_get("GPUS") or None,
                        help="'all' or '0,1': one worker per GPU (env SCORING_GPUS)"),
         g.add_argument("--restart-backoff-s", type=float,
-                       default=_env_float("RESTART_BACKOFF_S", defaults.restart_backoff_s),
+                       default=env_float("RESTART_BACKOFF_S", defaults.restart_backoff_s),
                        help="first restart delay of a crashed child (doubles)"),
         g.add_argument("--restart-backoff-max-s", type=float,
-                       default=_env_float("RESTART_BACKOFF_MAX_S", defaults.restart_backoff_max_s),
+                       default=env_float("RESTART_BACKOFF_MAX_S", defaults.restart_backoff_max_s),
                        help="restart delay cap"),
         g.add_argument("--restart-limit", type=int,
                        default=int(env_get("RESTART_LIMIT") or defaults.restart_limit),
                        help="crashes allowed per child within --restart-window-s"),
         g.add_argument("--restart-window-s", type=float,
-                       default=_env_float("RESTART_WINDOW_S", defaults.restart_window_s),
+                       default=env_float("RESTART_WINDOW_S", defaults.restart_window_s),
                        help="window for --restart-limit"),
         g.add_argument("--exit-on-give-up", action="store_true",
                        default=env_bool(env_get("EXIT_ON_GIVE_UP")),
