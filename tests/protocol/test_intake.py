@@ -53,7 +53,7 @@ def _cases(reply: str) -> dict[str, tuple[bytes, str]]:
     # Keys in an unusual order: the oversized value comes before id, reply_to and meta.
     back = {"seqs": big_seqs, "v": 1, "mode": "reference", "id": "big-back", "reply_to": reply}
     back["meta"] = {"k": "back"}
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     return {
         "big-front": (
             encode_job("big-front", "reference", reply, big_seqs, meta={"k": "front"}),

@@ -79,7 +79,7 @@ def test_bin_map_keys_are_accepted_and_echoed() -> None:
     [
         msgpack.ExtType(5, b"xy"),
         msgpack.Timestamp(1),  # timestamp 32
-        datetime.datetime(2024, 1, 2, tzinfo=datetime.timezone.utc),  # packed as timestamp
+        datetime.datetime(2024, 1, 2, tzinfo=datetime.UTC),  # packed as timestamp
         {"when": msgpack.Timestamp(1, 5)},  # timestamp 64, nested
     ],
     ids=["ext", "timestamp32", "datetime", "nested-timestamp64"],

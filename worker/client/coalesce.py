@@ -119,7 +119,7 @@ class Coalescer:
         self._join(key, caller)
         try:
             return await asyncio.wait_for(asyncio.shield(caller.future), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ScoringTimeout("(coalesced)", timeout_s, self.client.reply_stream) from None
         finally:
             caller.future.cancel()  # no-op once answered; a late answer is then dropped

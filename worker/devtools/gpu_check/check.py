@@ -204,7 +204,7 @@ def dry_run(opts: Options, cuda: tuple[bool, str]) -> int:
 def _new_doc(opts: Options) -> dict[str, Any]:
     return {
         "tool": "worker.devtools.gpu_check",
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "host": platform.node(),
         "python": sys.executable,
         "mode": {"device": opts.device, "tiny": opts.tiny, "budget_s": opts.budget_s},
