@@ -39,9 +39,13 @@ BASE = -math.log(VOCAB)  # what the no-op scorer answers for every teacher log-p
 
 def _worker(url: str, queue: str, scorer: Any) -> tuple[Worker, threading.Thread]:
     config = WorkerConfig(
-        streams=(keys.job_streams(queue)[0],), consumer=f"c{uuid.uuid4().hex[:6]}",
-        metrics_port=None, block_ms=50, claim_idle_ms=5000, max_wait_ms=1,
-    )  # fmt: skip
+        streams=(keys.job_streams(queue)[0],),
+        consumer=f"c{uuid.uuid4().hex[:6]}",
+        metrics_port=None,
+        block_ms=50,
+        claim_idle_ms=5000,
+        max_wait_ms=1,
+    )
     worker = Worker(
         config, RedisSettings(url=url), scorer, metrics=WorkerMetrics(CollectorRegistry())
     )
@@ -231,9 +235,10 @@ def test_enqueue_teacher_values_equal_the_executors_own(
     spec = TokenOutputs(frozenset({"logps", "entropy", "topk", "gather"}), topk=5, gather_width=2)
     seqs = [
         SequenceInput(t1, prompt_len=4, gather_ids=np.asarray(per_pos, np.int32)),
-        SequenceInput(t2, mask=[0, 0, 1, 1, 0, 1, 1, 1, 0],
-                      gather_ids=np.full((5, 2), [5, 6], np.int32)),
-    ]  # fmt: skip
+        SequenceInput(
+            t2, mask=[0, 0, 1, 1, 0, 1, 1, 1, 0], gather_ids=np.full((5, 2), [5, 6], np.int32)
+        ),
+    ]
     direct = executor.score(seqs, temperature=0.7, options=ScoreOptions(outputs=spec)).scores
     executor.close()
     for name, score in zip(("x", "y"), direct, strict=True):
@@ -241,5 +246,10 @@ def test_enqueue_teacher_values_equal_the_executors_own(
         np.testing.assert_allclose(line["logps"], score.logps, atol=1e-6)
         for key, value in (score.arrays or {}).items():
             np.testing.assert_allclose(np.asarray(line[key]), value, atol=1e-6, err_msg=key)
-        assert set(score.arrays or {}) == {"entropy", "topk_ids", "topk_logps", "topk_tail_logp",
-                                           "gather_logps"}  # fmt: skip
+        assert set(score.arrays or {}) == {
+            "entropy",
+            "topk_ids",
+            "topk_logps",
+            "topk_tail_logp",
+            "gather_logps",
+        }

@@ -168,9 +168,15 @@ def test_the_window_keeps_max_in_flight_and_forgets_what_is_left() -> None:
     core = ClientCore(client_id="c", check_workers=False)
     jobs = [{"seqs": SEQ, "id": f"j{i}"} for i in range(5)]
     window = ScoreWindow(
-        core, jobs, max_in_flight=2, ordered=True, timeout=None, mode=None, temperature=1.0,
+        core,
+        jobs,
+        max_in_flight=2,
+        ordered=True,
+        timeout=None,
+        mode=None,
+        temperature=1.0,
         raise_errors=True,
-    )  # fmt: skip
+    )
     submitted: list[str] = []
     answered: list[str] = []
 
@@ -194,9 +200,15 @@ def test_the_window_keeps_max_in_flight_and_forgets_what_is_left() -> None:
     assert core.outstanding == {} and core.buffer.abandoned.keys() == {"j2"}
     with pytest.raises(ValueError, match="max_in_flight"):
         ScoreWindow(
-            core, [], max_in_flight=0, ordered=True, timeout=None, mode=None, temperature=1.0,
+            core,
+            [],
+            max_in_flight=0,
+            ordered=True,
+            timeout=None,
+            mode=None,
+            temperature=1.0,
             raise_errors=True,
-        )  # fmt: skip
+        )
 
 
 def test_the_first_submit_asks_once_whether_a_worker_serves_the_queue() -> None:

@@ -145,9 +145,12 @@ def test_cluster_durable_submit_and_resubmission_recover_a_lost_job(
 ) -> None:
     streams = keys.job_streams(key_prefix)
     with ScoringClient(
-        cluster.url, queue=key_prefix, resubmit_after_s=0.5, durable_replicas=1,
+        cluster.url,
+        queue=key_prefix,
+        resubmit_after_s=0.5,
+        durable_replicas=1,
         durable_timeout_ms=2000,
-    ) as client:  # fmt: skip
+    ) as client:
         node = cluster_node_url(cluster, streams[0])
         _group(node, streams)  # the group exists; nothing reads yet
         handle = client.submit(SEQS)

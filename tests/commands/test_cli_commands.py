@@ -216,12 +216,18 @@ def test_dlq_per_partition_column_filter_and_counts(
 
     rows, summary = dlq_json()
     assert [(e["partition"], e["job_stream"], e["job_id"]) for e in rows] == [
-        (0, s0, "a0"), (0, s0, "a1"), (2, s2, "c0"), (2, s2, "c1"), (2, s2, "c2"),
-    ]  # fmt: skip
+        (0, s0, "a0"),
+        (0, s0, "a1"),
+        (2, s2, "c0"),
+        (2, s2, "c1"),
+        (2, s2, "c2"),
+    ]
     assert summary["total"] == 5 and summary["listed"] == 5 and summary["partitions"] == 3
     assert [(p["partition"], p["stream"], p["dead_letters"]) for p in summary["by_partition"]] == [
-        (0, s0, 2), (1, s1, 0), (2, s2, 3),
-    ]  # fmt: skip
+        (0, s0, 2),
+        (1, s1, 0),
+        (2, s2, 3),
+    ]
     assert summary["by_partition"][2]["dead_letter_stream"] == keys.dead_letter_stream(s2)
 
     rows, summary = dlq_json("--partition", "2", "--limit", "2")

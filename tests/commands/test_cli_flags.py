@@ -63,8 +63,12 @@ def _defaults(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> dict[str,
 
 
 def test_every_flag_has_help() -> None:
-    bare = [f"{name} {a.option_strings[0]}" for name, p in _parsers() for a in _flags(p)
-            if not (a.help or "").strip()]  # fmt: skip
+    bare = [
+        f"{name} {a.option_strings[0]}"
+        for name, p in _parsers()
+        for a in _flags(p)
+        if not (a.help or "").strip()
+    ]
     assert not bare, f"flags without help text: {bare}"
 
 

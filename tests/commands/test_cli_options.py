@@ -43,8 +43,11 @@ def test_every_command_takes_the_tls_flags(command: str) -> None:
         "--cluster",
     )  # fmt: skip
     assert (s.url, s.ssl_ca_certs, s.ssl_certfile, s.ssl_keyfile) == (
-        "rediss://redis.example:6380/0", "/ca.pem", "/c.pem", "/k.pem",
-    )  # fmt: skip
+        "rediss://redis.example:6380/0",
+        "/ca.pem",
+        "/c.pem",
+        "/k.pem",
+    )
     assert s.ssl_check_hostname is False and s.is_cluster
 
 

@@ -94,11 +94,13 @@ def test_interleaved_adapters_in_one_queue(
             assert np.abs(np.asarray(res.seqs[0].logps) - want).max() <= 1e-4
         assert len(set(prints.values())) == 3
         url = worker.metrics_url
-        jobs_named = sum(metric(url, "scoring_weights_jobs_total", f'{{result="{r}"}}')
-                         for r in ("hit", "miss"))  # fmt: skip
+        jobs_named = sum(
+            metric(url, "scoring_weights_jobs_total", f'{{result="{r}"}}') for r in ("hit", "miss")
+        )
         assert jobs_named == 18
-        loads = metric(url, "scoring_weights_loads_total",
-                       '{kind="adapter",outcome="ok",reason="miss"}')  # fmt: skip
+        loads = metric(
+            url, "scoring_weights_loads_total", '{kind="adapter",outcome="ok",reason="miss"}'
+        )
         assert loads >= 3
         assert metric(url, "scoring_weights_resident", '{kind="adapter"}') <= 2
         assert "Traceback" not in worker.log()

@@ -34,10 +34,13 @@ def server(tmp_path: Path) -> RedisServer:
 
 
 def _worker(url: str, stream: str, **cfg: object) -> Worker:
-    config = WorkerConfig(streams=(stream,), consumer="w", metrics_port=None, block_ms=100,
-                          **cfg)  # type: ignore[arg-type]  # fmt: skip
-    return Worker(config, RedisSettings(url=url), NoopScorer(delay_ms=800),
-                  metrics=WorkerMetrics(CollectorRegistry()))  # fmt: skip
+    config = WorkerConfig(streams=(stream,), consumer="w", metrics_port=None, block_ms=100, **cfg)  # type: ignore[arg-type]
+    return Worker(
+        config,
+        RedisSettings(url=url),
+        NoopScorer(delay_ms=800),
+        metrics=WorkerMetrics(CollectorRegistry()),
+    )
 
 
 def _owner(client: redis.Redis, stream: str, entry_id: str) -> tuple[str, int] | None:
@@ -91,8 +94,13 @@ def test_an_entry_that_cannot_be_dead_lettered_stays_pending_and_is_released(
     client.set(reply, "not a stream")
     client.set(dead, "not a stream either")
     entry_id = enqueue(client, stream, "j1", reply, [{"tokens": [1, 2, 3], "prompt_len": 1}])
-    enqueue(client, stream, "j2", keys.reply_stream(stream, "ok"),
-            [{"tokens": [1, 2, 3], "prompt_len": 1}])  # fmt: skip
+    enqueue(
+        client,
+        stream,
+        "j2",
+        keys.reply_stream(stream, "ok"),
+        [{"tokens": [1, 2, 3], "prompt_len": 1}],
+    )
     worker = _worker(server.url, stream, claim_idle_ms=400, max_deliveries=2)
     thread = threading.Thread(target=worker.run)
     thread.start()
@@ -100,19 +108,28 @@ def test_an_entry_that_cannot_be_dead_lettered_stays_pending_and_is_released(
         results, _ = collect(client, keys.reply_stream(stream, "ok"), ["j2"], timeout=10)
         assert results["j2"].ok  # the worker kept serving
         # released: its idle time grows past the claim limit (a held entry's is renewed)
-        wait_until(lambda: (_owner(client, stream, entry_id) or ("", 0))[1] > 400, 10,
-                   what="the entry's lease to lapse")  # fmt: skip
+        wait_until(
+            lambda: (_owner(client, stream, entry_id) or ("", 0))[1] > 400,
+            10,
+            what="the entry's lease to lapse",
+        )
         errors = worker.metrics.registry.get_sample_value(
             "scoring_loop_errors_total", {"where": "dead_letter"}
         )
         assert errors and errors >= 1
         client.delete(dead)  # the operator fixes the dead-letter key
-        wait_until(lambda: client.exists(dead) and client.xlen(dead) == 1, 20,
-                   what="the entry to reach the dead-letter stream")  # fmt: skip
+        wait_until(
+            lambda: client.exists(dead) and client.xlen(dead) == 1,
+            20,
+            what="the entry to reach the dead-letter stream",
+        )
         fields = client.xrange(dead)[0][1]
         assert fields[b"id"].decode() == entry_id
-        wait_until(lambda: client.xpending(stream, "scoring")["pending"] == 0, 5,
-                   what="the entry to be acked")  # fmt: skip
+        wait_until(
+            lambda: client.xpending(stream, "scoring")["pending"] == 0,
+            5,
+            what="the entry to be acked",
+        )
     finally:
         worker.request_stop("test")
         thread.join(20)
@@ -178,10 +195,20 @@ def test_a_clean_stop_leaves_the_group_when_holding_nothing(
     enqueue(client, stream, "j1", reply, [{"tokens": [1, 2, 3], "prompt_len": 1}])
     client.xgroup_create(stream, "scoring", id="0")
     client.xgroup_createconsumer(stream, "scoring", "other")  # not ours: never touched
-    config = WorkerConfig(streams=(stream,), consumer="leaver", metrics_port=None, max_jobs=1,
-                          block_ms=100, forget_consumer=forget)  # fmt: skip
-    worker = Worker(config, RedisSettings(url=redis_url), NoopScorer(),
-                    metrics=WorkerMetrics(CollectorRegistry()))  # fmt: skip
+    config = WorkerConfig(
+        streams=(stream,),
+        consumer="leaver",
+        metrics_port=None,
+        max_jobs=1,
+        block_ms=100,
+        forget_consumer=forget,
+    )
+    worker = Worker(
+        config,
+        RedisSettings(url=redis_url),
+        NoopScorer(),
+        metrics=WorkerMetrics(CollectorRegistry()),
+    )
     assert worker.run() == 0
     names = {c["name"].decode() for c in client.xinfo_consumers(stream, "scoring")}
     assert names == ({"other"} if forget else {"other", "leaver"})
@@ -205,19 +232,39 @@ def test_reply_streams_without_a_ttl_get_one(
         enqueue(client, stream, job_id, reply, [{"tokens": [1, 2, 3], "prompt_len": 1}])
     enqueue(client, stream, "c", dead, [{"tokens": [1, 2, 3], "prompt_len": 1}],
             deadline_ms=1)  # fmt: skip  # an error result takes the same path
-    config = WorkerConfig(streams=(stream,), consumer="ttl", metrics_port=None, max_jobs=3,
-                          block_ms=100, reply_ttl_s=600)  # fmt: skip
-    worker = Worker(config, RedisSettings(url=redis_url), NoopScorer(),
-                    metrics=WorkerMetrics(CollectorRegistry()))  # fmt: skip
+    config = WorkerConfig(
+        streams=(stream,),
+        consumer="ttl",
+        metrics_port=None,
+        max_jobs=3,
+        block_ms=100,
+        reply_ttl_s=600,
+    )
+    worker = Worker(
+        config,
+        RedisSettings(url=redis_url),
+        NoopScorer(),
+        metrics=WorkerMetrics(CollectorRegistry()),
+    )
     assert worker.run() == 0
     assert 0 < client.ttl(orphan) <= 600
     assert client.ttl(kept) > 600
     assert 0 < client.ttl(dead) <= 600
     client.delete(orphan)
     enqueue(client, stream, "d", orphan, [{"tokens": [1, 2, 3], "prompt_len": 1}])
-    config = WorkerConfig(streams=(stream,), consumer="ttl", metrics_port=None, max_jobs=1,
-                          block_ms=100, reply_ttl_s=0)  # fmt: skip
-    worker = Worker(config, RedisSettings(url=redis_url), NoopScorer(),
-                    metrics=WorkerMetrics(CollectorRegistry()))  # fmt: skip
+    config = WorkerConfig(
+        streams=(stream,),
+        consumer="ttl",
+        metrics_port=None,
+        max_jobs=1,
+        block_ms=100,
+        reply_ttl_s=0,
+    )
+    worker = Worker(
+        config,
+        RedisSettings(url=redis_url),
+        NoopScorer(),
+        metrics=WorkerMetrics(CollectorRegistry()),
+    )
     assert worker.run() == 0
     assert client.ttl(orphan) == -1

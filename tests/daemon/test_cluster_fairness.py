@@ -45,14 +45,21 @@ def test_uneven_partitions_on_cluster_are_served_fairly(redis_cluster: ClusterIn
                 pipe.xadd(stream, {"payload": encode_job(f"p{p}-{i}", "reference", reply, [SEQ])})
             pipe.execute()
         config = WorkerConfig(
-            streams=tuple(streams), consumer="fair", metrics_port=None, burst=True,
-            read_count=READ_COUNT, max_batch_tokens=4 * len(SEQ["tokens"]), block_ms=50,
+            streams=tuple(streams),
+            consumer="fair",
+            metrics_port=None,
+            burst=True,
+            read_count=READ_COUNT,
+            max_batch_tokens=4 * len(SEQ["tokens"]),
+            block_ms=50,
             claim_idle_ms=30000,
-        )  # fmt: skip
+        )
         worker = Worker(
-            config, RedisSettings(url=redis_cluster.url), NoopScorer(),
+            config,
+            RedisSettings(url=redis_cluster.url),
+            NoopScorer(),
             metrics=WorkerMetrics(CollectorRegistry()),
-        )  # fmt: skip
+        )
         assert worker.run() == 0
         order = [decode_result(f[b"payload"]).id for _, f in client.xrange(reply)]
         assert sorted(order) == sorted(f"p{p}-{i}" for p, n in enumerate(JOBS) for i in range(n))

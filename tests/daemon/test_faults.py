@@ -104,8 +104,9 @@ def test_poison_payloads_get_error_results_or_dead_letter(
     client.xadd(stream, {"something": b"else"})  # no payload field: dead letter
     raw({"v": 1, "id": "types", "mode": "reference", "reply_to": reply, "seqs": "nope"})
     raw({"v": 2, "id": "version", "mode": "reference", "reply_to": reply, "seqs": [good_seq]})
-    raw({"v": 1, "id": "many-seqs", "mode": "reference", "reply_to": reply,
-         "seqs": [good_seq] * 20})  # fmt: skip
+    raw(
+        {"v": 1, "id": "many-seqs", "mode": "reference", "reply_to": reply, "seqs": [good_seq] * 20}
+    )
     raw({"v": 1, "id": "many-tokens", "mode": "reference", "reply_to": reply,
          "seqs": [{"tokens": list(range(1, 2001)), "prompt_len": 1}]})  # fmt: skip
     raw({"v": 1, "id": "vocab", "mode": "reference", "reply_to": reply,
@@ -168,10 +169,15 @@ def test_max_deliveries_dead_letters_and_tells_the_producer(
     reply = keys.reply_stream(stream, "maxdel")
     dead = keys.dead_letter_stream(stream)
     payload = msgpack.packb(
-        {"v": 1, "id": "crashy", "mode": "reference", "reply_to": reply,
-         "seqs": [{"tokens": [1, 2, 3], "prompt_len": 1}]},
+        {
+            "v": 1,
+            "id": "crashy",
+            "mode": "reference",
+            "reply_to": reply,
+            "seqs": [{"tokens": [1, 2, 3], "prompt_len": 1}],
+        },
         use_bin_type=True,
-    )  # fmt: skip
+    )
     # Deliver it to a "ghost" consumer atomically (the worker cannot read it first), then bump
     # its delivery count as two crashed workers would have.
     pipe = client.pipeline(transaction=True)
@@ -183,9 +189,10 @@ def test_max_deliveries_dead_letters_and_tells_the_producer(
     assert results["crashy"].code == "dead_letter"
     assert "delivered 3 times" in results["crashy"].error["message"]
     wait_until(
-        lambda: any(f[b"id"].decode() == entry_id for _, f in client.xrange(dead)), 10,
+        lambda: any(f[b"id"].decode() == entry_id for _, f in client.xrange(dead)),
+        10,
         what="dead letter entry",
-    )  # fmt: skip
+    )
     row = next(f for _, f in client.xrange(dead) if f[b"id"].decode() == entry_id)
     assert row[b"reason"].startswith(b"max_deliveries") and row[b"payload"] == payload
     assert int(row[b"deliveries"]) == 3
@@ -212,10 +219,11 @@ def test_slow_batch_keeps_its_lease_and_second_signal_exits_at_once(
     stream = keys.job_streams(key_prefix)[0]
     reply = keys.reply_stream(stream, "c")
     worker = WorkerProc(
-        noop_args(redis_url, key_prefix, "owner", "--noop-delay-ms", "3000",
-                  "--claim-idle-ms", "500"),
+        noop_args(
+            redis_url, key_prefix, "owner", "--noop-delay-ms", "3000", "--claim-idle-ms", "500"
+        ),
         tmp_path / "w.log",
-    )  # fmt: skip
+    )
     try:
         worker.wait_ready()
         enqueue(client, stream, "long", reply, [{"tokens": [1, 2, 3], "prompt_len": 1}])

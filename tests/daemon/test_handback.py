@@ -53,8 +53,9 @@ def test_hand_back_makes_entries_claimable_without_counting_a_delivery(
     assert 0 < client.pttl(keys.handback_key(stream)) <= 24 * 3600 * 1000
     # Another consumer's reclaim (claim idle 30 s) takes exactly the handed-back two at once,
     # with the delivery count they had before the hand-back.
-    claimed, _ = streams.reclaim_idle(client, stream, "g", "c", min_idle_ms=30000, count=10,
-                                      use_autoclaim=True, isolate_after=2)  # fmt: skip
+    claimed, _ = streams.reclaim_idle(
+        client, stream, "g", "c", min_idle_ms=30000, count=10, use_autoclaim=True, isolate_after=2
+    )
     assert sorted(e.id for e in claimed) == sorted(ids[:2])
     assert all(e.deliveries == 1 for e in claimed)
     assert streams.handback_marks(client, [stream]) == {stream: {"a": 1}}
@@ -74,8 +75,9 @@ def _worker(redis_url: str, stream: str, consumer: str, *, handback: bool) -> Wo
         max_wait_ms=5, max_batch_tokens=8, claim_idle_ms=60000, handback=handback,
     )  # fmt: skip
     scorer = NoopScorer(vocab_size=100, delay_ms=200)
-    return Worker(config, RedisSettings(url=redis_url), scorer,
-                  metrics=WorkerMetrics(CollectorRegistry()))  # fmt: skip
+    return Worker(
+        config, RedisSettings(url=redis_url), scorer, metrics=WorkerMetrics(CollectorRegistry())
+    )
 
 
 def _start(worker: Worker) -> threading.Thread:
@@ -101,8 +103,11 @@ def _drain_one(
     wait_until(lambda: a.pipeline.started_s is not None, 10, what="a's first batch")
     b = _worker(redis_url, stream, "b", handback=handback)
     tb = _start(b)
-    wait_until(lambda: b.health.started and (b.handback.watch.looks > 0 or not handback), 10,
-               what="b serving")  # fmt: skip
+    wait_until(
+        lambda: b.health.started and (b.handback.watch.looks > 0 or not handback),
+        10,
+        what="b serving",
+    )
     done_before = a.jobs_done
     a.request_stop("test")
     t0 = time.monotonic()

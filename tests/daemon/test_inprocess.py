@@ -37,8 +37,9 @@ class ScriptedScorer(NoopScorer):
         if POISON in flat:
             raise RuntimeError("poisoned batch")
         if 14 in flat:
-            raise KVCacheRejected("model returned past_key_values", kv_output_tensors=4,
-                                  kv_output_bytes=4096)  # fmt: skip
+            raise KVCacheRejected(
+                "model returned past_key_values", kv_output_tensors=4, kv_output_bytes=4096
+            )
         out = super().score(seqs, mode=mode, temperature=temperature)
         for i, s in enumerate(seqs):
             if len(s.tokens) == 9:
@@ -49,9 +50,14 @@ class ScriptedScorer(NoopScorer):
 def _run(redis_url: str, stream: str, max_jobs: int, **cfg: Any) -> tuple[Worker, ScriptedScorer]:
     scorer = ScriptedScorer()
     config = WorkerConfig(
-        streams=(stream,), consumer="inproc", metrics_port=None, max_jobs=max_jobs,
-        block_ms=100, claim_idle_ms=5000, **cfg,
-    )  # fmt: skip
+        streams=(stream,),
+        consumer="inproc",
+        metrics_port=None,
+        max_jobs=max_jobs,
+        block_ms=100,
+        claim_idle_ms=5000,
+        **cfg,
+    )
     worker = Worker(
         config, RedisSettings(url=redis_url), scorer, metrics=WorkerMetrics(CollectorRegistry())
     )
@@ -88,8 +94,7 @@ def test_kv_rejection_and_per_sequence_errors(
     client = redis.Redis.from_url(redis_url)
     stream = keys.job_streams(key_prefix)[0]
     reply = keys.reply_stream(stream, "c")
-    enqueue(client, stream, "kv", reply, [{"tokens": [1, 14, 3], "prompt_len": 1}],
-            temperature=0.5)  # fmt: skip
+    enqueue(client, stream, "kv", reply, [{"tokens": [1, 14, 3], "prompt_len": 1}], temperature=0.5)
     enqueue(client, stream, "long", reply, [
         {"tokens": [1, 2, 3], "prompt_len": 1}, {"tokens": list(range(1, 10)), "prompt_len": 1},
     ])  # fmt: skip
@@ -116,8 +121,9 @@ def test_batches_respect_token_budget_and_group_by_mode(
     ids = []
     for i in range(12):
         mode = "reward" if i % 3 == 0 else "reference"
-        enqueue(client, stream, f"b{i}", reply, [{"tokens": [1, 2, 3, 4], "prompt_len": 1}],
-                mode=mode)  # fmt: skip
+        enqueue(
+            client, stream, f"b{i}", reply, [{"tokens": [1, 2, 3, 4], "prompt_len": 1}], mode=mode
+        )
         ids.append(f"b{i}")
     worker, scorer = _run(redis_url, stream, max_jobs=12, max_batch_tokens=16)
     results, dups = collect(client, reply, ids, timeout=5)
@@ -143,10 +149,12 @@ def test_burst_exits_when_drained(redis_url: str, key_prefix: str, cleanup_keys:
     for i, job_id in enumerate(ids):
         enqueue(client, parts[i % 2], job_id, reply, [{"tokens": [1, 2, 3], "prompt_len": 1}])
     scorer = ScriptedScorer()
-    config = WorkerConfig(streams=tuple(parts), consumer="burst", metrics_port=None, burst=True,
-                          block_ms=50)  # fmt: skip
-    worker = Worker(config, RedisSettings(url=redis_url), scorer,
-                    metrics=WorkerMetrics(CollectorRegistry()))  # fmt: skip
+    config = WorkerConfig(
+        streams=tuple(parts), consumer="burst", metrics_port=None, burst=True, block_ms=50
+    )
+    worker = Worker(
+        config, RedisSettings(url=redis_url), scorer, metrics=WorkerMetrics(CollectorRegistry())
+    )
     assert worker.run() == 0
     assert worker.jobs_done == 6
     results, _ = collect(client, reply, ids, timeout=2)
@@ -170,8 +178,9 @@ def test_load_time_fallback_is_counted_and_reported(
         FallbackEvent("packed", "padded", "no_packing", "rows disagree", "load"),
     ]
     config = WorkerConfig(streams=(stream,), consumer="fb", metrics_port=None, max_jobs=1)
-    worker = Worker(config, RedisSettings(url=redis_url), scorer,
-                    metrics=WorkerMetrics(CollectorRegistry()))  # fmt: skip
+    worker = Worker(
+        config, RedisSettings(url=redis_url), scorer, metrics=WorkerMetrics(CollectorRegistry())
+    )
     assert worker.run() == 0
     results, _ = collect(client, reply, ["fb"], timeout=2)
     info = results["fb"].info
@@ -185,9 +194,12 @@ def test_load_time_fallback_is_counted_and_reported(
 @pytest.mark.parametrize(("batch_timeout_s", "alive_during_batch"), [(60.0, True), (0.2, False)])
 @pytest.mark.timeout(30)
 def test_long_batch_keeps_liveness_until_batch_timeout(
-    redis_url: str, key_prefix: str, cleanup_keys: None, batch_timeout_s: float,
+    redis_url: str,
+    key_prefix: str,
+    cleanup_keys: None,
+    batch_timeout_s: float,
     alive_during_batch: bool,
-) -> None:  # fmt: skip
+) -> None:
     import threading
     import time
 
@@ -198,10 +210,21 @@ def test_long_batch_keeps_liveness_until_batch_timeout(
     reply = keys.reply_stream(stream, "c")
     enqueue(client, stream, "slow", reply, [{"tokens": [1, 2, 3], "prompt_len": 1}])
     health = HealthState(stall_after_s=0.5)
-    config = WorkerConfig(streams=(stream,), consumer="live", metrics_port=None, max_jobs=1,
-                          claim_idle_ms=300, batch_timeout_s=batch_timeout_s)  # fmt: skip
-    worker = Worker(config, RedisSettings(url=redis_url), NoopScorer(delay_ms=1500),
-                    metrics=WorkerMetrics(CollectorRegistry()), health=health)  # fmt: skip
+    config = WorkerConfig(
+        streams=(stream,),
+        consumer="live",
+        metrics_port=None,
+        max_jobs=1,
+        claim_idle_ms=300,
+        batch_timeout_s=batch_timeout_s,
+    )
+    worker = Worker(
+        config,
+        RedisSettings(url=redis_url),
+        NoopScorer(delay_ms=1500),
+        metrics=WorkerMetrics(CollectorRegistry()),
+        health=health,
+    )
     thread = threading.Thread(target=worker.run)
     thread.start()
     seen: list[bool] = []

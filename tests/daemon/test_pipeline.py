@@ -49,8 +49,13 @@ def _worker(redis_url: str, stream: str, scorer: GatedScorer, **cfg: Any) -> Wor
     cfg.setdefault("read_count", 1)
     cfg.setdefault("claim_idle_ms", 5000)
     config = WorkerConfig(
-        streams=(stream,), consumer="pipe", metrics_port=None, block_ms=50, max_wait_ms=0, **cfg,
-    )  # fmt: skip
+        streams=(stream,),
+        consumer="pipe",
+        metrics_port=None,
+        block_ms=50,
+        max_wait_ms=0,
+        **cfg,
+    )
     return Worker(
         config, RedisSettings(url=redis_url), scorer, metrics=WorkerMetrics(CollectorRegistry())
     )

@@ -51,8 +51,13 @@ class Recorder(NoopScorer):
 def _config(shares: tuple[QueueShare, ...], **kw: Any) -> WorkerConfig:
     kw.setdefault("block_ms", 100)
     kw.setdefault("claim_idle_ms", 5000)
-    return WorkerConfig(streams=tuple(s for q in shares for s in q.streams), queues=shares,
-                        consumer="mq", metrics_port=None, **kw)  # fmt: skip
+    return WorkerConfig(
+        streams=tuple(s for q in shares for s in q.streams),
+        queues=shares,
+        consumer="mq",
+        metrics_port=None,
+        **kw,
+    )
 
 
 def _worker(url: str, config: WorkerConfig, scorer: Any) -> Worker:
@@ -114,15 +119,17 @@ def test_weights_share_the_batches_while_both_are_backlogged_then_the_idle_share
     mix = [(call.count(5), call.count(6)) for call in scorer.calls]
     assert mix[:8] == [(6, 2)] * 8, mix  # a (weight 3) empties after 8 batches
     assert mix[8:] == [(0, 8)] * 4, mix  # then b gets whole batches: a's share goes to it
-    tokens = {q.name: _sample(worker, "scoring_queue_batch_tokens_total", queue=q.name)
-              for q in shares}  # fmt: skip
+    tokens = {
+        q.name: _sample(worker, "scoring_queue_batch_tokens_total", queue=q.name) for q in shares
+    }
     assert tokens == {shares[0].name: 48 * 4, shares[1].name: 48 * 4}
 
 
 def _pending(stream: str, job_id: str, tokens: list[int]) -> Pending:
     job = decode_job(encode_job(job_id, "reference", "r", [{"tokens": tokens, "prompt_len": 1}]))
-    return Pending(entry=streams.Entry(stream, f"{len(job_id)}-0", b""), job=job, inputs=[],
-                   read_at_s=0.0)  # fmt: skip
+    return Pending(
+        entry=streams.Entry(stream, f"{len(job_id)}-0", b""), job=job, inputs=[], read_at_s=0.0
+    )
 
 
 def test_a_queue_back_from_idle_gets_its_share_and_no_credit_for_the_idle_time() -> None:
@@ -242,8 +249,11 @@ def test_producers_of_each_queue_see_the_worker_live_and_get_results_and_info_sh
     try:
         for queue in (qa, qb):
             with ScoringClient(redis_url, queue=queue) as producer:  # unchanged producers
-                wait_until(lambda p=producer: p.live_workers(refresh=True) == 1, 20,  # type: ignore[misc]
-                           what=f"a live worker on {queue}")  # fmt: skip
+                wait_until(
+                    lambda p=producer: p.live_workers(refresh=True) == 1,
+                    20,  # type: ignore[misc]
+                    what=f"a live worker on {queue}",
+                )
                 scores = producer.score([([1, 2, 3, 4], 1)], timeout=20)
                 assert len(scores[0].logps) == 3
         capsys.readouterr()
@@ -256,8 +266,11 @@ def test_producers_of_each_queue_see_the_worker_live_and_get_results_and_info_sh
         assert main(["info", "--redis-url", redis_url, "--queue", qa]) == 0
         assert "weight 3 of" in capsys.readouterr().out
         for queue in (qa, qb):  # the stats sample sums each queue's partitions
-            wait_until(lambda q=queue: _sample(worker, "scoring_queue_lag", queue=q, group=GROUP)
-                       == 0, 10, what=f"scoring_queue_lag of {queue}")  # type: ignore[misc]  # fmt: skip
+            wait_until(
+                lambda q=queue: _sample(worker, "scoring_queue_lag", queue=q, group=GROUP) == 0,
+                10,
+                what=f"scoring_queue_lag of {queue}",
+            )  # type: ignore[misc]
     finally:
         worker.request_stop("test")
         thread.join(30)
@@ -278,9 +291,12 @@ def test_producers_of_each_queue_see_the_worker_live_and_get_results_and_info_sh
     ],
 )
 def test_bad_queue_values_are_refused_with_exit_2(
-    flags: list[str], env: str | None, says: str, monkeypatch: pytest.MonkeyPatch,
+    flags: list[str],
+    env: str | None,
+    says: str,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+) -> None:
     if env is not None:
         monkeypatch.setenv("SCORING_QUEUE", env)
     argv = ["serve", "--scorer", "noop", "--metrics-port", "-1", "--redis-url",
@@ -349,9 +365,12 @@ def test_serve_subprocess_drains_two_weighted_queues(
 
 @pytest.mark.timeout(120)
 def test_the_fairness_bench_runs_its_three_set_ups(
-    redis_url: str, key_prefix: str, cleanup_keys: None, capsys: pytest.CaptureFixture[str],
+    redis_url: str,
+    key_prefix: str,
+    cleanup_keys: None,
+    capsys: pytest.CaptureFixture[str],
     tmp_path: Any,
-) -> None:  # fmt: skip
+) -> None:
     """A smoke run of ``bench --suite fairness`` (tiny sizes; the figures are not asserted)."""
     out = tmp_path / "fairness.json"
     argv = ["bench", "--suite", "fairness", "--", "--redis-url", redis_url, "--prefix",

@@ -29,8 +29,9 @@ SEQ = {"tokens": [1, 2, 3, 4], "prompt_len": 1}
 
 def _ctx(scorer: Any = None, **cfg: Any) -> JobContext:
     config = WorkerConfig(streams=("scoring:{r}:jobs",), consumer="me", metrics_port=None, **cfg)
-    return JobContext(config, scorer or NoopScorer(vocab_size=100),
-                      WorkerMetrics(CollectorRegistry()), InFlight())  # fmt: skip
+    return JobContext(
+        config, scorer or NoopScorer(vocab_size=100), WorkerMetrics(CollectorRegistry()), InFlight()
+    )
 
 
 def _entry(job_id: str = "j", deliveries: int = 1, payload: bytes | None = b"", **kw: Any) -> Entry:
@@ -98,8 +99,13 @@ def test_score_batch_returns_one_reply_per_job_and_isolates_the_poison() -> None
 def test_backlog_takes_one_key_within_budget_and_suspects_alone() -> None:
     ctx = _ctx(isolate_after_deliveries=2)
     backlog = Backlog(max_batch_tokens=8, isolate_after_deliveries=2)
-    for p in (_pending(ctx, "a"), _pending(ctx, "b", mode="reward"), _pending(ctx, "c"),
-              _pending(ctx, "d"), _pending(ctx, "s", deliveries=3)):  # fmt: skip
+    for p in (
+        _pending(ctx, "a"),
+        _pending(ctx, "b", mode="reward"),
+        _pending(ctx, "c"),
+        _pending(ctx, "d"),
+        _pending(ctx, "s", deliveries=3),
+    ):
         backlog.append(p)
     assert backlog.tokens() == 20 and backlog.full() and backlog.holds_suspect()
     assert [p.job.id for p in backlog.take_batch()] == ["a", "c"]  # 4 + 4 tokens, same key
@@ -163,8 +169,14 @@ class _FakeStats:
 def test_stats_sampler_publishes_gauges_at_most_every_interval() -> None:
     metrics = WorkerMetrics(CollectorRegistry())
     now = [100.0]
-    sampler = StatsSampler(("s",), "scoring", metrics=metrics, dead_stream_of=lambda s: s + ":dead",
-                           interval_s=5.0, clock=lambda: now[0])  # fmt: skip
+    sampler = StatsSampler(
+        ("s",),
+        "scoring",
+        metrics=metrics,
+        dead_stream_of=lambda s: s + ":dead",
+        interval_s=5.0,
+        clock=lambda: now[0],
+    )
     client = _FakeStats()
     assert sampler.maybe_sample(client)
     now[0] += 1.0

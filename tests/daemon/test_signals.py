@@ -21,8 +21,9 @@ from worker.scorer.noop import NoopScorer
 @pytest.mark.timeout(20)
 def test_sigterm_while_main_thread_holds_a_metric_lock_drains() -> None:
     config = WorkerConfig(streams=("scoring:{sig}:jobs",), consumer="sig", metrics_port=None)
-    worker = Worker(config, RedisSettings(), NoopScorer(),
-                    metrics=WorkerMetrics(CollectorRegistry()))  # fmt: skip
+    worker = Worker(
+        config, RedisSettings(), NoopScorer(), metrics=WorkerMetrics(CollectorRegistry())
+    )
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     old_fd = signal.set_wakeup_fd(-1)
     try:
@@ -58,10 +59,18 @@ def test_run_cancels_the_drain_deadline(
 ) -> None:
     """A worker that drained in time must not be killed later by its drain deadline (an
     in-process worker would take its host process down with it)."""
-    config = WorkerConfig(streams=(f"scoring:{{{key_prefix}}}:jobs",), consumer="c",
-                          metrics_port=None, drain_timeout_s=1.0)  # fmt: skip
-    worker = Worker(config, RedisSettings(url=redis_url), NoopScorer(),
-                    metrics=WorkerMetrics(CollectorRegistry()))  # fmt: skip
+    config = WorkerConfig(
+        streams=(f"scoring:{{{key_prefix}}}:jobs",),
+        consumer="c",
+        metrics_port=None,
+        drain_timeout_s=1.0,
+    )
+    worker = Worker(
+        config,
+        RedisSettings(url=redis_url),
+        NoopScorer(),
+        metrics=WorkerMetrics(CollectorRegistry()),
+    )
     worker.request_stop("test")
     assert worker.run() == 0
     assert worker.drain.timer is not None and worker.drain.timer.finished.is_set()
@@ -74,10 +83,12 @@ def test_drain_deadline_outside_run_is_ignored(monkeypatch: pytest.MonkeyPatch) 
     for an in-process worker) arms a deadline that must not end the host process."""
     exits: list[int] = []
     monkeypatch.setattr("worker.daemon.drain.os._exit", exits.append)
-    config = WorkerConfig(streams=("scoring:{idle}:jobs",), consumer="idle", metrics_port=None,
-                          drain_timeout_s=0.2)  # fmt: skip
-    worker = Worker(config, RedisSettings(), NoopScorer(),
-                    metrics=WorkerMetrics(CollectorRegistry()))  # fmt: skip
+    config = WorkerConfig(
+        streams=("scoring:{idle}:jobs",), consumer="idle", metrics_port=None, drain_timeout_s=0.2
+    )
+    worker = Worker(
+        config, RedisSettings(), NoopScorer(), metrics=WorkerMetrics(CollectorRegistry())
+    )
     worker.request_stop("test")
     assert worker.drain.timer is not None
     worker.drain.timer.join(5)
@@ -100,12 +111,22 @@ def test_drain_deadline_ends_a_worker_stuck_in_a_batch(
     monkeypatch.setattr("worker.daemon.drain.os._exit", exits.append)
     client = redis.Redis.from_url(redis_url)
     stream = keys.job_streams(key_prefix)[0]
-    enqueue(client, stream, "slow", keys.reply_stream(stream, "c"),
-            [{"tokens": [1, 2, 3], "prompt_len": 1}])  # fmt: skip
-    config = WorkerConfig(streams=(stream,), consumer="stuck", metrics_port=None, max_jobs=1,
-                          drain_timeout_s=0.3)  # fmt: skip
-    worker = Worker(config, RedisSettings(url=redis_url), NoopScorer(delay_ms=1500),
-                    metrics=WorkerMetrics(CollectorRegistry()))  # fmt: skip
+    enqueue(
+        client,
+        stream,
+        "slow",
+        keys.reply_stream(stream, "c"),
+        [{"tokens": [1, 2, 3], "prompt_len": 1}],
+    )
+    config = WorkerConfig(
+        streams=(stream,), consumer="stuck", metrics_port=None, max_jobs=1, drain_timeout_s=0.3
+    )
+    worker = Worker(
+        config,
+        RedisSettings(url=redis_url),
+        NoopScorer(delay_ms=1500),
+        metrics=WorkerMetrics(CollectorRegistry()),
+    )
     thread = threading.Thread(target=worker.run)
     thread.start()
     deadline = time.monotonic() + 10

@@ -98,8 +98,11 @@ def test_demo_once_does_not_point_at_a_server_it_stopped(redis_url: str) -> None
     """``--once`` with the embedded server: no ``info`` command for a server that is gone."""
     proc = subprocess.run(
         [sys.executable, "-m", "worker", "demo", "--model", "tiny", "--non-interactive"],
-        capture_output=True, text=True, timeout=280, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "scoring-worker info" not in proc.stdout
     assert "press Ctrl-C" not in proc.stdout
@@ -109,14 +112,19 @@ def test_save_models_writes_checkpoints_a_worker_serves(tmp_path: Path) -> None:
     """``demo --save-models DIR``: two checkpoints with a tokenizer and a chat template."""
     proc = subprocess.run(
         [sys.executable, "-m", "worker", "demo", "--save-models", str(tmp_path)],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"--reference-model {tmp_path / 'tiny-llama'}" in proc.stdout
     from transformers import AutoConfig, AutoTokenizer
 
-    for name, arch in (("tiny-llama", "LlamaForCausalLM"),
-                       ("tiny-reward", "LlamaForSequenceClassification")):  # fmt: skip
+    for name, arch in (
+        ("tiny-llama", "LlamaForCausalLM"),
+        ("tiny-reward", "LlamaForSequenceClassification"),
+    ):
         assert AutoConfig.from_pretrained(tmp_path / name).architectures == [arch]
         tok = AutoTokenizer.from_pretrained(tmp_path / name)
         assert tok("A", add_special_tokens=False)["input_ids"] == [ord("A") + 3]

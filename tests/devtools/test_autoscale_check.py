@@ -21,8 +21,10 @@ def measured(machine_redis_url: str) -> dict[int, check.Measured]:
     import uuid
 
     costs, trace = check.Costs(), check.Trace()
-    return {n: check.run_real(machine_redis_url, f"t-ascheck-{uuid.uuid4().hex[:8]}", trace, n,
-                              costs) for n in (1, 2)}  # fmt: skip
+    return {
+        n: check.run_real(machine_redis_url, f"t-ascheck-{uuid.uuid4().hex[:8]}", trace, n, costs)
+        for n in (1, 2)
+    }
 
 
 @pytest.mark.timeout(180)
@@ -38,8 +40,11 @@ def test_simulated_latencies_match_real_workers(
 def _misses(measured: dict[int, check.Measured], sim: dict[int, list[float]]) -> bool:
     """True when some replica count's p50 or p99 is outside the tolerance."""
     for n, m in measured.items():
-        pair = check.Comparison(n, (percentile(m.latencies, 50), percentile(m.latencies, 99)),
-                                (percentile(sim[n], 50), percentile(sim[n], 99)))  # fmt: skip
+        pair = check.Comparison(
+            n,
+            (percentile(m.latencies, 50), percentile(m.latencies, 99)),
+            (percentile(sim[n], 50), percentile(sim[n], 99)),
+        )
         if not pair.ok:
             return True
     return False

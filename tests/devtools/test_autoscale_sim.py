@@ -102,8 +102,7 @@ def test_blocked_readers_get_one_entry_each_then_the_rest_waits() -> None:
 def test_a_burst_under_one_read_goes_to_one_worker() -> None:
     """40 jobs: the first blocked worker gets one, the second one, then the first reads the
     other 38: a second worker barely helps; 400 jobs spread over both."""
-    profile = Profile(s_per_token=1e-4, startup_s=0.0, batch_overhead_s=0.03,
-                      max_batch_tokens=2048)  # fmt: skip
+    profile = Profile(s_per_token=1e-4, startup_s=0.0, batch_overhead_s=0.03, max_batch_tokens=2048)
     small = [(0.0, 300)] * 40
     one, two = replay(small, 1, profile), replay(small, 2, profile)
     assert max(two) > 0.9 * max(one)
@@ -119,8 +118,9 @@ def test_percentile_matches_linear_interpolation() -> None:
 def test_scale_to_zero_pays_a_cold_start_each_step() -> None:
     profile = Profile(s_per_token=1e-4, startup_s=20.0)
     work = RlWorkload(gen_s=400.0, prompts=8, group=4, steps=3)
-    cold = simulate(ScaledObject(min_replicas=0, cooldown_s=60, scale_down_window_s=60), work,
-                    profile)  # fmt: skip
+    cold = simulate(
+        ScaledObject(min_replicas=0, cooldown_s=60, scale_down_window_s=60), work, profile
+    )
     warm = simulate(ScaledObject(min_replicas=1, scale_down_window_s=60), work, profile)
     assert cold.wait_s > warm.wait_s + 20.0  # start-up, plus up to a polling interval
     assert cold.cold_starts_per_step >= 1
@@ -132,8 +132,9 @@ def test_sweep_quick_run_prints_the_tables_and_writes_the_plot(
 ) -> None:
     from worker.devtools.autoscale import sweep
 
-    rc = sweep.main(["--quick", "--gen-s", "30,300", "--steps", "3", "--prompts", "16",
-                     "--out", str(tmp_path)])  # fmt: skip
+    rc = sweep.main(
+        ["--quick", "--gen-s", "30,300", "--steps", "3", "--prompts", "16", "--out", str(tmp_path)]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "trainer wait / step" in out and "pick:" in out
@@ -178,8 +179,9 @@ def test_a_stopped_worker_hands_back_what_it_has_not_started() -> None:
     for hand_back in (True, False):
         env = simpy.Environment()
         stream = Stream(env)
-        profile = Profile(s_per_token=1e-3, startup_s=0.0, max_batch_tokens=100,
-                          hand_back=hand_back)  # fmt: skip
+        profile = Profile(
+            s_per_token=1e-3, startup_s=0.0, max_batch_tokens=100, hand_back=hand_back
+        )
         exited: list[Worker] = []
         a = Worker(env, stream, profile, exited.append)
         env.run(until=0.5)  # a is ready and blocked on the empty stream

@@ -37,8 +37,10 @@ def test_bench_e2e_reports_pipelined_and_sequential_medians(
     assert "(pipelined)" in text and "(--no-pipeline)" in text and "median of 3" in text
     figures = json.loads(out.read_text())
     assert all(len(figures["times"][k]) == 3 for k in ("in-process", "pipelined", "sequential"))
-    ratios = sorted(i / e for i, e in zip(figures["times"]["in-process"],
-                                          figures["times"]["pipelined"], strict=True))  # fmt: skip
+    ratios = sorted(
+        i / e
+        for i, e in zip(figures["times"]["in-process"], figures["times"]["pipelined"], strict=True)
+    )
     assert figures["ratio"] == pytest.approx(ratios[1])
 
 
@@ -85,9 +87,14 @@ def test_forward_flops_counts_the_floor_and_the_padded_naive_way() -> None:
     from worker.devtools.bench.naive import forward_flops
 
     config = SimpleNamespace(
-        hidden_size=8, num_hidden_layers=2, num_attention_heads=2, head_dim=4,
-        num_key_value_heads=1, intermediate_size=16, vocab_size=10,
-    )  # fmt: skip
+        hidden_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        head_dim=4,
+        num_key_value_heads=1,
+        intermediate_size=16,
+        vocab_size=10,
+    )
     seqs = [{"tokens": [1] * 3, "prompt_len": 1}, {"tokens": [1] * 5, "prompt_len": 2}]
     linear, attend, head = 2 * 2 * (2 * 8 * 8 + 2 * 8 * 4 + 3 * 8 * 16), 4 * 2 * 8, 2 * 8 * 10
     worker = (3 * linear + attend * 6 + 2 * head) + (5 * linear + attend * 15 + 3 * head)

@@ -36,10 +36,21 @@ def test_ragged_inputs_are_deterministic_rl_shapes() -> None:
 
 
 def test_table_lists_every_row() -> None:
-    row = {"seconds": 1.0, "tokens_per_s": 10.0, "peak_extra_bytes": 2**20, "real_tokens": 10,
-           "scored_tokens": 5}  # fmt: skip
-    ratio = {"side": "ratio", "time_ratio": 0.3, "peak_memory_ratio": 0.1,
-             "tokens_per_s_ratio": 3.0, "logps_agree": True, "met": True}  # fmt: skip
+    row = {
+        "seconds": 1.0,
+        "tokens_per_s": 10.0,
+        "peak_extra_bytes": 2**20,
+        "real_tokens": 10,
+        "scored_tokens": 5,
+    }
+    ratio = {
+        "side": "ratio",
+        "time_ratio": 0.3,
+        "peak_memory_ratio": 0.1,
+        "tokens_per_s_ratio": 3.0,
+        "logps_agree": True,
+        "met": True,
+    }
     doc = {"rows": {"x_naive": row, "x_ratio": ratio}, "meta": {"memory_method": "m"}}
     table = format_table(doc)
     assert "x_naive" in table and "x_ratio" in table and "time x0.300" in table

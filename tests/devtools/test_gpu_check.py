@@ -46,8 +46,11 @@ def _cuda() -> bool:
 def _check(*args: str, python: Sequence[str] = (sys.executable,)) -> subprocess.CompletedProcess:
     return subprocess.run(
         [*python, "-m", "worker.devtools.gpu_check", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 # ----------------------------------------------------------------------------- dry run, no CUDA
@@ -109,8 +112,11 @@ def test_without_cuda_a_real_run_exits_2_before_doing_anything(tmp_path: Path) -
 def test_make_gpu_check_dry_runs_the_system_python3(tmp_path: Path) -> None:
     proc = subprocess.run(
         ["make", "-s", "gpu-check", "DRY=1", f"OUT={tmp_path / 'out'}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "dry run: nothing was run." in proc.stdout
 
@@ -127,9 +133,15 @@ def test_cpu_without_tiny_is_refused() -> None:
 
 def _opts(tmp_path: Path, steps: tuple[str, ...], budget_s: float = 60.0) -> gpu_check.Options:
     return gpu_check.Options(
-        out=tmp_path / "out", wheels=tmp_path / "wheels", site=None, device="cpu", tiny=True,
-        dry_run=False, budget_s=budget_s, steps=steps,
-    )  # fmt: skip
+        out=tmp_path / "out",
+        wheels=tmp_path / "wheels",
+        site=None,
+        device="cpu",
+        tiny=True,
+        dry_run=False,
+        budget_s=budget_s,
+        steps=steps,
+    )
 
 
 def test_step_limits_add_up_within_the_budget_of_six_minutes() -> None:
@@ -206,8 +218,9 @@ def _step_script(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
         report.on_deadline(lambda: print("cleaned up", flush=True))
         """
     ) + textwrap.dedent(body)
-    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_a_step_stuck_past_its_deadline_ends_itself_with_a_record(tmp_path: Path) -> None:
@@ -430,8 +443,13 @@ def test_unpack_puts_a_wheel_on_a_path_with_its_modes_and_data(tmp_path: Path) -
         "..", "demo-1.0.data"
     ).exists()
     probe = "import demo, demo_extra, importlib.metadata as m; print(demo.VALUE, m.version('demo'))"
-    proc = subprocess.run([sys.executable, "-S", "-c", probe], env={"PYTHONPATH": str(site)},
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", probe],
+        env={"PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.stdout.split() == ["7", "1.0"], proc.stderr
 
 
@@ -444,8 +462,11 @@ def test_make_gpu_wheels_downloads_the_folder_then_a_wheel_installs_from_it(
     dest = tmp_path / "wheels"
     proc = subprocess.run(
         ["make", "-s", "gpu-wheels", f"GPU_WHEELS={dest}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=280,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     folder = gpu_wheels.Folder.scan(dest)
     assert folder.problems() == []
@@ -563,8 +584,12 @@ def test_every_step_passes_on_cpu_under_an_interpreter_built_like_the_gpu_machin
     assert rows["sdpa"]["status"] == "ok" and rows["flex_attention"]["status"] == "ok"
     # every file under OUT; the model and the scratch folder gone
     assert sorted(p.name for p in out.iterdir()) == [
-        "gpu-check.json", "gpu-check.log", "gpu-check.md", "steps", "worker.log",
-    ]  # fmt: skip
+        "gpu-check.json",
+        "gpu-check.log",
+        "gpu-check.md",
+        "steps",
+        "worker.log",
+    ]
     assert not list(home.iterdir()) and not list(tmp.iterdir())
     assert gpu_box.tree_files() == tree
     md = (out / "gpu-check.md").read_text()

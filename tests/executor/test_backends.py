@@ -53,8 +53,11 @@ def test_kernel_error_retries_on_next_backend_and_keeps_config(monkeypatch) -> N
     assert out.metrics.backend == "eager"
     (event,) = out.metrics.fallbacks
     assert (event.requested, event.used, event.reason, event.at) == (
-        "sdpa", "eager", "kernel_error", "run",
-    )  # fmt: skip
+        "sdpa",
+        "eager",
+        "kernel_error",
+        "run",
+    )
     assert "simulated sdpa kernel failure" in event.message
     assert seen == [event]
     assert model.config._attn_implementation == "sdpa"  # the switch was temporary
@@ -124,6 +127,7 @@ def test_unisolated_packing_falls_back_to_padded(monkeypatch) -> None:  # type: 
     for s, score in zip(SEQS, out.scores, strict=True):
         with torch.no_grad():
             logits = model(input_ids=torch.tensor(s.tokens)[None]).logits[0].double()
-        want = torch.log_softmax(logits, -1)[torch.arange(1, len(s.tokens) - 1),
-                                             torch.tensor(s.tokens[2:])].numpy()  # fmt: skip
+        want = torch.log_softmax(logits, -1)[
+            torch.arange(1, len(s.tokens) - 1), torch.tensor(s.tokens[2:])
+        ].numpy()
         assert np.abs(score.logps - want).max() <= 1e-4

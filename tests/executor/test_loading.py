@@ -83,8 +83,9 @@ def test_real_smollm2_gguf_knows_paris(named_as: str) -> None:
     ids = torch.tensor(seqs[0].tokens)[None]
     with torch.no_grad():
         logits = ex.reference_model(input_ids=ids).logits[0].double()
-    want = torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1, ids.shape[1] - 1),
-                                         ids[0, len(prompt):]].numpy()  # fmt: skip
+    want = torch.log_softmax(logits, -1)[
+        torch.arange(len(prompt) - 1, ids.shape[1] - 1), ids[0, len(prompt) :]
+    ].numpy()
     assert np.abs(out.scores[0].logps - want).max() <= 1e-4
 
 
@@ -111,9 +112,10 @@ def _capture_from_pretrained(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str,
         monkeypatch.setattr(cls, "from_pretrained", staticmethod(fake))
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(no_files))
     monkeypatch.setattr(
-        transformers.AutoConfig, "from_pretrained",
+        transformers.AutoConfig,
+        "from_pretrained",
         staticmethod(lambda name, **kw: transformers.PretrainedConfig()),
-    )  # fmt: skip
+    )
     return calls
 
 

@@ -75,8 +75,9 @@ def test_logit_transforms_match_their_naive_formula(transform: LogitTransform) -
         if transform.softcap:
             logits = transform.softcap * torch.tanh(logits / transform.softcap)
         want = torch.log_softmax(logits / 0.9, -1).gather(-1, labels[:, None])[:, 0]
-        got = chunked_token_logps(hidden, head, labels, temperature=0.9, chunk_tokens=3,
-                                  transform=transform)  # fmt: skip
+        got = chunked_token_logps(
+            hidden, head, labels, temperature=0.9, chunk_tokens=3, transform=transform
+        )
     assert torch.allclose(got.double(), want, atol=1e-5)
 
 
@@ -99,5 +100,6 @@ def test_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="rows"):
         chunked_token_logps(torch.randn(3, 16), head, torch.zeros(2, dtype=torch.long))
     with pytest.raises(ValueError, match="temperature"):
-        chunked_token_logps(torch.randn(3, 16), head, torch.zeros(3, dtype=torch.long),
-                            temperature=0.0)  # fmt: skip
+        chunked_token_logps(
+            torch.randn(3, 16), head, torch.zeros(3, dtype=torch.long), temperature=0.0
+        )

@@ -41,8 +41,10 @@ def _oom_above(model: Any, max_tokens: int) -> list[int]:
 
 def test_oom_splits_in_halves_and_marks_too_long() -> None:
     model = tiny_causal("llama")
-    seqs = [SequenceInput(random_tokens(n, i), prompt_len=1) for i, n in
-            enumerate((10, 40, 12, 9, 11, 8))]  # fmt: skip
+    seqs = [
+        SequenceInput(random_tokens(n, i), prompt_len=1)
+        for i, n in enumerate((10, 40, 12, 9, 11, 8))
+    ]
     ex = StatelessExecutor(ExecutorConfig(packing="packed"), model)
     clean = ex.score(seqs)
     sizes = _oom_above(model, 30)

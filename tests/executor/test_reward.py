@@ -155,10 +155,15 @@ def _count_forwards(module: torch.nn.Module) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("config", [
-    {}, {"packing": "padded"}, {"packing": "packed", "packed_row_tokens": 16},
-    {"max_batch_tokens": 24},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"packing": "padded"},
+        {"packing": "packed", "packed_row_tokens": 16},
+        {"max_batch_tokens": 24},
+    ],
+)
 @pytest.mark.parametrize("token_level", [False, True])
 def test_one_model_both_surfaces_runs_the_backbone_once(
     config: dict[str, Any], token_level: bool

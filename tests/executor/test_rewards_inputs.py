@@ -208,9 +208,10 @@ def test_reward_weights_combine_the_objectives_against_float64() -> None:
     # one weight per output, never beside --reward-index; the serve flags build the adapter
     with pytest.raises(ConfigError, match="2 weights; the reward head has 3 outputs"):
         StatelessExecutor(
-            ExecutorConfig(mode="reward"), reward_model=model,
+            ExecutorConfig(mode="reward"),
+            reward_model=model,
             reward_adapter=SequenceClassificationAdapter(reward_weights=(1.0, 2.0)),
-        )  # fmt: skip
+        )
     with pytest.raises(ConfigError, match="exclusive"):
         SequenceClassificationAdapter(reward_index=1, reward_weights=weights)
     with pytest.raises(ConfigError, match="finite"):

@@ -246,16 +246,21 @@ def test_plain_logps_unchanged_and_chunking_by_bytes_agrees() -> None:
         (TokenOutputs(("topk",), topk=200), None, "reference", "exceeds the model's vocabulary"),
         (TokenOutputs(("gather",), gather_ids=(1, 96)), None, "reference", r"\[96\] are outside"),
         (TokenOutputs(("gather",), gather_width=2), None, "reference", r"needs gather_ids"),
-        (TokenOutputs(("gather",), gather_width=2), np.zeros((3, 3), np.int32), "reference",
-         r"shape \[3, 3\], expected \[\d+, 2\]"),
+        (
+            TokenOutputs(("gather",), gather_width=2),
+            np.zeros((3, 3), np.int32),
+            "reference",
+            r"shape \[3, 3\], expected \[\d+, 2\]",
+        ),
         (TokenOutputs(("gather",), gather_width=2), "full", "reference", "outside the vocabulary"),
         (TokenOutputs(("entropy",)), None, "reward", "need mode reference or both"),
         (TokenOutputs(("logps",)), np.zeros((3, 1), np.int32), "reference", "no 'gather'"),
     ],
-)  # fmt: skip
+)
 def test_bad_requests_name_the_sequence_and_reason(spec, gather, mode, match) -> None:
-    ex = StatelessExecutor(ExecutorConfig(mode="both"), tiny_causal("llama"),
-                           reward_adapter=_value_head())  # fmt: skip
+    ex = StatelessExecutor(
+        ExecutorConfig(mode="both"), tiny_causal("llama"), reward_adapter=_value_head()
+    )
     tokens = random_tokens(8, 0)
     if isinstance(gather, str):
         gather = np.full((5, 2), 96, np.int32)

@@ -154,8 +154,13 @@ def _run_and_compare(
 def test_all_outputs_match_naive_float64_at_any_chunking(
     chunk_rows: int, temperature: float
 ) -> None:
-    spec = TokenOutputs(ALL, topk=8, gather_ids=(0, 5, 599, 5), temperature=temperature,
-                        sampling=Sampling(top_k=40, top_p=0.8, min_p=0.05))  # fmt: skip
+    spec = TokenOutputs(
+        ALL,
+        topk=8,
+        gather_ids=(0, 5, 599, 5),
+        temperature=temperature,
+        sampling=Sampling(top_k=40, top_p=0.8, min_p=0.05),
+    )
     _run_and_compare(_head(), spec, chunk_rows=chunk_rows)
 
 
@@ -166,8 +171,9 @@ def test_all_outputs_match_naive_float64_at_any_chunking(
 def test_logit_transform_applies_before_temperature_to_every_output(
     transform: LogitTransform,
 ) -> None:
-    spec = TokenOutputs(ALL, topk=16, gather_ids=(3, 1), temperature=0.8,
-                        sampling=Sampling(top_p=0.9, min_p=0.02))  # fmt: skip
+    spec = TokenOutputs(
+        ALL, topk=16, gather_ids=(3, 1), temperature=0.8, sampling=Sampling(top_p=0.9, min_p=0.02)
+    )
     _run_and_compare(_head(std=2.0), spec, transform=transform, chunk_rows=6)
 
 
@@ -179,10 +185,12 @@ def test_logps_equal_chunked_token_logps(chunk_rows: int) -> None:
     spec = TokenOutputs(ALL, topk=4, gather_width=2, temperature=0.7, sampling=Sampling(top_k=3))
     ids = torch.zeros(19, 2, dtype=torch.int32)
     with torch.inference_mode():
-        got = chunked_token_outputs(hidden, head, labels, spec, transform=transform,
-                                    gather_ids=ids, chunk_rows=chunk_rows)  # fmt: skip
-        want = chunked_token_logps(hidden, head, labels, temperature=0.7,
-                                   chunk_tokens=chunk_rows, transform=transform)  # fmt: skip
+        got = chunked_token_outputs(
+            hidden, head, labels, spec, transform=transform, gather_ids=ids, chunk_rows=chunk_rows
+        )
+        want = chunked_token_logps(
+            hidden, head, labels, temperature=0.7, chunk_tokens=chunk_rows, transform=transform
+        )
     assert torch.equal(got["logps"], want)
 
 
@@ -372,8 +380,9 @@ def test_minus_inf_logits_without_a_sampler(masked_rows: str) -> None:
 def test_empty_input_gives_empty_arrays() -> None:
     spec = TokenOutputs(ALL, topk=3, gather_ids=(1,), sampling=Sampling(top_k=2))
     with torch.inference_mode():
-        got = chunked_token_outputs(torch.zeros(0, 16), _head(), torch.zeros(0, dtype=torch.long),
-                                    spec)  # fmt: skip
+        got = chunked_token_outputs(
+            torch.zeros(0, 16), _head(), torch.zeros(0, dtype=torch.long), spec
+        )
     assert got["topk_ids"].shape == (0, 3)
     assert all(v.shape[0] == 0 for v in got.values())
 

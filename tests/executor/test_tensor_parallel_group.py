@@ -68,8 +68,9 @@ def test_two_ranks_equal_one_process(ranks: dict[str, Any]) -> None:
     one = _one_process(ranks["root"])
     for phase in ("outputs", "oom_head", "oom_backbone", "kernel"):
         for call, got in zip(_calls()[phase], ranks["leader"][phase]["outputs"], strict=True):
-            want = one.score(call.seqs, mode=call.mode, temperature=call.temperature,
-                             options=call.options)  # fmt: skip
+            want = one.score(
+                call.seqs, mode=call.mode, temperature=call.temperature, options=call.options
+            )
             _same(got, want)
     report = ranks["leader"]["outputs"]["outputs"][0].metrics.group
     assert report.size == 2 and report.devices == ("cpu", "cpu")
@@ -226,8 +227,13 @@ def test_info_names_a_workers_group() -> None:
     from worker.daemon.heartbeat import INFO_FIELDS
 
     assert {"tensor_parallel", "tensor_parallel_devices"} <= set(INFO_FIELDS)
-    beat = {"consumer": "node-a-0", "model": "/ckpt/rm-70b", "dtype": "bfloat16",
-            "device": "cuda:0", "tensor_parallel": "2",
-            "tensor_parallel_devices": ["cuda:0 (GPU 2)", "cuda:1 (GPU 3)"]}  # fmt: skip
+    beat = {
+        "consumer": "node-a-0",
+        "model": "/ckpt/rm-70b",
+        "dtype": "bfloat16",
+        "device": "cuda:0",
+        "tensor_parallel": "2",
+        "tensor_parallel_devices": ["cuda:0 (GPU 2)", "cuda:1 (GPU 3)"],
+    }
     (line,) = _workers([beat])[2:]
     assert line.endswith("(bfloat16, cuda:0)  tensor parallel 2: cuda:0 (GPU 2), cuda:1 (GPU 3)")

@@ -90,8 +90,9 @@ def test_per_position_gather_and_the_naive_reference(
     got = _sharded(head, hidden, labels, spec, 2, gather=ids)
     logits = head(hidden).detach().double()  # the naive reference, in float64
     lp = torch.log_softmax(logits, -1)
-    torch.testing.assert_close(got["logps"].double(), lp.gather(1, labels[:, None])[:, 0],
-                               atol=2e-6, rtol=0)  # fmt: skip
+    torch.testing.assert_close(
+        got["logps"].double(), lp.gather(1, labels[:, None])[:, 0], atol=2e-6, rtol=0
+    )
     torch.testing.assert_close(naive_token_logps(logits, labels), got["logps"], atol=2e-6, rtol=0)
     want = lp.gather(1, ids)
     torch.testing.assert_close(got["gather_logps"].double(), want, atol=2e-6, rtol=0)

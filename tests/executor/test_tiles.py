@@ -70,9 +70,15 @@ def test_tiled_logps_equal_float64(
     h = torch.randn(23, 16) * 3
     labels = torch.randint(0, 200, (23,))
     got = tiled_token_logps(
-        h, head, labels, temperature=temperature, chunk_tokens=5, tile=tile, transform=transform,
+        h,
+        head,
+        labels,
+        temperature=temperature,
+        chunk_tokens=5,
+        tile=tile,
+        transform=transform,
         native_ok=native_ok,
-    )  # fmt: skip
+    )
     want = _reference(head, h, transform, temperature).gather(1, labels[:, None]).squeeze(1)
     assert got.dtype == torch.float32 and got.shape == (23,)
     np.testing.assert_allclose(got.detach().numpy(), want.numpy(), atol=ATOL)

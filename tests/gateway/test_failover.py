@@ -26,19 +26,26 @@ def test_a_request_survives_its_worker_being_killed(
     stream = keys.job_streams(key_prefix)[0]
     common = ["--redis-url", redis_url, "--queue", key_prefix, "--scorer", "noop",
               "--metrics-port", "0", "--claim-idle-ms", "1500"]  # fmt: skip
-    slow = WorkerProc([*common, "--consumer", "slow", "--noop-delay-ms", "20000"],
-                      tmp_path / "slow.log").wait_ready(60)  # fmt: skip
+    slow = WorkerProc(
+        [*common, "--consumer", "slow", "--noop-delay-ms", "20000"], tmp_path / "slow.log"
+    ).wait_ready(60)
     r = redis.Redis.from_url(redis_url)
     answers: list[requests.Response] = []
     spare = None
     try:
         with GatewayThread(redis_url, key_prefix, timeout_s=60) as g:
             body = {"query": ["survivor"], "prompts": [""], "labels": [None]}
-            caller = threading.Thread(target=lambda: answers.append(
-                requests.post(g.url + "/get_reward", json=body, timeout=90)))  # fmt: skip
+            caller = threading.Thread(
+                target=lambda: answers.append(
+                    requests.post(g.url + "/get_reward", json=body, timeout=90)
+                )
+            )
             caller.start()
-            wait_until(lambda: r.xpending(stream, keys.DEFAULT_GROUP)["pending"] == 1, 30,
-                       what="the slow worker to hold the job")  # fmt: skip
+            wait_until(
+                lambda: r.xpending(stream, keys.DEFAULT_GROUP)["pending"] == 1,
+                30,
+                what="the slow worker to hold the job",
+            )
             slow.signal(signal.SIGKILL)
             slow.wait_exit(10)
             started = time.monotonic()

@@ -188,8 +188,12 @@ def test_every_metric_follows_naming_conventions(m: WorkerMetrics) -> None:
 
 
 def test_state_gauges_start_at_zero_and_model_loaded_is_exported(m: WorkerMetrics) -> None:
-    for name in ("scoring_worker_up", "scoring_worker_ready", "scoring_model_loaded",
-                 "scoring_worker_draining"):  # fmt: skip
+    for name in (
+        "scoring_worker_up",
+        "scoring_worker_ready",
+        "scoring_model_loaded",
+        "scoring_worker_draining",
+    ):
         assert _v(m, name) == 0.0, name
     m.model_loaded.set(1)  # settable by hand until bind_health() ties it to a HealthState
     assert _v(m, "scoring_model_loaded") == 1.0

@@ -177,9 +177,14 @@ def test_alert_rules_use_exported_names_and_labels(rule: dict[str, Any]) -> None
 def test_alert_rules_cover_the_failure_modes() -> None:
     names = {r["alert"] for r in alert_rules()}
     assert {
-        "ScoringWorkerDown", "ScoringQueueLagGrowing", "ScoringErrorRate", "ScoringDeadLetters",
-        "ScoringKVOutputsRejected", "ScoringAttentionFallbackRate", "ScoringMemoryNearDeviceLimit",
-    } <= names  # fmt: skip
+        "ScoringWorkerDown",
+        "ScoringQueueLagGrowing",
+        "ScoringErrorRate",
+        "ScoringDeadLetters",
+        "ScoringKVOutputsRejected",
+        "ScoringAttentionFallbackRate",
+        "ScoringMemoryNearDeviceLimit",
+    } <= names
 
 
 def _rule(name: str) -> dict[str, Any]:

@@ -66,8 +66,12 @@ def test_two_ranks_answer_what_one_process_does(
     one = StatelessExecutor.from_pretrained(
         ExecutorConfig(mode="both", device="cpu"), reference_model=ref, reward_model=rew
     )
-    spec = TokenOutputs(frozenset({"logps", "entropy", "topk", "gather"}), topk=5,
-                        gather_ids=(3, 50, 95), temperature=0.8)  # fmt: skip
+    spec = TokenOutputs(
+        frozenset({"logps", "entropy", "topk", "gather"}),
+        topk=5,
+        gather_ids=(3, 50, 95),
+        temperature=0.8,
+    )
     jobs = _jobs()
     try:
         worker.wait_ready(90)
@@ -91,8 +95,9 @@ def test_two_ranks_answer_what_one_process_does(
             client.close()
         assert results[0].info["tensor_parallel"] == 2
         for job, got in zip(jobs, results, strict=True):
-            want = one.score(_inputs(job), mode="both", temperature=0.8,
-                             options=ScoreOptions(outputs=spec)).scores  # fmt: skip
+            want = one.score(
+                _inputs(job), mode="both", temperature=0.8, options=ScoreOptions(outputs=spec)
+            ).scores
             for g, w in zip(got.seqs, want, strict=True):
                 assert w.arrays is not None
                 np.testing.assert_allclose(g.logps, w.logps, atol=ATOL, rtol=0)
@@ -112,8 +117,11 @@ def test_two_ranks_answer_what_one_process_does(
         assert metric(url, "scoring_tp_rank_peak_bytes", '{rank="1"}') > 0
         assert metric(url, "scoring_tp_collective_seconds_total", '{kind="head"}') > 0
         assert "[rank 1]" in worker.log()  # the follower's lines, tagged
-        beats = wait_until(lambda: read_heartbeats(redis.Redis.from_url(redis_url), key_prefix),
-                           30, what="a heartbeat")  # fmt: skip
+        beats = wait_until(
+            lambda: read_heartbeats(redis.Redis.from_url(redis_url), key_prefix),
+            30,
+            what="a heartbeat",
+        )
         assert beats[0]["tensor_parallel"] == "2"
         assert beats[0]["tensor_parallel_devices"] == ["cpu", "cpu"]
     finally:

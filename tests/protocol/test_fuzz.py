@@ -344,10 +344,14 @@ def test_mutated_valid_payloads_decode_or_protocol_error(payload: bytes) -> None
 
 def _job_with_meta(meta: Any) -> tuple[bytes, dict[str, Any]]:
     fields: dict[str, Any] = {
-        "job_id": "j", "mode": MODES[0], "reply_to": "r",
+        "job_id": "j",
+        "mode": MODES[0],
+        "reply_to": "r",
         "seqs": [{"tokens": [1, 2], "prompt_len": 1}],
-        "temperature": 1.0, "deadline_ms": None, "meta": meta,
-    }  # fmt: skip
+        "temperature": 1.0,
+        "deadline_ms": None,
+        "meta": meta,
+    }
     payload = protocol.encode_job(
         fields["job_id"], fields["mode"], fields["reply_to"], fields["seqs"], meta=meta
     )

@@ -104,9 +104,14 @@ def test_limit_and_rule_breakers_get_bad_request_in_process(
 
     limits = Limits(max_payload_bytes=MAX_PAYLOAD, max_meta_bytes=256)
     config = WorkerConfig(
-        streams=(stream,), consumer="inproc", metrics_port=None, max_jobs=len(cases) + 1,
-        block_ms=100, claim_idle_ms=5000, limits=limits,
-    )  # fmt: skip
+        streams=(stream,),
+        consumer="inproc",
+        metrics_port=None,
+        max_jobs=len(cases) + 1,
+        block_ms=100,
+        claim_idle_ms=5000,
+        limits=limits,
+    )
     metrics = WorkerMetrics(CollectorRegistry())
     worker = Worker(config, RedisSettings(url=redis_url), NoopScorer(), metrics=metrics)
     assert worker.run() == 0

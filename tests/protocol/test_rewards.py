@@ -46,8 +46,10 @@ def test_step_map_and_positions_round_trip() -> None:
         encode_job("j", "reward", "r", [{"tokens": [1, 7, 3], "prompt_len": 1}], step=step)
     )
     assert job.step == StepSpec(tag_id=7, label_token_ids=(11, 12), positive_index=1)
-    given = [{"tokens": [1, 2, 3], "prompt_len": 1, "step_positions": [0, 2]}, {"messages": MSGS,
-              "step_positions": array("i", [4])}]  # fmt: skip
+    given = [
+        {"tokens": [1, 2, 3], "prompt_len": 1, "step_positions": [0, 2]},
+        {"messages": MSGS, "step_positions": array("i", [4])},
+    ]
     job = decode_job(encode_job("j", "reward", "r", given, step={"positive_index": 0}))
     assert [list(s.step_positions or ()) for s in job.seqs] == [[0, 2], [4]]
     assert (

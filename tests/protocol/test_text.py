@@ -28,8 +28,9 @@ def test_text_only_reward_job_round_trips() -> None:
     assert msgpack.unpackb(payload)["seqs"] == [{"text": "hi there"}]
     (seq,) = decode_job(payload).seqs
     assert seq.text == "hi there" and len(seq.tokens) == 0 and seq.num_scored == 0
-    both = decode_job(encode_job("j2", "both", "r", [{"tokens": [1, 2], "prompt_len": 1,
-                                                       "text": "x"}]))  # fmt: skip
+    both = decode_job(
+        encode_job("j2", "both", "r", [{"tokens": [1, 2], "prompt_len": 1, "text": "x"}])
+    )
     assert both.seqs[0].text == "x" and list(both.seqs[0].tokens) == [1, 2]
     old = decode_job(encode_job("j3", "reward", "r", [{"tokens": [1, 2], "prompt_len": 1}]))
     assert old.seqs[0].text is None  # additive: a job without text is unchanged
@@ -110,8 +111,10 @@ def test_text_without_a_tokenizer_is_a_clear_bad_request() -> None:
 def test_rank_counts_tokens_at_least_as_likely_as_the_actual_one() -> None:
     spec = TokenOutputs(frozenset({"logps", "topk", "rank"}), topk=3)
     assert array_layout(spec)["rank"] == ("<i4", 1)
-    assert result_bytes(2, spec) == result_bytes(2, TokenOutputs(frozenset({"logps", "topk"}),
-                                                                 topk=3)) + 8  # fmt: skip
+    assert (
+        result_bytes(2, spec)
+        == result_bytes(2, TokenOutputs(frozenset({"logps", "topk"}), topk=3)) + 8
+    )
     model = tiny_causal("llama", seed=3)
     ex = StatelessExecutor(ExecutorConfig(mode="reference"), reference_model=model)
     ids = [5, 17, 3, 88, 42, 9, 61, 7]

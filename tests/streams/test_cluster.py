@@ -112,7 +112,8 @@ def test_hand_back_on_cluster(redis_cluster: ClusterInfo) -> None:  # noqa: F811
         assert streams.hand_back(client, e.stream, G, "leaving", [e.id]) == [e.id]
     assert streams.handback_marks(client, parts) == {p: {"leaving": 1} for p in parts}
     for p in parts:
-        claimed, _ = streams.reclaim_idle(client, p, G, "taker", min_idle_ms=30000, count=10,
-                                          use_autoclaim=True)  # fmt: skip
+        claimed, _ = streams.reclaim_idle(
+            client, p, G, "taker", min_idle_ms=30000, count=10, use_autoclaim=True
+        )
         assert [c.deliveries for c in claimed] == [1]
         assert streams.forget_givers(client, p, G, ["leaving"]) == ["leaving"]

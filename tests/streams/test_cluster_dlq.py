@@ -34,8 +34,10 @@ def test_dlq_list_per_partition_on_cluster(
         assert main(["dlq", "list", *common, "--json"]) == 0
         *rows, last = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
         assert [(e["partition"], e["job_stream"], e["job_id"]) for e in rows] == [
-            (0, streams[0], "a"), (2, streams[2], "b"), (2, streams[2], "c"),
-        ]  # fmt: skip
+            (0, streams[0], "a"),
+            (2, streams[2], "b"),
+            (2, streams[2], "c"),
+        ]
         summary = last["summary"]
         assert summary["total"] == 3
         assert [p["dead_letters"] for p in summary["by_partition"]] == [1, 0, 2]

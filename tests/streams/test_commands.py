@@ -55,11 +55,14 @@ def test_write_results_acks_only_written_results(client: redis.Redis, key_prefix
         client.xadd(stream, {"payload": b"j"})
     e1, e2 = streams.read_new(client, [stream], G, "c1", count=10, block_ms=None)
     failures = streams.write_results(
-        client, G,
-        [streams.Delivery(stream, e1.id, good_reply, b"r1"),
-         streams.Delivery(stream, e2.id, bad_reply, b"r2")],
+        client,
+        G,
+        [
+            streams.Delivery(stream, e1.id, good_reply, b"r1"),
+            streams.Delivery(stream, e2.id, bad_reply, b"r2"),
+        ],
         maxlen=100,
-    )  # fmt: skip
+    )
     assert [(d.entry_id, "WRONGTYPE" in err) for d, err in failures] == [(e2.id, True)]
     assert [f[b"payload"] for _, f in client.xrange(good_reply)] == [b"r1"]
     pending = client.xpending_range(stream, G, "-", "+", 10)
@@ -128,7 +131,7 @@ def test_dead_letter_moves_and_acks(client: redis.Redis, key_prefix: str) -> Non
     client.xadd(stream, {"payload": b"\x00bad"})
     entry = streams.read_new(client, [stream], G, "c1", count=1, block_ms=None)[0]
     streams.dead_letter(client, G, entry, dead, reason="no_reply_to: x", consumer="c1", maxlen=10)
-    (_, fields), = client.xrange(dead)  # fmt: skip
+    ((_, fields),) = client.xrange(dead)
     assert fields[b"payload"] == b"\x00bad" and fields[b"reason"] == b"no_reply_to: x"
     assert fields[b"id"].decode() == entry.id and fields[b"stream"].decode() == stream
     assert client.xpending(stream, G)["pending"] == 0

@@ -98,9 +98,15 @@ def test_two_step_write_acks_only_what_a_replica_acknowledged(
     shortfalls: list[str] = []
     with _stopped(cluster, cluster.replica_of(reply_node)):  # the reply node's replica is mute
         failures = streams.write_results(
-            cc, GROUP, [d], maxlen=100, consumer="c", reply_ttl_s=60, durability=durable,
+            cc,
+            GROUP,
+            [d],
+            maxlen=100,
+            consumer="c",
+            reply_ttl_s=60,
+            durability=durable,
             shortfalls=shortfalls,
-        )  # fmt: skip
+        )
         assert [(f.entry_id, err.split()[0]) for f, err in failures] == [(d.entry_id, "NOREPLICAS")]
         assert streams.is_transient(failures[0][1])  # the daemon keeps it held and retries
         assert shortfalls == ["two_step"]
@@ -142,9 +148,14 @@ def test_one_script_write_waits_after_the_script_only_when_asked(
         shortfalls: list[str] = []
         with _stopped(cluster, cluster.replica_of(node)):
             failures = streams.write_results(
-                cc, GROUP, [d], maxlen=100, consumer="c", shortfalls=shortfalls,
+                cc,
+                GROUP,
+                [d],
+                maxlen=100,
+                consumer="c",
+                shortfalls=shortfalls,
                 durability=Durability(1, 300, after_scripts=after_scripts),
-            )  # fmt: skip
+            )
         assert not failures and _pending(cc, job) == 0  # atomic: acked with its result
         assert shortfalls == expected
         cc.delete(job)
@@ -153,9 +164,14 @@ def test_one_script_write_waits_after_the_script_only_when_asked(
     shortfalls = []
     wait_until(lambda: _on_replica(cluster, node, job) > 0, 30, what="the replica to catch up")
     assert not streams.write_results(
-        cc, GROUP, [d], maxlen=100, consumer="c", shortfalls=shortfalls,
+        cc,
+        GROUP,
+        [d],
+        maxlen=100,
+        consumer="c",
+        shortfalls=shortfalls,
         durability=Durability(1, 2000, after_scripts=True),
-    )  # fmt: skip
+    )
     assert shortfalls == [] and _on_replica(cluster, node, reply) == cc.xlen(reply)
 
 
@@ -224,8 +240,9 @@ def test_worker_with_durable_replicas_answers_and_holds_what_is_not_replicated(
             url = w.metrics_url
             wait_until(
                 lambda: metric(url, "scoring_durable_shortfalls_total", '{write="two_step"}') >= 2,
-                30, what="shortfalls counted",
-            )  # fmt: skip
+                30,
+                what="shortfalls counted",
+            )
             assert _pending(cc, s1) == held and _pending(cc, s0) == 0
             assert w.proc.poll() is None  # the worker keeps going
         finally:

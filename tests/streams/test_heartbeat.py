@@ -91,11 +91,22 @@ def test_stats_step_writes_the_heartbeat_and_survives_a_refusal(
     for s in stream:
         client.xgroup_create(s, "scoring", id="0", mkstream=True)
     metrics = WorkerMetrics(CollectorRegistry())
-    beat = Heartbeat(tuple(stream), group="scoring", consumer="gpu-3", scorer=HoldingScorer(),
-                     ttl_s=heartbeat_ttl_s(5.0))  # fmt: skip
+    beat = Heartbeat(
+        tuple(stream),
+        group="scoring",
+        consumer="gpu-3",
+        scorer=HoldingScorer(),
+        ttl_s=heartbeat_ttl_s(5.0),
+    )
     assert beat.queues == (key_prefix,) and beat.ttl_s == 15.0
-    sampler = StatsSampler(tuple(stream), "scoring", metrics=metrics, heartbeat=beat,
-                           dead_stream_of=keys.dead_letter_stream, interval_s=5.0)  # fmt: skip
+    sampler = StatsSampler(
+        tuple(stream),
+        "scoring",
+        metrics=metrics,
+        heartbeat=beat,
+        dead_stream_of=keys.dead_letter_stream,
+        interval_s=5.0,
+    )
     sampler.sample(client)
     (got,) = streams.read_heartbeats(client, key_prefix)
     assert got["consumer"] == "gpu-3" and got["group"] == "scoring" and got["model"] == "noop"
@@ -104,8 +115,9 @@ def test_stats_step_writes_the_heartbeat_and_survives_a_refusal(
     client.delete(keys.worker_heartbeat(key_prefix, "gpu-3"))
     client.set(keys.worker_heartbeat(key_prefix, "gpu-3"), "x")
     sampler.sample(client)
-    assert metrics.registry.get_sample_value("scoring_loop_errors_total",
-                                             {"where": "heartbeat"}) == 1  # fmt: skip
+    assert (
+        metrics.registry.get_sample_value("scoring_loop_errors_total", {"where": "heartbeat"}) == 1
+    )
 
 
 @pytest.mark.timeout(60)
@@ -116,10 +128,20 @@ def test_info_lists_live_workers_with_what_they_hold(
     stream = keys.job_streams(key_prefix)[0]
     reply = keys.reply_stream(stream, "c")
     enqueue(client, stream, "j0", reply, [{"tokens": [1, 2, 3], "prompt_len": 1}])
-    config = WorkerConfig(streams=(stream,), consumer="gpu-7", metrics_port=None, max_jobs=1,
-                          block_ms=100, claim_idle_ms=5000)  # fmt: skip
-    worker = Worker(config, RedisSettings(url=redis_url), HoldingScorer(),
-                    metrics=WorkerMetrics(CollectorRegistry()))  # fmt: skip
+    config = WorkerConfig(
+        streams=(stream,),
+        consumer="gpu-7",
+        metrics_port=None,
+        max_jobs=1,
+        block_ms=100,
+        claim_idle_ms=5000,
+    )
+    worker = Worker(
+        config,
+        RedisSettings(url=redis_url),
+        HoldingScorer(),
+        metrics=WorkerMetrics(CollectorRegistry()),
+    )
     assert worker.run() == 0
     streams.write_heartbeat(client, key_prefix, "gpu-1", {"model": "noop", "resident": {}}, 30)
     assert main(["info", "--redis-url", redis_url, "--queue", key_prefix, "--json"]) == 0

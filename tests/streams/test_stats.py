@@ -44,8 +44,11 @@ def test_missing_stream_has_no_lag(client: redis.Redis, key_prefix: str) -> None
     stream = keys.job_streams(key_prefix)[0]
     gauges, info = _both(client, stream)
     assert (gauges["exists"], gauges["length"], gauges["lag"], gauges["pending"]) == (
-        False, 0, 0, 0,
-    )  # fmt: skip
+        False,
+        0,
+        0,
+        0,
+    )
     assert info["oldest_pending_age_s"] is None and info["consumers"] == []
 
 

@@ -38,8 +38,9 @@ def _calls() -> dict[str, list[Any]]:
     from worker.scorer import DEFAULT_OPTIONS, ScoreOptions
     from worker.scorer.teacher import TokenOutputs
 
-    spec = TokenOutputs(frozenset({"logps", "entropy", "topk", "gather"}), topk=6,
-                        gather_ids=(2, 47, 95))  # fmt: skip
+    spec = TokenOutputs(
+        frozenset({"logps", "entropy", "topk", "gather"}), topk=6, gather_ids=(2, 47, 95)
+    )
     ragged = [SequenceInput([1, 5, 9, 14, 2, 77, 8], 2), SequenceInput(list(range(3, 30)), 5)]
     equal = [SequenceInput(ids, prompt_len=5) for ids in EQUAL]
     rng = np.random.default_rng(0)

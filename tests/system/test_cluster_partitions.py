@@ -144,8 +144,11 @@ def test_partitioned_queue_on_cluster_two_workers_kill9_reclaim(
         # b took over a's entries (XAUTOCLAIM after the idle limit); nothing is left pending.
         b.wait_log(r"reclaimed \d+ idle entries", 30)
         assert held_jobs <= set(results)
-        wait_until(lambda: not _pending(cc, streams, "a") and not _pending(cc, streams, "b"), 30,
-                   what="every entry acked")  # fmt: skip
+        wait_until(
+            lambda: not _pending(cc, streams, "a") and not _pending(cc, streams, "b"),
+            30,
+            what="every entry acked",
+        )
         for w in (a, b):
             assert "CROSSSLOT" not in w.log(), w.log()[-3000:]
 

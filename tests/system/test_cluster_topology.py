@@ -54,9 +54,12 @@ def test_link_retries_a_cluster_it_cannot_reach_and_counts_it() -> None:
     metrics, health, waits = WorkerMetrics(registry), HealthState(), []
     settings = RedisSettings(url=f"redis+cluster://127.0.0.1:{free_port()}")
     link = RedisLink(
-        lambda: connections.connect(settings), WorkerConfig(streams=("s",)),
-        health=health, metrics=metrics, wait=waits.append,
-    )  # fmt: skip
+        lambda: connections.connect(settings),
+        WorkerConfig(streams=("s",)),
+        health=health,
+        metrics=metrics,
+        wait=waits.append,
+    )
     assert link.connect() is None and link.connect() is None
     assert len(waits) == 2 and waits[1] > waits[0]
     assert registry.get_sample_value("scoring_redis_reconnects_total") == 2

@@ -102,8 +102,12 @@ def _run_bash(example: Example) -> None:
     assert WORLD is not None
     proc = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", WORLD.substitute(example.parsed)],
-        cwd=WORLD.workdir, env=WORLD.env, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+        cwd=WORLD.workdir,
+        env=WORLD.env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     if proc.returncode != 0:
         raise AssertionError(
             f"{example.path}:{example.line}: bash exited {proc.returncode}\n"
@@ -170,9 +174,12 @@ def world(machine_redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> I
     bin_dir = str(Path(sys.executable).parent)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SCORING_")}
     env.update(
-        PATH=f"{bin_dir}:{env.get('PATH', '')}", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
-        SCORING_REDIS_URL=url, SCORING_METRICS_PORT="0",
-    )  # fmt: skip
+        PATH=f"{bin_dir}:{env.get('PATH', '')}",
+        HF_HUB_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+        SCORING_REDIS_URL=url,
+        SCORING_METRICS_PORT="0",
+    )
     worker = WorkerProc(
         ["--redis-url", url, "--metrics-port", str(port), "--block-ms", "200",
          "--reference-model", str(served / "tiny-llama"),

@@ -29,9 +29,13 @@ pytestmark = pytest.mark.redis
 
 def _cli(*argv: str, cwd: Path = ROOT, env: dict[str, str] | None = None, timeout: float = 60):
     return subprocess.run(
-        [sys.executable, "-m", "worker", *argv], capture_output=True, text=True, cwd=cwd,
-        timeout=timeout, env={**os.environ, **(env or {})},
-    )  # fmt: skip
+        [sys.executable, "-m", "worker", *argv],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -213,9 +217,11 @@ def test_enqueue_resume_counts_earlier_failures_and_retry_replaces_them(
     redis_url: str, key_prefix: str, reference_worker: WorkerProc, tmp_path: Path
 ) -> None:
     src = tmp_path / "in.jsonl"
-    lines = [{"id": "ok-1", "tokens": [1, 5, 6], "prompt_len": 1},
-             {"id": "rw-1", "tokens": [1, 5, 6], "prompt_len": 1, "mode": "reward"},
-             {"id": "ok-2", "tokens": [1, 7, 8, 9], "prompt_len": 2}]  # fmt: skip
+    lines = [
+        {"id": "ok-1", "tokens": [1, 5, 6], "prompt_len": 1},
+        {"id": "rw-1", "tokens": [1, 5, 6], "prompt_len": 1, "mode": "reward"},
+        {"id": "ok-2", "tokens": [1, 7, 8, 9], "prompt_len": 2},
+    ]
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = tmp_path / "out.jsonl"
     args = ("enqueue", "--redis-url", redis_url, "--queue", key_prefix, "--file", str(src),

@@ -59,8 +59,9 @@ def test_every_mode_matches_in_process_executor(
     client = redis.Redis.from_url(any_redis_url)
     jobs = _jobs()
     for job_id, mode, seqs, temp in jobs:  # queued before the worker starts: batches form
-        enqueue(client, stream, job_id, reply, seqs, mode=mode, temperature=temp,
-                meta={"job": job_id})  # fmt: skip
+        enqueue(
+            client, stream, job_id, reply, seqs, mode=mode, temperature=temp, meta={"job": job_id}
+        )
     worker = WorkerProc(
         ["--redis-url", any_redis_url, "--queue", key_prefix, "--consumer", "w1",
          "--reference-model", ref, "--reward-model", rew, "--device", "cpu",
@@ -119,8 +120,9 @@ def test_many_jobs_across_two_workers(redis_url: str, key_prefix: str, tmp_path:
             w.wait_ready()
         ids = [f"j{i}" for i in range(300)]
         for i, job_id in enumerate(ids):
-            enqueue(client, stream, job_id, reply, [{"tokens": [1, 2, 3, i % 50 + 1],
-                                                      "prompt_len": 1}])  # fmt: skip
+            enqueue(
+                client, stream, job_id, reply, [{"tokens": [1, 2, 3, i % 50 + 1], "prompt_len": 1}]
+            )
         results, dups = collect(client, reply, ids, timeout=60)
         assert dups == 0
         by_worker = {r.info["worker"] for r in results.values()}

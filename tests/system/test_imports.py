@@ -47,8 +47,9 @@ assert not loaded, loaded
 
 
 def _run(code: str) -> None:
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -84,7 +85,8 @@ def test_torch_free_layers_import_with_torch_blocked() -> None:
 def test_the_blocker_catches_a_torch_import() -> None:
     """The check above can fail: importing the executor with torch blocked raises."""
     code = BLOCKED.format(blocked=sorted(arch.TORCH), modules=["worker.executor.core"])
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     assert proc.returncode != 0
     assert "torch is blocked: this module must import without torch" in proc.stderr

@@ -170,10 +170,12 @@ def _start(workers: list[WorkerProc], tmp_path: Path, args: list[str], **env: st
 
 def _good_jobs(n: int) -> list[tuple[str, list[dict[str, Any]]]]:
     return [
-        (f"ok-{i}", [{"tokens": [(7 * i + k) % (VOCAB - 1) + 1 for k in range(6 + i)],
-                      "prompt_len": 2}])
+        (
+            f"ok-{i}",
+            [{"tokens": [(7 * i + k) % (VOCAB - 1) + 1 for k in range(6 + i)], "prompt_len": 2}],
+        )
         for i in range(n)
-    ]  # fmt: skip
+    ]
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -203,15 +205,20 @@ def _assert_referenced_families_exported(families: dict[str, Any]) -> None:
 
 @pytest.mark.timeout(180)
 def test_live_metrics_move_after_jobs_fallback_and_bad_job(
-    redis_url: str, key_prefix: str, cleanup_keys: None, tiny_model: str, tmp_path: Path,
+    redis_url: str,
+    key_prefix: str,
+    cleanup_keys: None,
+    tiny_model: str,
+    tmp_path: Path,
     workers: list[WorkerProc],
-) -> None:  # fmt: skip
+) -> None:
     stream = keys.job_streams(key_prefix)[0]
     reply = keys.reply_stream(stream, "ops")
     w = _start(
-        workers, tmp_path,
+        workers,
+        tmp_path,
         _worker_args(redis_url, key_prefix, tiny_model, "--attention-backend", "flash_attention_2"),
-    ).wait_ready()  # fmt: skip
+    ).wait_ready()
     url = w.metrics_url
     before = scrape(url)
     _assert_referenced_families_exported(before)
@@ -223,8 +230,11 @@ def test_live_metrics_move_after_jobs_fallback_and_bad_job(
     assert build.labels["device"] == "cpu"
 
     # the fallback: flash_attention_2 cannot run here, so the worker says so with a reason
-    fallbacks = [s for s in before["scoring_attention_fallbacks"].samples
-                 if s.name == "scoring_attention_fallbacks_total"]  # fmt: skip
+    fallbacks = [
+        s
+        for s in before["scoring_attention_fallbacks"].samples
+        if s.name == "scoring_attention_fallbacks_total"
+    ]
     assert fallbacks, "requesting flash_attention_2 on CPU must count a fallback"
     (fb,) = fallbacks
     assert fb.labels["requested"] == "flash_attention_2" and fb.value >= 1
@@ -275,9 +285,13 @@ def test_live_metrics_move_after_jobs_fallback_and_bad_job(
 
 @pytest.mark.timeout(180)
 def test_live_kv_cache_rejection_is_counted(
-    redis_url: str, key_prefix: str, cleanup_keys: None, leaky_model: str, tmp_path: Path,
+    redis_url: str,
+    key_prefix: str,
+    cleanup_keys: None,
+    leaky_model: str,
+    tmp_path: Path,
     workers: list[WorkerProc],
-) -> None:  # fmt: skip
+) -> None:
     stream = keys.job_streams(key_prefix)[0]
     reply = keys.reply_stream(stream, "ops")
     w = _start(
@@ -292,8 +306,10 @@ def test_live_kv_cache_rejection_is_counted(
     assert res.code == "internal" and "KV cache" in res.error["message"]  # type: ignore[index]
     fams = wait_until(
         lambda: (f := scrape(url)) and value(f, "scoring_jobs_total", outcome="internal") and f,
-        10, 0.2, "internal outcome counted",
-    )  # fmt: skip
+        10,
+        0.2,
+        "internal outcome counted",
+    )
     assert value(fams, "scoring_kv_outputs_rejected_total") == 1.0
     assert value(fams, "scoring_jobs_total", outcome="ok") == 0.0
     assert value(scrape(url), "scoring_worker_up") == 1.0  # the worker keeps serving
@@ -398,9 +414,12 @@ def test_health_during_start_and_redis_loss(
 
 @pytest.mark.timeout(120)
 def test_drain_flips_readiness_and_finishes_the_batch(
-    redis_url: str, key_prefix: str, cleanup_keys: None, tmp_path: Path,
+    redis_url: str,
+    key_prefix: str,
+    cleanup_keys: None,
+    tmp_path: Path,
     workers: list[WorkerProc],
-) -> None:  # fmt: skip
+) -> None:
     """SIGTERM during a slow batch: /readyz goes 503 (draining) while the batch finishes, the
     result is written, and the worker exits 0."""
     stream = keys.job_streams(key_prefix)[0]
@@ -415,10 +434,14 @@ def test_drain_flips_readiness_and_finishes_the_batch(
     client = redis.Redis.from_url(redis_url)
     enqueue(client, stream, "slow-1", reply, [{"tokens": [1, 2, 3, 4], "prompt_len": 1}])
     wait_until(
-        lambda: value(scrape(base + "/metrics"), "scoring_in_flight_jobs") == 1.0
-        or client.xpending(stream, "scoring")["pending"] == 1,
-        10, 0.05, "job in flight",
-    )  # fmt: skip
+        lambda: (
+            value(scrape(base + "/metrics"), "scoring_in_flight_jobs") == 1.0
+            or client.xpending(stream, "scoring")["pending"] == 1
+        ),
+        10,
+        0.05,
+        "job in flight",
+    )
     w.signal(signal.SIGTERM)
     wait_until(lambda: _status(base + "/readyz") == 503, 2, 0.02, "readyz 503 while draining")
     body = json.loads(_get(base + "/readyz")[1])
@@ -437,9 +460,13 @@ def test_drain_flips_readiness_and_finishes_the_batch(
 )
 @pytest.mark.timeout(150)
 def test_real_prometheus_scrapes_worker_and_every_dashboard_query_has_data(
-    redis_url: str, key_prefix: str, cleanup_keys: None, tiny_model: str, tmp_path: Path,
+    redis_url: str,
+    key_prefix: str,
+    cleanup_keys: None,
+    tiny_model: str,
+    tmp_path: Path,
     workers: list[WorkerProc],
-) -> None:  # fmt: skip
+) -> None:
     assert PROMETHEUS is not None
     stream = keys.job_streams(key_prefix)[0]
     reply = keys.reply_stream(stream, "ops")
@@ -452,14 +479,16 @@ def test_real_prometheus_scrapes_worker_and_every_dashboard_query_has_data(
     prom_port = free_port()
     shutil.copy(ALERTS, tmp_path / "alerts.yml")
     (tmp_path / "prometheus.yml").write_text(
-        yaml.safe_dump({
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "rule_files": ["alerts.yml"],
-            "scrape_configs": [
-                {"job_name": "scoring-worker", "static_configs": [{"targets": [target]}]}
-            ],
-        })
-    )  # fmt: skip
+        yaml.safe_dump(
+            {
+                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                "rule_files": ["alerts.yml"],
+                "scrape_configs": [
+                    {"job_name": "scoring-worker", "static_configs": [{"targets": [target]}]}
+                ],
+            }
+        )
+    )
     prom_log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115 - closed below
     prom = subprocess.Popen(
         [PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
@@ -477,8 +506,12 @@ def test_real_prometheus_scrapes_worker_and_every_dashboard_query_has_data(
         return list(doc["data"]["result"])
 
     try:
-        wait_until(lambda: _status(f"http://127.0.0.1:{prom_port}/-/ready") == 200, 30, 0.2,
-                   "prometheus ready")  # fmt: skip
+        wait_until(
+            lambda: _status(f"http://127.0.0.1:{prom_port}/-/ready") == 200,
+            30,
+            0.2,
+            "prometheus ready",
+        )
         client = redis.Redis.from_url(redis_url)
         for wave in range(2):  # two waves so rates see increases between scrapes
             ids = []
@@ -504,10 +537,15 @@ def test_real_prometheus_scrapes_worker_and_every_dashboard_query_has_data(
         loaded = {r["name"]: r for g in groups for r in g["rules"]}
         assert set(loaded) == {r["alert"] for r in alert_rules()}
         wait_until(
-            lambda: all(r.get("health") == "ok" for g in json.loads(_get(f"{api}/rules")[1])
-                        ["data"]["groups"] for r in g["rules"]),
-            10, 0.5, "alert rules evaluated without errors",
-        )  # fmt: skip
+            lambda: all(
+                r.get("health") == "ok"
+                for g in json.loads(_get(f"{api}/rules")[1])["data"]["groups"]
+                for r in g["rules"]
+            ),
+            10,
+            0.5,
+            "alert rules evaluated without errors",
+        )
         firing = query('ALERTS{alertstate="firing"}')
         assert not firing, f"a healthy worker fires alerts: {firing}"
     finally:

@@ -50,8 +50,12 @@ def _session(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
     probe = tmp_path / "test_probe.py"
     probe.write_text(body)
     dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
-    env = {**os.environ, "SCORING_TEST_REDIS_URL": dead, "PYTHONPATH": str(ROOT),
-           "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "SCORING_TEST_REDIS_URL": dead,
+        "PYTHONPATH": str(ROOT),
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+    }
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", "-q",
          "--rootdir", str(tmp_path), str(probe)],

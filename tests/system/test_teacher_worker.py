@@ -34,9 +34,14 @@ pytestmark = pytest.mark.redis
 
 def _worker(url: str, stream: str, scorer: Any, **cfg: Any) -> tuple[Worker, threading.Thread]:
     config = WorkerConfig(
-        streams=(stream,), consumer=f"c{uuid.uuid4().hex[:6]}", metrics_port=None,
-        block_ms=50, claim_idle_ms=5000, max_wait_ms=1, **cfg,
-    )  # fmt: skip
+        streams=(stream,),
+        consumer=f"c{uuid.uuid4().hex[:6]}",
+        metrics_port=None,
+        block_ms=50,
+        claim_idle_ms=5000,
+        max_wait_ms=1,
+        **cfg,
+    )
     worker = Worker(
         config, RedisSettings(url=url), scorer, metrics=WorkerMetrics(CollectorRegistry())
     )
@@ -101,13 +106,20 @@ def test_raw_producer_decodes_every_array_and_bad_options_get_bad_request(
     mask = bytes([0, 0, 1, 1, 0, 1, 1, 1, 0])  # two scored segments: 5 positions
     per_pos = [np.arange(16 * 3, dtype="<i4").reshape(16, 3) % 96, np.full((5, 3), 7, "<i4")]
     seqs = [
-        {"tokens": np.array(t1, "<i4").tobytes(), "prompt_len": 4,
-         "gather_ids": per_pos[0].tobytes()},
+        {
+            "tokens": np.array(t1, "<i4").tobytes(),
+            "prompt_len": 4,
+            "gather_ids": per_pos[0].tobytes(),
+        },
         {"tokens": np.array(t2, "<i4").tobytes(), "mask": mask, "gather_ids": per_pos[1].tobytes()},
-    ]  # fmt: skip
+    ]
     sampling = {"top_k": 20, "top_p": 0.9, "min_p": 0.0}
-    teacher = {"outputs": ["logps", "entropy", "topk", "gather", "processed_logps"], "topk": 8,
-               "sampling": sampling, "temperature": 0.8}  # fmt: skip
+    teacher = {
+        "outputs": ["logps", "entropy", "topk", "gather", "processed_logps"],
+        "topk": 8,
+        "sampling": sampling,
+        "temperature": 0.8,
+    }
     plain_seqs = [{k: v for k, v in s.items() if k != "gather_ids"} for s in seqs]
     bad = {
         "k0": dict(teacher, topk=0),
@@ -119,10 +131,13 @@ def test_raw_producer_decodes_every_array_and_bad_options_get_bad_request(
         "shape": {"outputs": ["gather"]},  # seqs carry 3 ids per position: fine; see below
         "huge": {"outputs": ["topk"], "topk": 256},
     }
-    jobs = {name: _raw_job(name, reply, plain_seqs if name in ("vocab", "huge") else seqs, **kw)
-            for name, kw in bad.items()}  # fmt: skip
-    jobs["shape"] = _raw_job("shape", reply, [dict(seqs[0], gather_ids=b"\0" * 4 * 5)],
-                             outputs=["gather"])  # fmt: skip
+    jobs = {
+        name: _raw_job(name, reply, plain_seqs if name in ("vocab", "huge") else seqs, **kw)
+        for name, kw in bad.items()
+    }
+    jobs["shape"] = _raw_job(
+        "shape", reply, [dict(seqs[0], gather_ids=b"\0" * 4 * 5)], outputs=["gather"]
+    )
     jobs["good"] = _raw_job("good", reply, seqs, **teacher)
     jobs["half"] = _raw_job("half", reply, plain_seqs, outputs=["topk", "gather"], topk=4,
                             gather_ids=[0, 5, 95], float16=True)  # fmt: skip
@@ -149,12 +164,23 @@ def test_raw_producer_decodes_every_array_and_bad_options_get_bad_request(
     # the good job: every array decoded from the layout map, equal to the executor's own
     good = got["good"]
     assert good["ok"] and set(good["layout"]) == {
-        "entropy", "topk_ids", "topk_logps", "topk_tail_logp", "gather_logps", "processed_logps"
-    }  # fmt: skip
-    spec = TokenOutputs(("logps", "entropy", "topk", "gather", "processed_logps"), topk=8,
-                        gather_width=3, sampling=Sampling(**sampling))  # fmt: skip
-    inputs = [SequenceInput(t1, prompt_len=4, gather_ids=per_pos[0]),
-              SequenceInput(t2, mask=mask, gather_ids=per_pos[1])]  # fmt: skip
+        "entropy",
+        "topk_ids",
+        "topk_logps",
+        "topk_tail_logp",
+        "gather_logps",
+        "processed_logps",
+    }
+    spec = TokenOutputs(
+        ("logps", "entropy", "topk", "gather", "processed_logps"),
+        topk=8,
+        gather_width=3,
+        sampling=Sampling(**sampling),
+    )
+    inputs = [
+        SequenceInput(t1, prompt_len=4, gather_ids=per_pos[0]),
+        SequenceInput(t2, mask=mask, gather_ids=per_pos[1]),
+    ]
     want = executor.score(inputs, temperature=0.8, options=ScoreOptions(outputs=spec)).scores
     for k, ref in enumerate(want):
         arrays = _decode(good, k)
@@ -167,8 +193,12 @@ def test_raw_producer_decodes_every_array_and_bad_options_get_bad_request(
         )
     # float16 travels as <f2, half the bytes; no logps asked, none sent
     half = got["half"]
-    assert half["layout"] == {"topk_ids": ["<i4", 4], "topk_logps": ["<f2", 4],
-                              "topk_tail_logp": ["<f4", 1], "gather_logps": ["<f2", 3]}  # fmt: skip
+    assert half["layout"] == {
+        "topk_ids": ["<i4", 4],
+        "topk_logps": ["<f2", 4],
+        "topk_tail_logp": ["<f4", 1],
+        "gather_logps": ["<f2", 3],
+    }
     assert "logps" not in half["seqs"][0] and len(half["seqs"][0]["topk_logps"]) == 16 * 4 * 2
     # an old job: no layout, the same keys as ever
     assert "layout" not in got["old"] and set(got["old"]["seqs"][0]) == {"logps"}
@@ -184,12 +214,19 @@ def test_clients_return_numpy_arrays_and_old_results_are_byte_identical(
 ) -> None:
     stream = keys.job_streams(key_prefix)[0]
     worker, thread = _worker(redis_url, stream, NoopScorer(vocab_size=100))
-    seqs = [{"tokens": [1, 2, 3, 4, 5], "prompt_len": 2, "gather_ids": np.ones((3, 2), np.int32)},
-            {"tokens": [5, 6, 7], "mask": [0, 1, 1], "gather_ids": [[1, 2], [3, 4]]}]  # fmt: skip
+    seqs = [
+        {"tokens": [1, 2, 3, 4, 5], "prompt_len": 2, "gather_ids": np.ones((3, 2), np.int32)},
+        {"tokens": [5, 6, 7], "mask": [0, 1, 1], "gather_ids": [[1, 2], [3, 4]]},
+    ]
     try:
         with ScoringClient(redis_url, queue=key_prefix) as c:
-            scores = c.score(seqs, outputs=("logps", "entropy", "topk", "gather"), topk=4,
-                             float16=True, timeout=30)  # fmt: skip
+            scores = c.score(
+                seqs,
+                outputs=("logps", "entropy", "topk", "gather"),
+                topk=4,
+                float16=True,
+                timeout=30,
+            )
             plain = c.score([(s["tokens"], 1) for s in seqs], timeout=30)
 
         async def run() -> Any:

@@ -47,8 +47,10 @@ class WorkerCheck:
                 "until one does; start one with 'scoring-worker serve --queue %s', or check the "
                 "queue name ('scoring-worker info --list' lists the queues there are); a fleet "
                 "that scales from zero starts on this job (check_workers=False: no check)",
-                self.queue, index, self.queue,
-            )  # fmt: skip
+                self.queue,
+                index,
+                self.queue,
+            )
         return live
 
     def timeout_hint(self) -> str | None:

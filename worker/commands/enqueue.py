@@ -305,11 +305,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         if not _wait_for_workers(client, args.queue, args.wait_for_workers):
             waited = f" within {args.wait_for_workers:g} s" if args.wait_for_workers else ""
-            print(f"error: no worker serves queue {args.queue!r} on {settings.redacted_url}"
-                  f"{waited}: nothing was submitted", file=sys.stderr)  # fmt: skip
-            print(f"  start one (scoring-worker serve --queue {args.queue}), check the name "
-                  "(scoring-worker info --list), or wait with --wait-for-workers SECONDS",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"error: no worker serves queue {args.queue!r} on {settings.redacted_url}"
+                f"{waited}: nothing was submitted",
+                file=sys.stderr,
+            )
+            print(
+                f"  start one (scoring-worker serve --queue {args.queue}), check the name "
+                "(scoring-worker info --list), or wait with --wait-for-workers SECONDS",
+                file=sys.stderr,
+            )
             return 2
         bar = _progress(None if total is None else max(total - len(done), 0), args.no_progress)
         src = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")  # noqa: SIM115

@@ -189,8 +189,9 @@ def build_scorer(args: argparse.Namespace, group: Any = None) -> Scorer:
     if group is not None:
         from worker.executor.parallel.group import GroupScorer
 
-        group.scorer = GroupScorer(load_group_executor(args, group.comm, group.plans),
-                                   group.comm, group.clock)  # fmt: skip
+        group.scorer = GroupScorer(
+            load_group_executor(args, group.comm, group.plans), group.comm, group.clock
+        )
         return group.scorer
     from worker.executor import StatelessExecutor
 

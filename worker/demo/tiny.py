@@ -61,9 +61,12 @@ def byte_tokenizer() -> Any:
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        tokenizer_object=core,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
         pad_token="<unk>",
-    )  # fmt: skip
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 

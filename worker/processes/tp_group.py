@@ -128,8 +128,10 @@ def check_group(args: argparse.Namespace) -> list[Any]:
             "group cannot check; the checkpoint's own head (--reward-head) is served"
         )
     if args.reward_model and args.reward_head == "lm-label":
-        raise ConfigError(f"{flag}: an LM-label process reward model reads the LM head's "
-                          "logits directly; it is not served sharded yet")  # fmt: skip
+        raise ConfigError(
+            f"{flag}: an LM-label process reward model reads the LM head's "
+            "logits directly; it is not served sharded yet"
+        )
     plans = [
         tensor_parallel_plan(_config_of(n, args.trust_remote_code), size, name=n) for n in names
     ]
@@ -224,8 +226,10 @@ class GroupWatch:
                     self._fault(f"rank {peer} exited with {code}", peer, code)
             for peer, at in seen.items():
                 if now - at > HEARTBEAT_TIMEOUT_S:
-                    self._fault(f"rank {peer} sent no heartbeat for {now - at:.0f} s "
-                                "(stopped or hung)", peer)  # fmt: skip
+                    self._fault(
+                        f"rank {peer} sent no heartbeat for {now - at:.0f} s (stopped or hung)",
+                        peer,
+                    )
             busy, limit = self.clock.busy_for(), self.step_timeout_s
             if busy is not None and busy > limit:
                 why = f"over --tensor-parallel-timeout-s {limit:g}"
@@ -328,8 +332,14 @@ def start_leader(args: argparse.Namespace, defaults: Mapping[str, Any]) -> Leade
     if device_type == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before CUDA starts: every rank on the CPU
         torch.set_num_threads(threads)
-    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))  # fmt: skip
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
+    )
     argv = [sys.executable, "-m", "worker", "serve", *child_flags(args, defaults, fleet_dests())]
     procs: dict[int, subprocess.Popen[bytes]] = {}
     peers: dict[int, socket.socket] = {}
@@ -341,9 +351,12 @@ def start_leader(args: argparse.Namespace, defaults: Mapping[str, Any]) -> Leade
         if device_type == "cpu":
             env["OMP_NUM_THREADS"] = str(threads)
         procs[rank] = subprocess.Popen(
-            argv, env=env, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            pass_fds=(theirs.fileno(),),
             preexec_fn=set_pdeathsig_kill if sys.platform.startswith("linux") else None,
-        )  # fmt: skip
+        )
         theirs.close()
         peers[rank] = mine
         log.info("rank %d of %d started: pid %d, %s", rank, size, procs[rank].pid, devices[rank])

@@ -40,8 +40,9 @@ def launch(
     procs = [] if procs is None else procs
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if device_type == "cpu":
-        env.update(OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // size)),
-                   CUDA_VISIBLE_DEVICES="")  # fmt: skip
+        env.update(
+            OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // size)), CUDA_VISIBLE_DEVICES=""
+        )
     for rank in range(size):
         log = out / f"rank{rank}.log"
         logs.append(log)
@@ -83,8 +84,14 @@ def join(rank: int, size: int, port: int, device_type: str = "cpu") -> Any:
     spec = GroupSpec(rank, size, "127.0.0.1", port, device_type, devices, 600.0)
     store = None
     if rank == 0:
-        store = dist.TCPStore("127.0.0.1", port, size, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=600))  # fmt: skip
+        store = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=600),
+        )
     return init_group(spec, store)
 
 

@@ -235,14 +235,18 @@ def main(argv: list[str] | None = None) -> int:
         "shape": {k: getattr(args, k) for k in ("model", "hidden", "layers", "rank", "jobs",
                                                "seqs", "tokens", "rounds", "device")},
     }  # fmt: skip
-    print(f"per-job weights, {shape}, {args.jobs} jobs x {args.seqs} seqs x {args.tokens} "
-          f"tokens, LoRA rank {args.rank}, {args.device}, "
-          f"{args.rounds} rounds, variants interleaved job by job, medians")  # fmt: skip
+    print(
+        f"per-job weights, {shape}, {args.jobs} jobs x {args.seqs} seqs x {args.tokens} "
+        f"tokens, LoRA rank {args.rank}, {args.device}, "
+        f"{args.rounds} rounds, variants interleaved job by job, medians"
+    )
     print(f"{'variant':36} {'jobs/s':>9} {'vs base':>8}")
     for name, rate in med.items():
         print(f"{name:36} {rate:9.2f} {ratio[name]:7.2f}x")
-    print(f"cold adapter load (all linear): {out['cold_adapter_load_ms']:.1f} ms (median); "
-          f"full checkpoint load: {out['full_model_load_ms']:.1f} ms")  # fmt: skip
+    print(
+        f"cold adapter load (all linear): {out['cold_adapter_load_ms']:.1f} ms (median); "
+        f"full checkpoint load: {out['full_model_load_ms']:.1f} ms"
+    )
     if args.json:
         print(json.dumps(out, indent=2))
     return 0

@@ -111,8 +111,11 @@ def one_start(
     finally:
         worker.stop(60)
     client.delete(stream, reply, keys.dead_letter_stream(stream), keys.handback_key(stream))
-    figures.update(readyz=readyz, first_result=first,
-                   first_forward=float(result.info.get("compute_ms", 0.0)) / 1000.0)  # fmt: skip
+    figures.update(
+        readyz=readyz,
+        first_result=first,
+        first_forward=float(result.info.get("compute_ms", 0.0)) / 1000.0,
+    )
     return figures
 
 
@@ -123,8 +126,9 @@ def models(tmp: Path, names: Sequence[str]) -> dict[str, list[str]]:
         from worker.demo.tiny import save_tiny_models
 
         out["tiny-llama (safetensors)"] = [
-            "--reference-model", str(save_tiny_models(tmp / "models")["tiny-llama"]),
-        ]  # fmt: skip
+            "--reference-model",
+            str(save_tiny_models(tmp / "models")["tiny-llama"]),
+        ]
     gguf = smollm2_gguf()
     if "gguf" in names:
         if gguf is None:
@@ -142,14 +146,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--models", default="tiny,gguf", help="comma-separated: tiny, gguf")
     p.add_argument("--max-batch-tokens", type=int, default=4096, help="the token budget")
     p.add_argument(
-        "--threads", type=int, default=1,
+        "--threads",
+        type=int,
+        default=1,
         help="torch intra-op threads (1: with more, OpenMP spin-waits on a loaded machine made "
         "the probe vary tenfold between starts)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--baseline-tree", type=Path, default=None,
+        "--baseline-tree",
+        type=Path,
+        default=None,
         help="a source tree (an older commit) to run side by side with this one",
-    )  # fmt: skip
+    )
     p.add_argument("--quick", action="store_true", help="one start per configuration")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     return p.parse_args(argv)
@@ -183,10 +191,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         for tree_name, tree in trees.items():
                             tag = f"cold{os.getpid()}r{r}{len(runs)}"
                             figures = one_start(
-                                url, model, tree=tree, warmup=warmup,
+                                url,
+                                model,
+                                tree=tree,
+                                warmup=warmup,
                                 max_batch_tokens=args.max_batch_tokens,
-                                log_path=Path(tmp) / "serve.log", tag=tag, threads=args.threads,
-                            )  # fmt: skip
+                                log_path=Path(tmp) / "serve.log",
+                                tag=tag,
+                                threads=args.threads,
+                            )
                             runs.setdefault((name, tree_name, warmup), []).append(figures)
     finally:
         if server is not None:
@@ -221,8 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for c in ("readyz", "first_result")
                 if base.get(c) and this.get(c)
             ]
-            print(f"{name}, warmup {'on' if warmup else 'off'}: baseline / this: "
-                  + ", ".join(ratio))  # fmt: skip
+            print(
+                f"{name}, warmup {'on' if warmup else 'off'}: baseline / this: " + ", ".join(ratio)
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
     return 0

@@ -280,9 +280,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             model = build_model(Path(tmp) / "model")
             rounds = 1 if args.quick else max(1, args.rounds)
             times = run_side_by_side(
-                url, model, jobs, args.max_batch_tokens, args.packing, Path(tmp) / "w.log",
-                rounds, args.threads,
-            )  # fmt: skip
+                url,
+                model,
+                jobs,
+                args.max_batch_tokens,
+                args.packing,
+                Path(tmp) / "w.log",
+                rounds,
+                args.threads,
+            )
     finally:
         if server is not None:
             server.stop()
@@ -302,8 +308,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, (secs, all_s) in rows.items():
         listed = " ".join(f"{t:.2f}" for t in all_s)
         print(f"{name:<30} {secs:>9.3f} {n_jobs / secs:>9.1f} {tokens / secs:>10.0f}  {listed}")
-    print(f"end-to-end / in-process throughput: {ratio:.2f}x pipelined (target >= 0.95x), "
-          f"{seq_ratio:.2f}x --no-pipeline (median of {rounds})")  # fmt: skip
+    print(
+        f"end-to-end / in-process throughput: {ratio:.2f}x pipelined (target >= 0.95x), "
+        f"{seq_ratio:.2f}x --no-pipeline (median of {rounds})"
+    )
     if args.json:
         figures = {
             "jobs": n_jobs, "tokens": tokens, "rounds": rounds, "in_process_s": in_proc_s,

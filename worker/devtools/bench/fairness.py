@@ -211,11 +211,15 @@ def run_scenario(
     lat = sorted((arrived[j] - sent[j]) * 1000.0 for j in sent)
     n = len(lat)
     return Figures(
-        scenario=sc.name, steady_jobs=n, steady_p50_ms=round(lat[n // 2], 1),
-        steady_p99_ms=round(lat[min(n - 1, int(n * 0.99))], 1), steady_max_ms=round(lat[-1], 1),
-        burst_jobs=args.burst, burst_drain_s=round(last_ms / 1000.0 - burst_started, 2),
+        scenario=sc.name,
+        steady_jobs=n,
+        steady_p50_ms=round(lat[n // 2], 1),
+        steady_p99_ms=round(lat[min(n - 1, int(n * 0.99))], 1),
+        steady_max_ms=round(lat[-1], 1),
+        burst_jobs=args.burst,
+        burst_drain_s=round(last_ms / 1000.0 - burst_started, 2),
         errors=errors[0],
-    )  # fmt: skip
+    )
 
 
 def scenarios(weights: tuple[int, int], prefix: str = "") -> list[Scenario]:
@@ -280,17 +284,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"tokens), capacity {cap:.0f} jobs/s; burst {args.burst} jobs at once, steady "
         f"{rate:.0f} jobs/s ({args.steady_share:g} of capacity) while the burst drains"
     )
-    print(f"{'set-up':<18} {'steady jobs':>11} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9} "
-          f"{'burst drained s':>15} {'errors':>6}")  # fmt: skip
+    print(
+        f"{'set-up':<18} {'steady jobs':>11} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9} "
+        f"{'burst drained s':>15} {'errors':>6}"
+    )
     for r in rows:
-        print(f"{r.scenario:<18} {r.steady_jobs:>11} {r.steady_p50_ms:>9.1f} "
-              f"{r.steady_p99_ms:>9.1f} {r.steady_max_ms:>9.1f} {r.burst_drain_s:>15.2f} "
-              f"{r.errors:>6}")  # fmt: skip
+        print(
+            f"{r.scenario:<18} {r.steady_jobs:>11} {r.steady_p50_ms:>9.1f} "
+            f"{r.steady_p99_ms:>9.1f} {r.steady_max_ms:>9.1f} {r.burst_drain_s:>15.2f} "
+            f"{r.errors:>6}"
+        )
     if args.json_path:
-        report = {"benchmark": "fairness", "capacity_jobs_per_s": round(cap, 1),
-                  "steady_jobs_per_s": round(rate, 1), "args": {k: v for k, v in vars(args).items()
-                                                                if k != "json_path"},
-                  "results": [asdict(r) for r in rows]}  # fmt: skip
+        report = {
+            "benchmark": "fairness",
+            "capacity_jobs_per_s": round(cap, 1),
+            "steady_jobs_per_s": round(rate, 1),
+            "args": {k: v for k, v in vars(args).items() if k != "json_path"},
+            "results": [asdict(r) for r in rows],
+        }
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json_path}")

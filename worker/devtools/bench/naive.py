@@ -255,12 +255,18 @@ def compare(name: str, url: str, quick: bool, rounds: int = 1) -> dict[str, Any]
     speed_target, mem_target = TARGETS[name]
     mem = worker["peak_rss_bytes"] / max(1.0, naive["peak_rss_bytes"])
     return {
-        "model": name, "sequences": n, "tokens": sum(len(s["tokens"]) for s in seqs),
-        "naive": naive, "worker": worker, "speedup": speedup, "peak_rss_ratio": mem,
-        "rounds": [round(d[0], 3) for d in done], "flops": flops,
+        "model": name,
+        "sequences": n,
+        "tokens": sum(len(s["tokens"]) for s in seqs),
+        "naive": naive,
+        "worker": worker,
+        "speedup": speedup,
+        "peak_rss_ratio": mem,
+        "rounds": [round(d[0], 3) for d in done],
+        "flops": flops,
         "targets": {"speedup": speed_target, "peak_rss_ratio": mem_target},
         "met": speedup >= speed_target and mem <= mem_target,
-    }  # fmt: skip
+    }
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:

@@ -88,8 +88,9 @@ def run_once(
     lat = sorted((arrived[f"j{i}"] - sent[i]) * 1000.0 for i in range(n))
     return {
         "jobs_per_s": n / (max(arrived.values()) - sent[0]),
-        "p50_ms": lat[n // 2], "p99_ms": lat[min(n - 1, int(n * 0.99))],
-    }  # fmt: skip
+        "p50_ms": lat[n // 2],
+        "p99_ms": lat[min(n - 1, int(n * 0.99))],
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

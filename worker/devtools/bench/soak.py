@@ -151,8 +151,12 @@ class Soak:
                     elif kind == "expired":
                         client.submit(seqs, deadline_ms=int(time.time() * 1000) - 1000)
                     elif kind == "bad":
-                        body = {"v": 1, "id": f"bad-{i}", "mode": "reference",
-                                "reply_to": client.reply_stream}  # fmt: skip
+                        body = {
+                            "v": 1,
+                            "id": f"bad-{i}",
+                            "mode": "reference",
+                            "reply_to": client.reply_stream,
+                        }
                         raw.xadd(self.stream, {b"payload": msgpack.packb(body)})
                     else:
                         raw.xadd(self.stream, {b"payload": b"\xc1poison"})
@@ -181,8 +185,10 @@ class Soak:
             self.counts["lost"] += 1
 
     def _events(self) -> None:
-        plan = [(0.25, "worker restart (SIGTERM, drain, start)"),
-                (0.50, "redis kill -9 + restart on AOF")]  # fmt: skip
+        plan = [
+            (0.25, "worker restart (SIGTERM, drain, start)"),
+            (0.50, "redis kill -9 + restart on AOF"),
+        ]
         for frac, what in plan:
             if self._stop.wait(max(self._t0 + frac * self.duration_s - time.monotonic(), 0)):
                 return
@@ -218,17 +224,26 @@ class Soak:
                 if r.ttl(k) == -1 and k.decode() not in queue_keys
             ]
             stream_len = int(r.xlen(self.stream))
-            dead = r.xlen(keys.dead_letter_stream(self.stream)) if r.exists(
-                keys.dead_letter_stream(self.stream)) else 0  # fmt: skip
+            dead = (
+                r.xlen(keys.dead_letter_stream(self.stream))
+                if r.exists(keys.dead_letter_stream(self.stream))
+                else 0
+            )
         if self.worker is not None:
             self.worker.stop(60)
         self.server.stop()
         return {
-            "duration_s": self.duration_s, "rate": self.rate, "counts": self.counts,
-            "events": self.events, "samples": self.samples, "drift": self.drift(),
-            "keys_without_ttl": no_ttl, "dead_letters": dead, "job_stream_len": stream_len,
+            "duration_s": self.duration_s,
+            "rate": self.rate,
+            "counts": self.counts,
+            "events": self.events,
+            "samples": self.samples,
+            "drift": self.drift(),
+            "keys_without_ttl": no_ttl,
+            "dead_letters": dead,
+            "job_stream_len": stream_len,
             "worker_alive": alive,
-        }  # fmt: skip
+        }
 
     def window_start(self) -> float:
         """After the last disruption plus warm-up (10% of the run by default)."""

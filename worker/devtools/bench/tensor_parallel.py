@@ -108,8 +108,13 @@ def _rank(args: argparse.Namespace) -> None:
         SequenceInput(rng.integers(1, shape["vocab_size"], shape["length"]), shape["prompt"])
         for _ in range(shape["seqs"])
     ]
-    config = ExecutorConfig(mode="reference", device="cpu", dtype="float32",
-                            max_batch_tokens=1 << 20, bucket_pad_fraction=1.0)  # fmt: skip
+    config = ExecutorConfig(
+        mode="reference",
+        device="cpu",
+        dtype="float32",
+        max_batch_tokens=1 << 20,
+        bucket_pad_fraction=1.0,
+    )
     t0 = time.perf_counter()
     if args.size == 1:
         ex: Any = StatelessExecutor.from_pretrained(config, reference_model=args.model)
@@ -168,8 +173,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         root = Path(tmp)
         _save_model(shape, root / "model")
         rows_v = shape["seqs"] * (shape["length"] - shape["prompt"]) * shape["vocab_size"] * 4
-        print(f"tensor parallel, CPU over gloo: random Llama {name} ({shape}), float32; one "
-              f"batch; a [rows, V] float32 block would be {rows_v / MIB:,.0f} MiB")  # fmt: skip
+        print(
+            f"tensor parallel, CPU over gloo: random Llama {name} ({shape}), float32; one "
+            f"batch; a [rows, V] float32 block would be {rows_v / MIB:,.0f} MiB"
+        )
         print("| ranks | rank | weights held | RSS start | + load | + batch (peak) | logps sum |")
         print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for size in (int(s) for s in args.sizes.split(",")):

@@ -75,19 +75,28 @@ def step_tp(setup: Setup, report: StepReport) -> None:
     gc.collect()
     if setup.cuda:
         torch.cuda.empty_cache()
-    report.put(one_device={"seconds": one_s, "tokens_per_s": counts["real_tokens"] / one_s,
-                           "peak_allocated_bytes": peak})  # fmt: skip
+    report.put(
+        one_device={
+            "seconds": one_s,
+            "tokens_per_s": counts["real_tokens"] / one_s,
+            "peak_allocated_bytes": peak,
+        }
+    )
     report.stage(f"two ranks over {backend}")
     mine, theirs = _two_ranks(setup, report, where, dtype)
     shutil.rmtree(where, ignore_errors=True)
     diff = gm.max_abs_diff(want, mine["logps"])
     group_s = mine["seconds"]
     report.put(
-        group={"seconds": group_s, "tokens_per_s": counts["real_tokens"] / group_s,
-               "rank_peak_allocated_bytes": [mine["peak"], theirs["peak"]],
-               "collective_s": mine["collective_s"]},
-        max_abs_logp_diff=diff, tolerance=gs.tolerance(dtype),
-    )  # fmt: skip
+        group={
+            "seconds": group_s,
+            "tokens_per_s": counts["real_tokens"] / group_s,
+            "rank_peak_allocated_bytes": [mine["peak"], theirs["peak"]],
+            "collective_s": mine["collective_s"],
+        },
+        max_abs_logp_diff=diff,
+        tolerance=gs.tolerance(dtype),
+    )
     if not diff <= gs.tolerance(dtype):
         raise CheckFailed(f"TP=2 log-probs differ from one device by {diff:.3g}")
 
