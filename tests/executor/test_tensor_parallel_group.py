@@ -143,7 +143,7 @@ class _Clock:
 
 
 def _watch(clock: _Clock, **kwargs: Any) -> tuple[Any, socket.socket, list[tuple[str, int]]]:
-    from worker.processes.tp_group import GroupWatch
+    from worker.processes.tp_group import TpGroupWatch
 
     faults: list[tuple[str, int]] = []
     done = threading.Event()
@@ -154,7 +154,7 @@ def _watch(clock: _Clock, **kwargs: Any) -> tuple[Any, socket.socket, list[tuple
         raise SystemExit(0)
 
     mine, theirs = socket.socketpair()
-    watch = GroupWatch(0, {1: mine}, clock, kwargs.pop("timeout_s", 60.0), on_fault, **kwargs)
+    watch = TpGroupWatch(0, {1: mine}, clock, kwargs.pop("timeout_s", 60.0), on_fault, **kwargs)
     watch.done = done  # type: ignore[attr-defined]
     return watch.start(), theirs, faults
 

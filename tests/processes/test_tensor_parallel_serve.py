@@ -153,7 +153,7 @@ def test_what_a_group_cannot_serve_is_refused(models: tuple[str, str], tmp_path:
 
     from worker.cli import build_parser
     from worker.errors import ConfigError
-    from worker.processes.tp_group import check_group
+    from worker.processes.tp_group import check_tp_group
 
     ref, rew = models
     gpt2 = tmp_path / "gpt2"
@@ -168,9 +168,9 @@ def test_what_a_group_cannot_serve_is_refused(models: tuple[str, str], tmp_path:
     }
     parser = build_parser("serve")
     with pytest.raises(ConfigError, match="must be >= 1, got 0"):
-        check_group(parser.parse_args(["serve", "--tensor-parallel", "0"]))
+        check_tp_group(parser.parse_args(["serve", "--tensor-parallel", "0"]))
     for words, flags in cases.items():
         argv = ["serve", "--device", "cpu", "--tensor-parallel", "2", *flags]
         with pytest.raises(ConfigError) as err:
-            check_group(parser.parse_args(argv))
+            check_tp_group(parser.parse_args(argv))
         assert words in str(err.value), (words, str(err.value))

@@ -178,21 +178,22 @@ def executor_config(args: argparse.Namespace) -> Any:
     return ExecutorConfig(**{k: v for k, v in wanted.items() if k in names})
 
 
-def build_scorer(args: argparse.Namespace, group: Any = None) -> Scorer:
+def build_scorer(args: argparse.Namespace, tp_leader: Any = None) -> Scorer:
     """The noop scorer, a loaded ``StatelessExecutor`` (the one place serve imports it), or,
-    with ``group`` (``tp_group.start_leader``), the leader's scorer of a tensor-parallel group."""
+    with ``tp_leader`` (``tp_group.start_leader``), the leader's scorer of a tensor-parallel
+    group."""
     if args.scorer == "noop":
         from worker.scorer.noop import NoopScorer
 
         return NoopScorer(delay_ms=args.noop_delay_ms, us_per_token=args.noop_us_per_token)
     check_models(args)
-    if group is not None:
+    if tp_leader is not None:
         from worker.executor.parallel.group import GroupScorer
 
-        group.scorer = GroupScorer(
-            load_group_executor(args, group.comm, group.plans), group.comm, group.clock
+        tp_leader.scorer = GroupScorer(
+            load_tp_executor(args, tp_leader.comm, tp_leader.plans), tp_leader.comm, tp_leader.clock
         )
-        return group.scorer
+        return tp_leader.scorer
     from worker.executor import StatelessExecutor
 
     return StatelessExecutor.from_pretrained(
@@ -208,7 +209,7 @@ def build_scorer(args: argparse.Namespace, group: Any = None) -> Scorer:
     )
 
 
-def load_group_executor(args: argparse.Namespace, comm: Any, plans: list[Any]) -> Any:
+def load_tp_executor(args: argparse.Namespace, comm: Any, plans: list[Any]) -> Any:
     """This rank's ``ParallelExecutor`` (every rank of a group builds it alike)."""
     from worker.executor.parallel.executor import ParallelExecutor
 
@@ -307,9 +308,7 @@ def run(args: argparse.Namespace) -> int:
     if wants_fleet(args):
         return run_fleet(args, flag_defaults())
     if tp_group.is_follower():  # rank 1..N-1 of a tensor-parallel group
-        return tp_group.run_follower(
-            args, lambda comm, plans: load_group_executor(args, comm, plans)
-        )
+        return tp_group.run_follower(args, lambda comm, plans: load_tp_executor(args, comm, plans))
     from worker.daemon import Worker
     from worker.observability.health import HealthState
     from worker.observability.metrics import WorkerMetrics
@@ -318,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
     client_name = f"scoring-worker:{config.consumer}"[:100].replace(" ", "_")
     settings = redis_settings(args, client_name=client_name)
     check_models(args)  # a typo fails here, in a second, not after the endpoint is up
-    group = tp_group.start_leader(args, flag_defaults()) if tp_group.group_size(args) > 1 else None
+    tp_leader = tp_group.start_leader(args, flag_defaults()) if tp_group.tp_size(args) > 1 else None
     try:
         metrics = WorkerMetrics()
         health = HealthState()
@@ -326,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
         http = start_http(config, metrics, health)
         with clock.phase("import"):
             import_executor(args)
-        scorer = build_scorer(args, group)
+        scorer = build_scorer(args, tp_leader)
         for phase, seconds in getattr(scorer, "startup_seconds", {}).items():
             clock.add(phase, seconds)
         if wants_warmup(args, scorer):
@@ -340,9 +339,9 @@ def run(args: argparse.Namespace) -> int:
         worker.install_signal_handlers()
         code = worker.run()
     except BaseException:
-        if group is not None:
-            group.abort()
+        if tp_leader is not None:
+            tp_leader.abort()
         raise
-    if group is not None:
-        group.close()  # the leader drained: stop the followers
+    if tp_leader is not None:
+        tp_leader.close()  # the leader drained: stop the followers
     return code

@@ -1,7 +1,7 @@
 """``serve --tensor-parallel N``: one worker as a group of N processes, one per device.
 
 The process that runs ``serve`` is rank 0, the leader: it checks what the group cannot serve
-(``check_group``: ``error: ...``, exit 2, before any rank starts), opens the rendezvous (a
+(``check_tp_group``: ``error: ...``, exit 2, before any rank starts), opens the rendezvous (a
 ``TCPStore`` on a free port of 127.0.0.1), starts ranks 1..N-1 as ``python -m worker serve``
 with the same flags and ``SCORING_TP_RANK`` / ``SCORING_TP_STORE`` / ``SCORING_TP_HEARTBEAT_FD``
 in their environment (``start_leader``), and then serves as any worker does, with the group's
@@ -19,7 +19,7 @@ reclaimed after ``--claim-idle-ms``) and the supervisor, or Kubernetes, starts a
 what                                    who notices, how fast
 ======================================  =================================================
 a follower dies (kill -9, a crash)      the leader: its channel closes, its process exits
-                                        (``GroupWatch``, within ``POLL_S``)
+                                        (``TpGroupWatch``, within ``POLL_S``)
 the leader dies                         every follower: ``PR_SET_PDEATHSIG`` (SIGKILL), and
                                         its channel closes
 a rank stops (SIGSTOP, a frozen host)   the others: no heartbeat for ``HEARTBEAT_TIMEOUT_S``
@@ -71,7 +71,7 @@ PG_TIMEOUT_S = 1800.0
 """Timeout of the group's collectives (loading included); liveness is the watch's job."""
 
 
-def group_size(args: argparse.Namespace) -> int:
+def tp_size(args: argparse.Namespace) -> int:
     """``--tensor-parallel`` (1: an ordinary single-process worker); ``ConfigError`` below 1."""
     size = int(getattr(args, "tensor_parallel", 1))
     if size < 1:
@@ -104,12 +104,12 @@ def _config_of(name: str, trust_remote_code: bool) -> Any:
         raise ConfigError(f"cannot read the config of {name!r}: {exc}") from exc
 
 
-def check_group(args: argparse.Namespace) -> list[Any]:
+def check_tp_group(args: argparse.Namespace) -> list[Any]:
     """What a group of ``--tensor-parallel N`` cannot serve, refused before any rank starts
     (``ConfigError``); else the plan of each named model (``plan.tensor_parallel_plan``)."""
     from worker.executor.parallel.plan import device_check, tensor_parallel_plan
 
-    size = group_size(args)
+    size = tp_size(args)
     flag = f"--tensor-parallel {size}"
     if args.scorer == "noop":
         raise ConfigError(f"{flag} shards a model; --scorer noop has none")
@@ -153,7 +153,7 @@ def _visible_gpus() -> list[str]:
 # ----------------------------------------------------------------------------- the watch
 
 
-class GroupWatch:
+class TpGroupWatch:
     """One thread per rank that takes the group down on a fault (module table): it sends a
     heartbeat byte to each peer every ``HEARTBEAT_INTERVAL_S``, reads theirs, polls the
     followers' processes (leader) and this rank's ``StepClock``.
@@ -178,7 +178,7 @@ class GroupWatch:
             sock.setblocking(False)
         self._thread = threading.Thread(target=self._run, name="tp-watch", daemon=True)
 
-    def start(self) -> GroupWatch:
+    def start(self) -> TpGroupWatch:
         """Start watching."""
         self._thread.start()
         return self
@@ -284,7 +284,7 @@ class Leader:
     clock: Any
     plans: list[Any]
     procs: dict[int, subprocess.Popen[bytes]]
-    watch: GroupWatch
+    watch: TpGroupWatch
     scorer: Any = None
     sockets: list[socket.socket] = field(default_factory=list)
 
@@ -324,8 +324,8 @@ def start_leader(args: argparse.Namespace, defaults: Mapping[str, Any]) -> Leade
     from worker.executor.parallel.collectives import GroupSpec, init_group
     from worker.executor.parallel.group import StepClock
 
-    plans = check_group(args)
-    size = group_size(args)
+    plans = check_tp_group(args)
+    size = tp_size(args)
     device_type, devices = _devices(size, args.device)
     threads = _threads(size)
     os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE=str(size))
@@ -361,7 +361,7 @@ def start_leader(args: argparse.Namespace, defaults: Mapping[str, Any]) -> Leade
         peers[rank] = mine
         log.info("rank %d of %d started: pid %d, %s", rank, size, procs[rank].pid, devices[rank])
     clock = StepClock()
-    watch = GroupWatch(0, peers, clock, args.tensor_parallel_timeout_s, _die(procs), procs)
+    watch = TpGroupWatch(0, peers, clock, args.tensor_parallel_timeout_s, _die(procs), procs)
     watch.start()
     spec = GroupSpec(0, size, "127.0.0.1", store.port, device_type, devices, PG_TIMEOUT_S)
     try:
@@ -389,13 +389,13 @@ def run_follower(args: argparse.Namespace, load: Callable[[Any, list[Any]], Any]
         signal.signal(sig, signal.SIG_IGN)
     sock = socket.socket(fileno=int(os.environ[FD_ENV]))
     clock = StepClock()
-    watch = GroupWatch(rank, {0: sock}, clock, args.tensor_parallel_timeout_s, _die({}))
+    watch = TpGroupWatch(rank, {0: sock}, clock, args.tensor_parallel_timeout_s, _die({}))
     watch.start()
-    size = group_size(args)
+    size = tp_size(args)
     device_type, devices = _devices(size, args.device)
     if device_type == "cpu":
         torch.set_num_threads(_threads(1))  # OMP_NUM_THREADS is already this rank's share
-    plans = check_group(args)
+    plans = check_tp_group(args)
     comm = init_group(GroupSpec(rank, size, host, int(port), device_type, devices, PG_TIMEOUT_S))
     executor = load(comm, plans)
     log.info("rank %d of %d ready on %s", rank, size, devices[rank])
