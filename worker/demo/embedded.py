@@ -6,6 +6,8 @@ The server dies with the process that started it, even by ``kill -9``
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from worker.processes.local import free_port
@@ -67,4 +69,14 @@ class EmbeddedRedis:
         self.stop()
 
 
-__all__ = ["EmbeddedRedis"]
+@contextlib.contextmanager
+def redis_url_or_embedded(url: str | None) -> Iterator[str]:
+    """``url`` as given, or the URL of an embedded Valkey that runs for the ``with`` block."""
+    if url is not None:
+        yield url
+        return
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+__all__ = ["EmbeddedRedis", "redis_url_or_embedded"]

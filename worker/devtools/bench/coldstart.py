@@ -37,6 +37,7 @@ from typing import Any
 import redis
 
 from worker import keys
+from worker.demo.embedded import redis_url_or_embedded
 from worker.devtools.bench.adapters import smollm2_gguf
 from worker.observability.startup import PHASES
 from worker.processes.local import LocalWorker, free_port
@@ -171,39 +172,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run every configuration ``--repeats`` times, interleaved, and print the medians."""
     args = parse_args(argv)
     repeats = 1 if args.quick else max(1, args.repeats)
-    server = None
-    url = args.redis_url
-    if url is None:
-        from worker.demo.embedded import EmbeddedRedis
-
-        server = EmbeddedRedis().start()
-        url = server.url
     trees: dict[str, Path | None] = {"this": None}
     if args.baseline_tree is not None:
         trees = {"baseline": args.baseline_tree.resolve(), "this": None}
     runs: dict[tuple[str, str, bool], list[dict[str, float]]] = {}
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench-coldstart-") as tmp:
-            served = models(Path(tmp), [m.strip() for m in args.models.split(",")])
-            for r in range(repeats):
-                for name, model in served.items():
-                    for warmup in (False, True):
-                        for tree_name, tree in trees.items():
-                            tag = f"cold{os.getpid()}r{r}{len(runs)}"
-                            figures = one_start(
-                                url,
-                                model,
-                                tree=tree,
-                                warmup=warmup,
-                                max_batch_tokens=args.max_batch_tokens,
-                                log_path=Path(tmp) / "serve.log",
-                                tag=tag,
-                                threads=args.threads,
-                            )
-                            runs.setdefault((name, tree_name, warmup), []).append(figures)
-    finally:
-        if server is not None:
-            server.stop()
+    with (
+        redis_url_or_embedded(args.redis_url) as url,
+        tempfile.TemporaryDirectory(prefix="bench-coldstart-") as tmp,
+    ):
+        served = models(Path(tmp), [m.strip() for m in args.models.split(",")])
+        for r in range(repeats):
+            for name, model in served.items():
+                for warmup in (False, True):
+                    for tree_name, tree in trees.items():
+                        tag = f"cold{os.getpid()}r{r}{len(runs)}"
+                        figures = one_start(
+                            url,
+                            model,
+                            tree=tree,
+                            warmup=warmup,
+                            max_batch_tokens=args.max_batch_tokens,
+                            log_path=Path(tmp) / "serve.log",
+                            tag=tag,
+                            threads=args.threads,
+                        )
+                        runs.setdefault((name, tree_name, warmup), []).append(figures)
     print(
         f"\ncold start: serve on the CPU ({args.threads} thread(s)), "
         f"--max-batch-tokens {args.max_batch_tokens}, median of {repeats} start(s); seconds. "

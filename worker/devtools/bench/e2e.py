@@ -37,6 +37,7 @@ from typing import Any
 import redis
 
 from worker import keys
+from worker.demo.embedded import redis_url_or_embedded
 from worker.processes.local import LocalWorker
 from worker.protocol import decode_result, encode_job
 
@@ -268,30 +269,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     n_jobs = min(args.jobs, 100) if args.quick else args.jobs
     jobs = make_jobs(n_jobs, args.seqs_per_job, args.min_len, args.max_len, vocab=1024)
     tokens = sum(len(s["tokens"]) for job in jobs for s in job)
-    server = None
-    url = args.redis_url
-    if url is None:
-        from worker.demo.embedded import EmbeddedRedis
-
-        server = EmbeddedRedis().start()
-        url = server.url
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
-            model = build_model(Path(tmp) / "model")
-            rounds = 1 if args.quick else max(1, args.rounds)
-            times = run_side_by_side(
-                url,
-                model,
-                jobs,
-                args.max_batch_tokens,
-                args.packing,
-                Path(tmp) / "w.log",
-                rounds,
-                args.threads,
-            )
-    finally:
-        if server is not None:
-            server.stop()
+    with (
+        redis_url_or_embedded(args.redis_url) as url,
+        tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp,
+    ):
+        model = build_model(Path(tmp) / "model")
+        rounds = 1 if args.quick else max(1, args.rounds)
+        times = run_side_by_side(
+            url,
+            model,
+            jobs,
+            args.max_batch_tokens,
+            args.packing,
+            Path(tmp) / "w.log",
+            rounds,
+            args.threads,
+        )
     ratio, in_proc_s, e2e_s = median_round(times, "pipelined")
     seq_ratio, seq_in_s, seq_s = median_round(times, "sequential")
     print(

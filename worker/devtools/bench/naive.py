@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from worker.demo.embedded import redis_url_or_embedded
+
 #: name -> (speed target: naive s / worker s >=, peak RSS target: worker / naive <=)
 TARGETS = {"synthetic": (3.5, 0.12), "smollm2": (1.8, 0.5)}
 SYNTHETIC_VOCAB = 128_256
@@ -316,19 +318,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args, _ = p.parse_known_args(argv)
     models = args.model or (["synthetic"] if args.quick else ["smollm2", "synthetic"])
-    server = None
-    url = args.redis_url
-    if url is None:
-        from worker.demo.embedded import EmbeddedRedis
-
-        server = EmbeddedRedis().start()
-        url = server.url
-    try:
+    with redis_url_or_embedded(args.redis_url) as url:
         rounds = 1 if args.quick else args.rounds
         rows = [compare(name, url, args.quick, rounds) for name in models]
-    finally:
-        if server is not None:
-            server.stop()
     print("\n" + format_rows(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")

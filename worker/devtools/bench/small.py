@@ -26,6 +26,7 @@ from typing import Any
 import redis
 
 from worker import keys
+from worker.demo.embedded import redis_url_or_embedded
 from worker.processes.local import LocalWorker
 from worker.protocol import decode_result, encode_job
 
@@ -105,24 +106,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, _ = p.parse_known_args(argv)
     n = min(args.jobs, 200) if args.quick else args.jobs
     waits = args.max_wait_ms or ([5] if args.quick else [0, 5, 20])
-    server = None
-    url = args.redis_url
-    if url is None:
-        from worker.demo.embedded import EmbeddedRedis
-
-        server = EmbeddedRedis().start()
-        url = server.url
     rows: list[tuple[int, str, dict[str, Any]]] = []
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench-small-") as tmp:
-            for wait in waits:
-                for pipeline in (True, False):
-                    figs = run_once(url, n, args.rate, wait, args.noop_delay_ms, pipeline,
-                                    Path(tmp) / "worker.log")  # fmt: skip
-                    rows.append((wait, "pipelined" if pipeline else "--no-pipeline", figs))
-    finally:
-        if server is not None:
-            server.stop()
+    with (
+        redis_url_or_embedded(args.redis_url) as url,
+        tempfile.TemporaryDirectory(prefix="bench-small-") as tmp,
+    ):
+        for wait in waits:
+            for pipeline in (True, False):
+                figs = run_once(url, n, args.rate, wait, args.noop_delay_ms, pipeline,
+                                Path(tmp) / "worker.log")  # fmt: skip
+                rows.append((wait, "pipelined" if pipeline else "--no-pipeline", figs))
     print(
         f"\nsmall jobs: {n} one-sequence jobs of ~200 tokens offered at {args.rate:.0f} jobs/s, "
         f"no-op scorer sleeping {args.noop_delay_ms:g} ms per batch, one worker"
