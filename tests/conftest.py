@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from worker.devtools.embedded import EmbeddedRedis, free_port
+from worker.demo.embedded import EmbeddedRedis
+from worker.processes.local import free_port
 
 # hypothesis is a test-only import: the GPU check's python3 (no `test` extra) runs the GPU tests
 # without it, so nothing here may require it.
@@ -31,7 +32,7 @@ log = logging.getLogger("tests.conftest")
 # of the test's own source), so a run that passed passes again and a CI failure replays exactly.
 # "dev" (local runs) keeps exploring new examples each run. CI=true selects "ci";
 # HYPOTHESIS_PROFILE names one explicitly ("long" is "dev" for long fuzz runs, see
-# tests/test_fuzz_protocol.py).
+# tests/protocol/test_fuzz.py).
 if HAVE_HYPOTHESIS:
     settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
     settings.register_profile("dev")

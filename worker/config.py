@@ -108,6 +108,12 @@ def env_get(
     return source.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
 
 
+def env_float(name: str, default: float, env: Mapping[str, str] | None = None) -> float:
+    """``SCORING_<NAME>`` as a float; ``default`` when it is unset or empty."""
+    raw = env_get(name, env=env)
+    return float(raw) if raw else default
+
+
 def env_bool(value: str | None, default: bool = False) -> bool:
     """Parse a boolean environment value (1/true/yes/on)."""
     if value is None:

@@ -57,8 +57,9 @@ class DrainReport:
         )
 
 
-def measure_drain(fleet: Fleet, *, mode: str, jobs: int, grace_s: float,
-                  timeout_s: float = 120.0) -> DrainReport:  # fmt: skip
+def measure_drain(
+    fleet: Fleet, *, mode: str, jobs: int, grace_s: float, timeout_s: float = 120.0
+) -> DrainReport:
     """Burst ``jobs`` onto the fleet's queue, SIGTERM the worker holding most of them, SIGKILL it
     at ``grace_s``, collect every result; the fleet's workers must be serving and idle."""
     admin = fleet.admin()
@@ -80,8 +81,7 @@ def measure_drain(fleet: Fleet, *, mode: str, jobs: int, grace_s: float,
     while time.monotonic() < deadline:
         for w in fleet.alive():
             name = w.name  # type: ignore[attr-defined]
-            rows = admin.xpending_range(fleet.stream, "scoring", "-", "+", 10000,
-                                        consumername=name)  # fmt: skip
+            rows = admin.xpending_range(fleet.stream, "scoring", "-", "+", 10000, consumername=name)
             if len(rows) >= jobs // 2:
                 holder, held_ids = w, [r["message_id"].decode() for r in rows]
         if holder is not None:

@@ -163,27 +163,35 @@ class Fleet:
     def admin(self) -> redis.Redis:
         return self.server.admin()
 
-    def spawn_worker(self) -> WorkerProc:
-        """Start one more worker (not waiting for it)."""
-        self._spawned += 1
-        name = f"w{self._spawned}"
-        args = [
+    def worker_args(self, name: str) -> list[str]:
+        """The ``serve`` flags every worker of the fleet gets."""
+        return [
             "--redis-url", self.url, "--queue", self.queue, "--consumer", name,
             "--claim-idle-ms", str(self.claim_idle_ms), "--max-wait-ms", str(self.max_wait_ms),
             "--block-ms", "200", "--metrics-port", "-1", "--max-deliveries", "100",
             "--drain-timeout-s", "60", "--device", "cpu",
         ]  # fmt: skip
+
+    def add_worker(self, name: str, args: list[str]) -> WorkerProc:
+        """Start a worker named ``name`` with ``args`` and count it in the fleet."""
+        w = WorkerProc(args, self.workdir / f"{name}.log")
+        w.name = name  # type: ignore[attr-defined]
+        with self.lock:
+            self.workers.append(w)
+        return w
+
+    def spawn_worker(self) -> WorkerProc:
+        """Start one more worker (not waiting for it)."""
+        self._spawned += 1
+        name = f"w{self._spawned}"
+        args = self.worker_args(name)
         if self.noop_delay_ms is not None:
             args += ["--scorer", "noop", "--noop-delay-ms", str(self.noop_delay_ms)]
         else:
             assert self.model_dir is not None
             args += ["--reference-model", self.model_dir]
         args += list(self.extra_args)
-        w = WorkerProc(args, self.workdir / f"{name}.log")
-        w.name = name  # type: ignore[attr-defined]
-        with self.lock:
-            self.workers.append(w)
-        return w
+        return self.add_worker(name, args)
 
     def start(self) -> Fleet:
         self.server.start()

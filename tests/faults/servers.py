@@ -16,7 +16,7 @@ from typing import Any
 
 import redis
 
-from worker.devtools.embedded import free_port
+from worker.processes.local import free_port
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 

@@ -116,10 +116,13 @@ def run_failover(
                 w.wait_ready(120)
             client = ScoringClient(
                 cluster.seeds_url([*[p for p in cluster.ports if p != victim][:2], victim]),
-                queue=queue, partitions=PARTITIONS,
-                resubmit_after_s=3.0 if resubmit else None, max_submits=5,
-                durable_replicas=1 if durable else 0, durable_timeout_ms=500,
-            )  # fmt: skip
+                queue=queue,
+                partitions=PARTITIONS,
+                resubmit_after_s=3.0 if resubmit else None,
+                max_submits=5,
+                durable_replicas=1 if durable else 0,
+                durable_timeout_ms=500,
+            )
             handles: dict[int, object] = {}
             submit_errors = 0
 
@@ -127,12 +130,14 @@ def run_failover(
                 time.sleep(jobs / rate / 3)
                 replica = cluster.kill_primary(victim)
                 took = cluster.wait_promoted(replica, timeout_s=60)
-                report.faults.append(f"kill -9 primary :{victim}; replica :{replica} "
-                                     f"promoted in {took:.1f}s")  # fmt: skip
+                report.faults.append(
+                    f"kill -9 primary :{victim}; replica :{replica} promoted in {took:.1f}s"
+                )
                 if worker_durable:
                     took = cluster.restart(victim)
-                    report.faults.append(f":{victim} restarted, in sync as a replica after "
-                                         f"{took:.1f}s")  # fmt: skip
+                    report.faults.append(
+                        f":{victim} restarted, in sync as a replica after {took:.1f}s"
+                    )
 
             killer = threading.Thread(target=kill)
             killer.start()
@@ -162,9 +167,10 @@ def run_failover(
                     report.altered += 1
             report.duplicated = client.duplicates
             report.notes = {
-                "resubmits": client.resubmits, "undurable": client.undurable,
+                "resubmits": client.resubmits,
+                "undurable": client.undurable,
                 "submit_retries": submit_errors,
-            }  # fmt: skip
+            }
             if worker_durable:
                 report.notes["durable_shortfalls"] = sum(
                     metric(w.metrics_url, "scoring_durable_shortfalls_total", '{write="two_step"}')
@@ -204,9 +210,13 @@ def test_failover(
     if not faults_full and (resubmit, durable, seed_victim) != QUICK:
         pytest.skip("make test-faults runs every failover configuration")
     report = run_failover(
-        tmp_path, resubmit=resubmit, durable=durable, seed_victim=seed_victim,
-        jobs=600 if faults_full else 200, rate=100.0,
-    )  # fmt: skip
+        tmp_path,
+        resubmit=resubmit,
+        durable=durable,
+        seed_victim=seed_victim,
+        jobs=600 if faults_full else 200,
+        rate=100.0,
+    )
     if resubmit:
         assert report.lost == 0, report
     assert report.altered == 0, report
@@ -222,7 +232,12 @@ def test_failover_with_durable_workers(tmp_path: Path, faults_full: bool) -> Non
     if not faults_full:
         pytest.skip("make test-faults runs it")
     report = run_failover(
-        tmp_path, resubmit=True, durable=False, seed_victim=False, jobs=600, rate=100.0,
+        tmp_path,
+        resubmit=True,
+        durable=False,
+        seed_victim=False,
+        jobs=600,
+        rate=100.0,
         worker_durable=True,
-    )  # fmt: skip
+    )
     assert report.lost == 0 and report.altered == 0, report

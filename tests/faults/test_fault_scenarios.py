@@ -203,8 +203,9 @@ def test_sigterm_hands_back_unstarted_jobs(tmp_path: Path, faults_full: bool) ->
     claim_idle_ms, grace_s = 8000, 3.0
     reports = {}
     for handback in (False, True):
-        fleet = _drain_fleet(tmp_path, handback=handback, delay_ms=delay_ms,
-                             claim_idle_ms=claim_idle_ms)  # fmt: skip
+        fleet = _drain_fleet(
+            tmp_path, handback=handback, delay_ms=delay_ms, claim_idle_ms=claim_idle_ms
+        )
         try:
             fleet.start()
             mode = "handback" if handback else "no-handback"

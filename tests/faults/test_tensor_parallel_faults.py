@@ -44,18 +44,10 @@ class GroupFleet(Fleet):
     def spawn_worker(self) -> WorkerProc:
         self._spawned += 1
         name = f"g{self._spawned}"
-        args = [
-            "--redis-url", self.url, "--queue", self.queue, "--consumer", name,
-            "--claim-idle-ms", str(self.claim_idle_ms), "--max-wait-ms", str(self.max_wait_ms),
-            "--block-ms", "200", "--metrics-port", "-1", "--max-deliveries", "100",
-            "--drain-timeout-s", "60", "--device", "cpu", "--reference-model", str(self.model_dir),
-            "--replicas", "1", "--tensor-parallel", "2", "--restart-backoff-s", "0.5",
-        ]  # fmt: skip
-        w = WorkerProc(args, self.workdir / f"{name}.log")
-        w.name = name  # type: ignore[attr-defined]
-        with self.lock:
-            self.workers.append(w)
-        return w
+        args = self.worker_args(name)
+        args += ["--reference-model", str(self.model_dir), "--replicas", "1"]
+        args += ["--tensor-parallel", "2", "--restart-backoff-s", "0.5"]
+        return self.add_worker(name, args)
 
 
 def follower_pid(w: WorkerProc) -> int:

@@ -1,7 +1,9 @@
 """Helpers shared by the tests, imported one way: ``from tests.support.<module> import ...``.
 
-- ``models``: tiny transformers models built from configs with a fixed seed, the SmolLM2 GGUF.
-- ``daemon``: subprocess workers, enqueue/collect helpers, waiting.
+- ``models``: tiny transformers models built from configs with a fixed seed (the package's one
+  builder, ``worker.demo.tiny``), the SmolLM2 GGUF.
+- ``daemon``: subprocess workers (the package's one launcher, ``worker.processes.local``), the
+  demo started for a test, enqueue/collect helpers, waiting.
 - ``cluster``: a local Redis Cluster fixture.
 - ``client``: ``Responder``, a worker double for the client tests, and in-flight counters.
 - ``crash_worker``: a worker that dies on a marker token (run as a script).

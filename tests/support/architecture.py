@@ -1,6 +1,6 @@
 """The layer rules of ``worker/`` as data, and a checker that reads imports with ``ast``.
 
-``tests/test_architecture.py`` runs the checker over the real tree; its self-tests feed it
+``tests/system/test_architecture.py`` runs the checker over the real tree; its self-tests feed it
 synthetic sources. ``docs/architecture.md`` shows the same table (a test keeps them equal).
 
 What counts as an import: every ``import``/``from ... import`` anywhere in a module: at the top,
@@ -42,7 +42,7 @@ ROOT = "root"
 EVERYTHING = frozenset(
     {"protocol", "client", "streams", "scorer", "executor", "daemon", "observability"}
     | {"gateway", "integrations"}
-    | {"commands", "devtools", ROOT}
+    | {"processes", "demo", "commands", "devtools", ROOT}
     | KERNEL
 )
 
@@ -91,6 +91,10 @@ RULES: dict[str, Rule] = {
               why="an HTTP front over the asyncio client: a producer"),
         _rule("integrations", {"client", *KERNEL}, TORCH,
               why="drop-in reward functions imported by trainers: producers"),
+        _rule("processes", {"executor", *KERNEL}, {"redis", "msgpack"},
+              why="starts, watches and stops worker processes; never the queue nor the wire"),
+        _rule("demo", {"processes", *KERNEL},
+              why="the demo's samples, tiny models and embedded server"),
         _rule("commands", EVERYTHING, why="the command line wires everything"),
         _rule("devtools", EVERYTHING, why="developer tools, not the runtime"),
         _rule("kernel", KERNEL, third_party_only=frozenset({"redis"}),

@@ -2,7 +2,7 @@
 holds token 13:
 ``python tests/support/crash_worker.py URL STREAM CONSUMER CLAIM_IDLE_MS MAX_DELIVERIES``.
 
-Used by ``test_daemon_atleastonce.py`` to show that a job that crashes the worker cannot take
+Used by ``tests/daemon/test_atleastonce.py`` to show that a job that crashes the worker cannot take
 its batch-mates with it to the dead-letter stream."""
 
 from __future__ import annotations
@@ -37,11 +37,17 @@ def main() -> int:
     url, stream, consumer, claim_idle_ms, max_deliveries = sys.argv[1:6]
     logging.basicConfig(level=logging.INFO, stream=sys.stdout)
     config = WorkerConfig(
-        streams=(stream,), consumer=consumer, metrics_port=None, block_ms=100,
-        claim_idle_ms=int(claim_idle_ms), max_deliveries=int(max_deliveries), max_wait_ms=50,
-    )  # fmt: skip
-    worker = Worker(config, RedisSettings(url=url), CrashingScorer(),
-                    metrics=WorkerMetrics(CollectorRegistry()))  # fmt: skip
+        streams=(stream,),
+        consumer=consumer,
+        metrics_port=None,
+        block_ms=100,
+        claim_idle_ms=int(claim_idle_ms),
+        max_deliveries=int(max_deliveries),
+        max_wait_ms=50,
+    )
+    worker = Worker(
+        config, RedisSettings(url=url), CrashingScorer(), metrics=WorkerMetrics(CollectorRegistry())
+    )
     worker.install_signal_handlers()
     return worker.run()
 

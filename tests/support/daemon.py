@@ -5,11 +5,9 @@ Plain functions and classes (not fixtures) so ``tests/conftest.py`` stays the le
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -18,6 +16,7 @@ from typing import Any
 import redis
 
 from worker import keys
+from worker.processes.local import LocalWorker, worker_command
 from worker.protocol import Result, decode_result, encode_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,61 +36,41 @@ def wait_until(
         time.sleep(interval)
 
 
-class WorkerProc:
-    """A ``python -m worker serve`` subprocess with its log in a file."""
+class WorkerProc(LocalWorker):
+    """A ``python -m worker serve`` subprocess (the package's launcher) with its log in a file,
+    run from the repository root, unbuffered."""
 
     def __init__(self, args: Iterable[str], log_path: Path, env: dict[str, str] | None = None):
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", "serve", *args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            env=full_env,
-        )
+        env = {"PYTHONUNBUFFERED": "1", **(env or {})}
+        super().__init__(list(args), log_path=log_path, env=env, cwd=ROOT)
 
-    def log(self) -> str:
-        """Everything the worker logged so far."""
-        return self.log_path.read_text(errors="replace")
+    def stop(self, grace_s: float = 30.0) -> int:
+        """Kill if still running and close the log (tests never wait for a drain here)."""
+        self.kill()
+        return self.proc.returncode
 
-    def wait_log(self, pattern: str, timeout: float = 60.0) -> re.Match[str]:
-        """Wait for a log line matching ``pattern`` (fails early if the process exits)."""
 
-        def found() -> re.Match[str] | None:
-            m = re.search(pattern, self.log())
-            if m is None and self.proc.poll() is not None:
-                raise AssertionError(f"worker exited ({self.proc.returncode}):\n{self.log()}")
-            return m
-
-        return wait_until(found, timeout, what=f"log {pattern!r}")
-
-    def wait_ready(self, timeout: float = 90.0) -> WorkerProc:
-        """Wait until the worker logged that it serves."""
-        self.wait_log(r"serving .* \(group ", timeout)
-        return self
-
-    @property
-    def metrics_url(self) -> str:
-        """The bound metrics URL (from the log line)."""
-        m = self.wait_log(r"metrics on (http://[\d.]+:\d+/metrics)", 30)
-        return m.group(1)
-
-    def signal(self, sig: int) -> None:
-        """Send a signal."""
-        self.proc.send_signal(sig)
-
-    def wait_exit(self, timeout: float = 30.0) -> int:
-        """Wait for the process to exit; returns its code."""
-        return self.proc.wait(timeout)
-
-    def stop(self) -> None:
-        """Kill if still running and close the log."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-        self._log.close()
+def start_demo(args: list[str], **popen: Any) -> tuple[subprocess.Popen[str], str]:
+    """``python -m worker demo *args`` (text pipes, from the repository root) read until it
+    waits for Ctrl-C: the process and what it printed so far."""
+    proc = subprocess.Popen(
+        worker_command(args, command="demo"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        **popen,
+    )
+    assert proc.stdout is not None
+    out = ""
+    deadline = time.monotonic() + 240
+    while "press Ctrl-C" not in out and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        out += line
+    assert "press Ctrl-C" in out, out + (proc.stderr.read() if proc.stderr else "")
+    return proc, out
 
 
 def metric(url: str, name: str, labels: str = "") -> float:

@@ -1,5 +1,5 @@
 """An interpreter built like the GPU machine's, for the GPU check's CPU run
-(``tests/test_gpu_check.py``).
+(``tests/devtools/test_gpu_check.py``).
 
 The GPU machine's ``python3`` has torch, transformers, peft, msgpack and prometheus-client (and
 their own dependencies) and nothing else: no ``test`` extra, no redis-py, no Redis server, no
@@ -60,8 +60,12 @@ def env_key() -> str:
 
 def wheels_key() -> str:
     """Digest of what the wheel folder is made from (the list, the tags)."""
-    spec = {"wheels": list(gpu_wheels.WHEELS), "platforms": gpu_wheels.PLATFORMS,
-            "python": gpu_wheels.PYTHON_VERSION, "also_python": ALSO_PYTHON}  # fmt: skip
+    spec = {
+        "wheels": list(gpu_wheels.WHEELS),
+        "platforms": gpu_wheels.PLATFORMS,
+        "python": gpu_wheels.PYTHON_VERSION,
+        "also_python": ALSO_PYTHON,
+    }
     return _digest(spec)
 
 
@@ -150,15 +154,18 @@ def offline_argv() -> list[str]:
     """A prefix that runs a command in a new network namespace with only loopback up (no
     network), or ``[]`` where this machine cannot make one (then the proxies of ``check_env``
     are what keeps the check off the network)."""
-    probe = "import socket; s = socket.create_server(('127.0.0.1', 0)); " \
-        "socket.create_connection(s.getsockname(), timeout=2)"  # fmt: skip
+    probe = (
+        "import socket; s = socket.create_server(('127.0.0.1', 0)); "
+        "socket.create_connection(s.getsockname(), timeout=2)"
+    )
     for unshare in (["unshare", "-n"], ["unshare", "-rn"]):
         prefix = [*unshare, "sh", "-c", 'ip link set lo up && exec "$0" "$@"']
         if shutil.which("unshare") is None or shutil.which("ip") is None:
             return []
         try:
-            proc = subprocess.run([*prefix, sys.executable, "-c", probe], capture_output=True,
-                                  timeout=30)  # fmt: skip
+            proc = subprocess.run(
+                [*prefix, sys.executable, "-c", probe], capture_output=True, timeout=30
+            )
         except (OSError, subprocess.TimeoutExpired):
             continue
         if proc.returncode == 0:

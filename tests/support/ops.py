@@ -1,9 +1,9 @@
 """What the ops tests share: a small PromQL reference extractor (metric names and labels), the
 catalog of exported series it is checked against, and readers for the dashboard and alert rules.
 
-``tests/test_ops_static.py``, ``tests/test_ops_live.py`` and ``tests/test_ops_docs.py`` use
-them; ``tests/test_ops_promql.py`` makes sure the extractor itself catches a drifted name or
-label (a checker that cannot fail is worthless).
+``tests/ops/test_ops_static.py``, ``tests/system/test_ops_live.py`` and
+``tests/ops/test_ops_docs.py`` use them; ``tests/ops/test_ops_promql.py`` makes sure the extractor
+itself catches a drifted name or label (a checker that cannot fail is worthless).
 """
 
 from __future__ import annotations

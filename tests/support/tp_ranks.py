@@ -1,7 +1,7 @@
-"""One rank of the two-rank group scenarios of ``tests/test_tensor_parallel_group.py``.
+"""One rank of the two-rank group scenarios of ``tests/executor/test_tensor_parallel_group.py``.
 
 ``python -m tests.support.tp_ranks --rank R --size 2 --port P --out FILE --models DIR`` (started
-by ``worker.devtools.bench.tensor_parallel.launch``). Both ranks run the same phases in the same
+by ``worker.processes.tp_local.launch``). Both ranks run the same phases in the same
 order; each phase builds its executor on the group and serves a few calls (rank 0 broadcasts,
 rank 1 follows until rank 0 stops it), with faults injected on some ranks only:
 
@@ -38,8 +38,9 @@ def _calls() -> dict[str, list[Any]]:
     from worker.scorer import DEFAULT_OPTIONS, ScoreOptions
     from worker.scorer.teacher import TokenOutputs
 
-    spec = TokenOutputs(frozenset({"logps", "entropy", "topk", "gather"}), topk=6,
-                        gather_ids=(2, 47, 95))  # fmt: skip
+    spec = TokenOutputs(
+        frozenset({"logps", "entropy", "topk", "gather"}), topk=6, gather_ids=(2, 47, 95)
+    )
     ragged = [SequenceInput([1, 5, 9, 14, 2, 77, 8], 2), SequenceInput(list(range(3, 30)), 5)]
     equal = [SequenceInput(ids, prompt_len=5) for ids in EQUAL]
     rng = np.random.default_rng(0)
@@ -95,7 +96,7 @@ def _inject(phase: str, rank: int, model: Any) -> Any:
 
         mapping["sdpa"] = broken
         return lambda: mapping.__setitem__("sdpa", sdpa)
-    if phase == "kv":  # as tests/test_executor_kv.py leaks one
+    if phase == "kv":  # as tests/executor/test_kv.py leaks one
         from transformers.cache_utils import DynamicCache
 
         backbone = model.model
@@ -118,10 +119,11 @@ def _inject(phase: str, rank: int, model: Any) -> Any:
 def main() -> None:
     import transformers
 
-    from worker.devtools.bench.tensor_parallel import join, rss_bytes, serve_calls
+    from worker.devtools.bench.tensor_parallel import rss_bytes, serve_calls
     from worker.executor import ExecutorConfig
     from worker.executor.parallel.executor import ParallelExecutor
     from worker.executor.parallel.plan import tensor_parallel_plan
+    from worker.processes.tp_local import join
 
     parser = argparse.ArgumentParser()
     for flag in ("--rank", "--size", "--port"):

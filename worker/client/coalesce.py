@@ -120,7 +120,7 @@ class Coalescer:
         self._join(key, caller)
         try:
             return await asyncio.wait_for(asyncio.shield(caller.future), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise await self.client.timeout_error("(coalesced)", timeout_s) from None
         finally:
             caller.future.cancel()  # no-op once answered; a late answer is then dropped

@@ -3,9 +3,9 @@
 ``HelpFormatter`` adds ``(default: X)`` to a flag whose help does not already speak of its
 default (booleans and flags without a default say what they do instead). ``name_env_vars``
 appends ``[env SCORING_<FLAG>]`` to each flag of a parser whose every flag reads one (``serve``,
-``gateway``) and whose help does not already name it. ``tests/test_cli_flags.py`` walks every
-parser: no flag without help, and a flag names a variable exactly when setting it changes the
-flag's default.
+``gateway``) and whose help does not already name it. ``tests/commands/test_cli_flags.py`` walks
+every parser: no flag without help, and a flag names a variable exactly when setting it changes
+the flag's default.
 """
 
 from __future__ import annotations

@@ -101,8 +101,7 @@ def parse_queue_specs(values: Sequence[str] | str) -> list[tuple[str, int]]:
             out.append((name, 1))
             continue
         if not (weight.isascii() and weight.isdigit()) or int(weight) < 1:
-            raise ConfigError(f"--queue {raw!r}: the weight must be a positive integer",
-                              hint=hint)  # fmt: skip
+            raise ConfigError(f"--queue {raw!r}: the weight must be a positive integer", hint=hint)
         out.append((name, int(weight)))
     names = [n for n, _ in out]
     for n in names:

@@ -7,11 +7,11 @@ import argparse
 import os
 import socket
 
-from worker.commands._fleet import add_fleet_args
 from worker.commands._help import name_env_vars
 from worker.commands._options import add_queue_args, add_redis_args
 from worker.commands._weights import add_weights_args
-from worker.config import env_bool, env_get
+from worker.config import env_bool, env_float, env_get
+from worker.processes.fleet import add_fleet_args
 from worker.protocol import DEFAULT_LIMITS
 
 
@@ -26,11 +26,6 @@ def _floats(text: str | None) -> tuple[float, ...]:
         return tuple(float(x) for x in (text or "").split(",") if x.strip())
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers: {exc}") from exc
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = env_get(name)
-    return float(raw) if raw not in (None, "") else default
 
 
 def _env_warmup() -> bool | None:
@@ -166,13 +161,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--noop-delay-ms",
         type=float,
-        default=_env_float("NOOP_DELAY_MS", 0.0),
+        default=env_float("NOOP_DELAY_MS", 0.0),
         help="noop scorer only: sleep this long per batch",
     )
     m.add_argument(
         "--noop-us-per-token",
         type=float,
-        default=_env_float("NOOP_US_PER_TOKEN", 0.0),
+        default=env_float("NOOP_US_PER_TOKEN", 0.0),
         help="noop scorer only: also sleep this many microseconds per token of the batch (a "
         "fixed per-token cost, for replaying traces against the autoscaling simulation)",
     )
@@ -189,7 +184,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--tensor-parallel-timeout-s",
         type=float,
-        default=_env_float("TENSOR_PARALLEL_TIMEOUT_S", 300.0),
+        default=env_float("TENSOR_PARALLEL_TIMEOUT_S", 300.0),
         help="a rank that spends longer than this in one batch (a hung kernel, a collective a "
         "stopped peer never joins) takes its group down; its batch is reclaimed",
     )
@@ -276,7 +271,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--drain-timeout-s",
         type=float,
-        default=_env_float("DRAIN_TIMEOUT_S", 60.0),
+        default=env_float("DRAIN_TIMEOUT_S", 60.0),
         help="on SIGTERM, how long the worker may take to finish its in-flight batch and write "
         "the results before it exits",
     )
@@ -300,7 +295,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--batch-timeout-s",
         type=float,
-        default=_env_float("BATCH_TIMEOUT_S", 1800.0),
+        default=env_float("BATCH_TIMEOUT_S", 1800.0),
         help="/healthz reports the worker stalled once one batch computes longer than this",
     )
     lim = parser.add_argument_group("job limits (a job breaking one gets bad_request)")

@@ -9,14 +9,13 @@ so nothing is downloaded; without it, a tiny random Llama (its scores mean nothi
 Nothing is left behind: SIGTERM (``timeout``, systemd, ``docker stop``), SIGHUP (a closed
 terminal) and SIGINT stop the worker (it drains) and the embedded server; if the demo itself is
 killed by ``kill -9``, the worker gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``) and the
-embedded server from its watchdog (:mod:`worker.devtools.watchdog`).
+embedded server from its watchdog (:mod:`worker.processes.parent_death`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import os
 import shutil
 import signal
 import subprocess
@@ -29,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from worker.commands._options import add_redis_args, redis_settings
-from worker.daemon.supervisor import set_pdeathsig
-from worker.devtools.embedded import free_port
+from worker.processes.local import LocalWorker, free_port
+from worker.processes.parent_death import set_pdeathsig
 
 TINY = "tiny"
 
@@ -106,7 +105,7 @@ def split_model(path: str) -> tuple[str, str | None]:
 
 def save_models(directory: str) -> int:
     """``--save-models DIR``: write the tiny checkpoints and say how to use them."""
-    from worker.devtools.tiny import save_tiny_models
+    from worker.demo.tiny import save_tiny_models
 
     paths = save_tiny_models(directory)
     for name, path in paths.items():
@@ -141,17 +140,6 @@ def _wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float, log_p
             pass
         time.sleep(0.3)
     raise SystemExit(f"error: the worker was not ready after {timeout_s:.0f} s (log: {log_path})")
-
-
-def _stop_worker(proc: subprocess.Popen[bytes] | None, grace_s: float = 30.0) -> int | None:
-    if proc is None or proc.poll() is not None:
-        return None if proc is None else proc.returncode
-    proc.send_signal(signal.SIGTERM)  # drain: finish the batch, write results, exit 0
-    try:
-        return proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait(10)
 
 
 def _metric_lines(url: str, names: tuple[str, ...]) -> list[str]:
@@ -280,14 +268,13 @@ def score_samples(
 def run(args: argparse.Namespace) -> int:
     """Run the demo; 0 when every sample was scored."""
     from worker.client import ScoringClient
-    from worker.devtools.samples import build_samples
+    from worker.demo.samples import build_samples
 
     if args.save_models:
         return save_models(args.save_models)
     workdir = Path(tempfile.mkdtemp(prefix="scoring-demo-"))
     server = None
-    proc: subprocess.Popen[bytes] | None = None
-    log_fh = None
+    worker: LocalWorker | None = None
     scored = False
     previous = _install_stop_signals()
     try:
@@ -295,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
         note = None
         tiny_paths: dict[str, Path] = {}
         if TINY in (args.model, args.reward_model) or (args.model is None and not packaged_gguf()):
-            from worker.devtools.tiny import save_tiny_models
+            from worker.demo.tiny import save_tiny_models
 
             tiny_paths = save_tiny_models(workdir)
         if args.model in (None, TINY):
@@ -322,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
             url = args.redis_url
             print(f"redis: {redis_settings(args).redacted_url}")
         else:
-            from worker.devtools.embedded import EmbeddedRedis
+            from worker.demo.embedded import EmbeddedRedis
 
             server = EmbeddedRedis().start()
             url = server.url
@@ -331,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
         # 3. the worker
         port = args.metrics_port or free_port()
         cmd = [
-            sys.executable, "-m", "worker", "serve", "--redis-url", url, "--queue", args.queue,
+            "--redis-url", url, "--queue", args.queue,
             "--reference-model", model, "--metrics-port", str(port), "--device", args.device,
             "--consumer", "demo-worker", "--block-ms", "200",
         ]  # fmt: skip
@@ -352,16 +339,15 @@ def run(args: argparse.Namespace) -> int:
             if getattr(args, flag):
                 cmd += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
         log_path = workdir / "worker.log"
-        log_fh = open(log_path, "wb")  # noqa: SIM115 - closed in finally
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen(
+        log_path.touch()
+        worker = LocalWorker(
             cmd,
-            stdout=None if args.verbose else log_fh,
-            stderr=None if args.verbose else subprocess.STDOUT,
-            env=env,
+            log_path=None if args.verbose else log_path,
+            env={"PYTHONUNBUFFERED": "1"},
             start_new_session=True,  # we drain it ourselves on Ctrl-C
             preexec_fn=set_pdeathsig if sys.platform.startswith("linux") else None,
         )
+        proc = worker.proc
         base = f"http://127.0.0.1:{port}"
         print(f"worker: pid {proc.pid}, log {log_path}; loading the model...")
 
@@ -404,11 +390,9 @@ def run(args: argparse.Namespace) -> int:
         return 0 if scored else 128 + signum  # after the table, a stop is the normal way out
     finally:
         _hold_signals()
-        code = _stop_worker(proc)
-        if proc is not None:
+        if worker is not None:  # SIGTERM: it drains (finishes the batch, writes results, exits 0)
+            code = worker.stop(grace_s=30.0)
             print(f"worker stopped (exit {code})", file=sys.stderr)
-        if log_fh is not None:
-            log_fh.close()
         if server is not None:
             server.stop()
         shutil.rmtree(workdir, ignore_errors=True)

@@ -87,8 +87,10 @@ def _print_list(
         print(f"{r['partition']:>5}  {r['stream']:<{width}}  {r['dead_letters']:>6}")
     print(f"{'total':>5}  {'':<{width}}  {counts['total']:>6}")
     if len(entries) < counts["total"]:
-        print(f"(listed the oldest {limit} per partition: {len(entries)} of {counts['total']}; "
-              "see --limit)")  # fmt: skip
+        print(
+            f"(listed the oldest {limit} per partition: {len(entries)} of {counts['total']}; "
+            "see --limit)"
+        )
 
 
 def run(args: argparse.Namespace) -> int:

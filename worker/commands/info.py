@@ -144,14 +144,18 @@ def run(args: argparse.Namespace) -> int:
         missing = [i["queue"] for i in infos if not queue_exists(i)]
         queues = known_queues(client) if missing else []
     except redis.RedisError as exc:
-        print(f"error: cannot read {', '.join(map(repr, names))} from Redis: {exc}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"error: cannot read {', '.join(map(repr, names))} from Redis: {exc}", file=sys.stderr
+        )
         return 1
     finally:
         client.close()
     if missing:
-        print(f"error: no queue {missing[0]!r} on {settings.redacted_url}: no job stream, no "
-              "consumer group and no live worker", file=sys.stderr)  # fmt: skip
+        print(
+            f"error: no queue {missing[0]!r} on {settings.redacted_url}: no job stream, no "
+            "consumer group and no live worker",
+            file=sys.stderr,
+        )
         known = ", ".join(queues) if queues else "none"
         print(f"  queues there: {known} (--queue NAME)", file=sys.stderr)
         return 2

@@ -13,13 +13,13 @@ import importlib.metadata
 import logging
 from typing import Any
 
-from worker.commands import _group
-from worker.commands._fleet import run_fleet, wants_fleet
 from worker.commands._options import parse_queue_specs, redis_settings
 from worker.commands._serve_flags import configure, default_consumer
 from worker.commands._weights import weights_config
 from worker.daemon.config import QueueShare, WorkerConfig, queue_shares
 from worker.errors import ConfigError
+from worker.processes import tp_group
+from worker.processes.fleet import run_fleet, wants_fleet
 from worker.protocol import Limits
 from worker.scorer import Scorer
 
@@ -178,20 +178,22 @@ def executor_config(args: argparse.Namespace) -> Any:
     return ExecutorConfig(**{k: v for k, v in wanted.items() if k in names})
 
 
-def build_scorer(args: argparse.Namespace, group: Any = None) -> Scorer:
+def build_scorer(args: argparse.Namespace, tp_leader: Any = None) -> Scorer:
     """The noop scorer, a loaded ``StatelessExecutor`` (the one place serve imports it), or,
-    with ``group`` (``_group.start_leader``), the leader's scorer of a tensor-parallel group."""
+    with ``tp_leader`` (``tp_group.start_leader``), the leader's scorer of a tensor-parallel
+    group."""
     if args.scorer == "noop":
         from worker.scorer.noop import NoopScorer
 
         return NoopScorer(delay_ms=args.noop_delay_ms, us_per_token=args.noop_us_per_token)
     check_models(args)
-    if group is not None:
+    if tp_leader is not None:
         from worker.executor.parallel.group import GroupScorer
 
-        group.scorer = GroupScorer(load_group_executor(args, group.comm, group.plans),
-                                   group.comm, group.clock)  # fmt: skip
-        return group.scorer
+        tp_leader.scorer = GroupScorer(
+            load_tp_executor(args, tp_leader.comm, tp_leader.plans), tp_leader.comm, tp_leader.clock
+        )
+        return tp_leader.scorer
     from worker.executor import StatelessExecutor
 
     return StatelessExecutor.from_pretrained(
@@ -207,7 +209,7 @@ def build_scorer(args: argparse.Namespace, group: Any = None) -> Scorer:
     )
 
 
-def load_group_executor(args: argparse.Namespace, comm: Any, plans: list[Any]) -> Any:
+def load_tp_executor(args: argparse.Namespace, comm: Any, plans: list[Any]) -> Any:
     """This rank's ``ParallelExecutor`` (every rank of a group builds it alike)."""
     from worker.executor.parallel.executor import ParallelExecutor
 
@@ -305,8 +307,8 @@ def run(args: argparse.Namespace) -> int:
     shares_from_args(args)  # a bad --queue fails here (exit 2), before any child starts
     if wants_fleet(args):
         return run_fleet(args, flag_defaults())
-    if _group.is_follower():  # rank 1..N-1 of a tensor-parallel group
-        return _group.run_follower(args, lambda comm, plans: load_group_executor(args, comm, plans))
+    if tp_group.is_follower():  # rank 1..N-1 of a tensor-parallel group
+        return tp_group.run_follower(args, lambda comm, plans: load_tp_executor(args, comm, plans))
     from worker.daemon import Worker
     from worker.observability.health import HealthState
     from worker.observability.metrics import WorkerMetrics
@@ -315,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
     client_name = f"scoring-worker:{config.consumer}"[:100].replace(" ", "_")
     settings = redis_settings(args, client_name=client_name)
     check_models(args)  # a typo fails here, in a second, not after the endpoint is up
-    group = _group.start_leader(args, flag_defaults()) if _group.group_size(args) > 1 else None
+    tp_leader = tp_group.start_leader(args, flag_defaults()) if tp_group.tp_size(args) > 1 else None
     try:
         metrics = WorkerMetrics()
         health = HealthState()
@@ -323,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
         http = start_http(config, metrics, health)
         with clock.phase("import"):
             import_executor(args)
-        scorer = build_scorer(args, group)
+        scorer = build_scorer(args, tp_leader)
         for phase, seconds in getattr(scorer, "startup_seconds", {}).items():
             clock.add(phase, seconds)
         if wants_warmup(args, scorer):
@@ -337,9 +339,9 @@ def run(args: argparse.Namespace) -> int:
         worker.install_signal_handlers()
         code = worker.run()
     except BaseException:
-        if group is not None:
-            group.abort()
+        if tp_leader is not None:
+            tp_leader.abort()
         raise
-    if group is not None:
-        group.close()  # the leader drained: stop the followers
+    if tp_leader is not None:
+        tp_leader.close()  # the leader drained: stop the followers
     return code

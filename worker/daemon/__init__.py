@@ -20,7 +20,7 @@ Modules, one role each:
   ``reader``: read (per queue) and reclaim entries;
   ``link``: the loop's connection and backoff; ``stats``: stream gauges;
 * ``drain``: stop request, drain deadline, signal watcher; ``leases``: in-flight set and lease
-  keeper; ``supervisor``: one child process per GPU / replica.
+  keeper. The child processes of ``serve --replicas`` are :mod:`worker.processes`'.
 """
 
 from __future__ import annotations

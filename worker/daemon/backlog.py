@@ -57,8 +57,9 @@ class Backlog:
         specs = list(shares) or [QueueShare("default", ("*",))]
         self.lanes = [Lane(q.name, q.weight) for q in specs]
         self._floor = 0.0  # the virtual time of the last batch's lead lane
-        self._lane_of = {s: lane for q, lane in zip(specs, self.lanes, strict=True)
-                         for s in q.streams}  # fmt: skip
+        self._lane_of = {
+            s: lane for q, lane in zip(specs, self.lanes, strict=True) for s in q.streams
+        }
 
     def lane_of(self, stream: str) -> Lane:
         """The lane of job stream ``stream`` (the first lane for a stream of no queue)."""

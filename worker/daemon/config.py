@@ -28,8 +28,9 @@ class QueueShare:
         if not self.streams:
             raise ConfigError(f"queue {self.name!r} has no stream")
         if isinstance(self.weight, bool) or not isinstance(self.weight, int) or self.weight < 1:
-            raise ConfigError(f"queue {self.name!r}: weight must be a positive integer, "
-                              f"got {self.weight!r}")  # fmt: skip
+            raise ConfigError(
+                f"queue {self.name!r}: weight must be a positive integer, got {self.weight!r}"
+            )
 
 
 def queue_shares(specs: Sequence[tuple[str, int]], partitions: int = 1) -> tuple[QueueShare, ...]:
@@ -38,8 +39,10 @@ def queue_shares(specs: Sequence[tuple[str, int]], partitions: int = 1) -> tuple
     names = [name for name, _ in specs]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        raise ConfigError(f"queue {twice[0]!r} is named more than once",
-                          hint="give each queue once: --queue NAME[:WEIGHT]")  # fmt: skip
+        raise ConfigError(
+            f"queue {twice[0]!r} is named more than once",
+            hint="give each queue once: --queue NAME[:WEIGHT]",
+        )
     return tuple(QueueShare(n, tuple(job_streams(n, partitions)), w) for n, w in specs)
 
 
@@ -113,8 +116,13 @@ class WorkerConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("max_wait_ms", "block_ms", "result_maxlen", "dead_letter_maxlen",
-                     "reply_ttl_s"):  # fmt: skip
+        for name in (
+            "max_wait_ms",
+            "block_ms",
+            "result_maxlen",
+            "dead_letter_maxlen",
+            "reply_ttl_s",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.durable_replicas < 0 or self.durable_timeout_ms <= 0:

@@ -98,8 +98,10 @@ class DrainControl:
         with self._lock:
             if not self._running:
                 return
-        log.error("drain timeout of %.1fs passed; exiting (held entries will be reclaimed)",
-                  self.timeout_s)  # fmt: skip
+        log.error(
+            "drain timeout of %.1fs passed; exiting (held entries will be reclaimed)",
+            self.timeout_s,
+        )
         os._exit(1)
 
 
@@ -131,8 +133,7 @@ class SignalWatcher:
         self.wakeup = (rsock, wsock)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _ignore_in_handler)
-        threading.Thread(target=self._watch, args=(rsock,), name="signals",
-                         daemon=True).start()  # fmt: skip
+        threading.Thread(target=self._watch, args=(rsock,), name="signals", daemon=True).start()
 
     def on_signal(self, signum: int) -> None:
         """Act on one SIGTERM/SIGINT (from the watcher thread, never from a handler)."""

@@ -58,16 +58,20 @@ def give_back(
                     in_flight.add(stream, entry_id)
         raise
     if handed < len(pendings):
-        log.warning("%d of %d entries to hand back were already taken over by another consumer",
-                    len(pendings) - handed, len(pendings))  # fmt: skip
+        log.warning(
+            "%d of %d entries to hand back were already taken over by another consumer",
+            len(pendings) - handed,
+            len(pendings),
+        )
     return handed
 
 
 class HandBackWatch:
     """Says when another worker handed entries back on this worker's streams."""
 
-    def __init__(self, job_streams: Sequence[str], *, group: str, consumer: str,
-                 poll_s: float = POLL_S) -> None:  # fmt: skip
+    def __init__(
+        self, job_streams: Sequence[str], *, group: str, consumer: str, poll_s: float = POLL_S
+    ) -> None:
         self._streams = list(job_streams)
         self._group = group
         self._consumer = consumer
@@ -103,8 +107,7 @@ class HandBackWatch:
         for stream, names in givers.items():
             gone = streams.forget_givers(client, stream, self._group, names)
             if gone:
-                log.info("forgot %d drained consumers of %s: %s", len(gone), stream,
-                         ",".join(gone))  # fmt: skip
+                log.info("forgot %d drained consumers of %s: %s", len(gone), stream, ",".join(gone))
 
 
 class HandBack:
@@ -120,8 +123,9 @@ class HandBack:
         self.given = 0  # jobs this worker handed back
         self._failed = False
 
-    def give(self, client: Any, pipeline: BatchPipeline, backlog: Backlog, *,
-             stopping: bool) -> None:  # fmt: skip
+    def give(
+        self, client: Any, pipeline: BatchPipeline, backlog: Backlog, *, stopping: bool
+    ) -> None:
         """When ``stopping`` (draining): hand every job read but not started (the batch queued
         behind the computing one, the backlog) back to the group; only the computing batch is
         left to finish. A hand-back that fails (Redis away) keeps the jobs in the backlog, and
@@ -132,13 +136,17 @@ class HandBack:
         if not pendings:
             return
         try:
-            handed = give_back(client, pendings, group=self._group, consumer=self._consumer,
-                               in_flight=self._in_flight)  # fmt: skip
+            handed = give_back(
+                client,
+                pendings,
+                group=self._group,
+                consumer=self._consumer,
+                in_flight=self._in_flight,
+            )
         except Exception as exc:  # finish them here rather than leave them idle
             backlog.put_front(pendings)
             self._failed = True
-            log.warning("hand-back of %d jobs failed (%s); draining them here", len(pendings),
-                        exc)  # fmt: skip
+            log.warning("hand-back of %d jobs failed (%s); draining them here", len(pendings), exc)
             return
         self.given += handed
         self._metrics.handed_back.inc(handed)

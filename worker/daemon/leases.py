@@ -145,8 +145,9 @@ class LeaseKeeper:
         total = 0
         with self._in_flight.renewal:
             for stream, ids in self._in_flight.snapshot().items():
-                renewed = streams.renew_leases(self._client, stream, self._group, self._consumer,
-                                               ids)  # fmt: skip
+                renewed = streams.renew_leases(
+                    self._client, stream, self._group, self._consumer, ids
+                )
                 total += len(renewed)
                 # Entries acked since the snapshot are not pending any more: not lost, just done.
                 lost = self._in_flight.held(stream, set(ids) - set(renewed))

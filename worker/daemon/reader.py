@@ -55,9 +55,14 @@ class EntryReader:
         entries: list[streams.Entry] = []
         for keys_, count, block in reads:
             entries += streams.read_new(
-                client, keys_, cfg.group, cfg.consumer, count=count, block_ms=block,
+                client,
+                keys_,
+                cfg.group,
+                cfg.consumer,
+                count=count,
+                block_ms=block,
                 rotation=self._rotation,
-            )  # fmt: skip
+            )
         for e in entries:
             self._in_flight.add(e.stream, e.id)
         return entries
@@ -80,16 +85,23 @@ class EntryReader:
         take_suspect = not suspect_held
         for stream in cfg.streams:
             claimed, deleted = streams.reclaim_idle(
-                client, stream, cfg.group, cfg.consumer, min_idle_ms=cfg.claim_idle_ms,
-                count=cfg.read_count, use_autoclaim=self.use_autoclaim,
-                isolate_after=cfg.isolate_after_deliveries, take_suspect=take_suspect,
+                client,
+                stream,
+                cfg.group,
+                cfg.consumer,
+                min_idle_ms=cfg.claim_idle_ms,
+                count=cfg.read_count,
+                use_autoclaim=self.use_autoclaim,
+                isolate_after=cfg.isolate_after_deliveries,
+                take_suspect=take_suspect,
                 waiting=waiting,
-            )  # fmt: skip
+            )
             if any(e.deliveries > cfg.isolate_after_deliveries for e in claimed):
                 take_suspect = False  # one suspect at a time, over all partitions
             if deleted:
-                log.warning("%d pending entries of %s were deleted before reclaim", len(deleted),
-                            stream)  # fmt: skip
+                log.warning(
+                    "%d pending entries of %s were deleted before reclaim", len(deleted), stream
+                )
             mine = set(held.get(stream, ()))
             for e in claimed:
                 if e.id in mine:

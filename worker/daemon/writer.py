@@ -54,18 +54,26 @@ class OutboxWriter:
         shortfalls: list[str] = []
         try:
             failures = streams.write_results(
-                client, cfg.group, deliveries, maxlen=cfg.result_maxlen, consumer=cfg.consumer,
-                superseded=superseded, reply_ttl_s=cfg.reply_ttl_s,
-                durability=cfg.durability, shortfalls=shortfalls,
-            )  # fmt: skip
+                client,
+                cfg.group,
+                deliveries,
+                maxlen=cfg.result_maxlen,
+                consumer=cfg.consumer,
+                superseded=superseded,
+                reply_ttl_s=cfg.reply_ttl_s,
+                durability=cfg.durability,
+                shortfalls=shortfalls,
+            )
         finally:
             for write in shortfalls:
                 self.ctx.metrics.durable_shortfalls.labels(write=write).inc()
             if shortfalls:
                 log.warning(
                     "%d WAIT(s) after result writes got fewer than %d replicas (%s)",
-                    len(shortfalls), cfg.durable_replicas, ", ".join(shortfalls),
-                )  # fmt: skip
+                    len(shortfalls),
+                    cfg.durable_replicas,
+                    ", ".join(shortfalls),
+                )
         failed = {(d.stream, d.entry_id): err for d, err in failures}
         taken = {(d.stream, d.entry_id) for d in superseded}
         retry: list[Reply] = []
@@ -73,8 +81,11 @@ class OutboxWriter:
             entry, res = item.entry, item.result
             err = failed.get((entry.stream, entry.id))
             if (entry.stream, entry.id) in taken:
-                log.info("%s/%s was taken over by another consumer; its result is theirs",
-                         entry.stream, entry.id)  # fmt: skip
+                log.info(
+                    "%s/%s was taken over by another consumer; its result is theirs",
+                    entry.stream,
+                    entry.id,
+                )
                 self._superseded(entry)
             elif err is not None and streams.is_transient(err):
                 retry.append(item)
@@ -103,14 +114,22 @@ class OutboxWriter:
         except redis.ResponseError as exc:
             if streams.is_transient(exc):
                 raise
-            log.error("%s/%s cannot be dead-lettered to %s (%s); it stays pending",
-                      entry.stream, entry.id, dead, streams.error_text(exc))  # fmt: skip
+            log.error(
+                "%s/%s cannot be dead-lettered to %s (%s); it stays pending",
+                entry.stream,
+                entry.id,
+                dead,
+                streams.error_text(exc),
+            )
             ctx.metrics.loop_errors.labels(where="dead_letter").inc()
             ctx.in_flight.discard(entry.stream, entry.id)
             return 0
         if done == "superseded":
-            log.info("%s/%s was taken over by another consumer; not dead-lettered",
-                     entry.stream, entry.id)  # fmt: skip
+            log.info(
+                "%s/%s was taken over by another consumer; not dead-lettered",
+                entry.stream,
+                entry.id,
+            )
             self._superseded(entry)
             return 0
         if done != "ok" and dead_res is not None:

@@ -234,8 +234,9 @@ class BatchRunner:
                 raise KVCacheRejected(
                     f"model returned a KV cache despite use_cache=False "
                     f"({kv.tensors} tensors, {kv.nbytes} bytes); batch rejected",
-                    kv_output_tensors=kv.tensors, kv_output_bytes=kv.nbytes,
-                )  # fmt: skip
+                    kv_output_tensors=kv.tensors,
+                    kv_output_bytes=kv.nbytes,
+                )
             log.warning(
                 "model returned a KV cache (%d tensors, %d bytes); dropped", kv.tensors, kv.nbytes
             )

@@ -8,8 +8,8 @@ Packed layout (the fast path): every sequence of a batch is concatenated into on
 ``position_ids`` restart at 0 for each sequence, with ``attention_mask=None``. transformers 5
 detects the restarts (``masking_utils.find_packed_sequence_indices``) and builds a block-diagonal
 causal mask for sdpa / eager / flex_attention; flash-attention derives ``cu_seqlens`` from the same
-position ids. Its naive equivalent is running every sequence alone; ``tests/test_packing.py`` and
-``tests/test_executor_math.py`` assert the two agree.
+position ids. Its naive equivalent is running every sequence alone;
+``tests/executor/test_packing.py`` and ``tests/executor/test_math.py`` assert the two agree.
 
 Unmasked buckets (``pad_unmasked`` + ``plan_buckets``): length-sorted sequences right-padded into
 ``[B, T]`` with ``attention_mask=None`` and ``position_ids`` counting straight through the pads, so
@@ -18,7 +18,7 @@ no mask tensor). Pads sit after every real token of their row, so under causal a
 position attends to one: the scored positions and the true last token are what the sequence alone
 gives. A dense mask (a block-diagonal packed row, or a padding mask) instead makes sdpa compute
 every ``[T, T]`` score. Naive equivalent: every sequence alone; the executor's load probe and
-``tests/test_executor_unmasked.py`` assert they agree.
+``tests/executor/test_unmasked.py`` assert they agree.
 """
 
 from __future__ import annotations

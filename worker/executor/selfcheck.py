@@ -67,8 +67,9 @@ def self_check(
     mode: Mode = "both" if "both" in modes else modes[0]
     row = forward.config.row_tokens(backend)
     tol = 1e-3 if next(model.parameters()).dtype == torch.float32 else 0.25
-    quick = _quick_check(forward, seqs, mode=mode, backend=backend, packing=packing, row=row,
-                         tol=tol)  # fmt: skip
+    quick = _quick_check(
+        forward, seqs, mode=mode, backend=backend, packing=packing, row=row, tol=tol
+    )
     if quick is not None:
         return quick
     alone = [

@@ -114,7 +114,7 @@ class FutureStore:
         if not future.done.is_set():
             try:
                 await asyncio.wait_for(future.done.wait(), timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return None
         if not future.retrieved:
             future.retrieved = True

@@ -3,7 +3,7 @@
 The metrics layer takes plain numbers (never tensors) so it does not import torch.
 Names follow Prometheus conventions: ``scoring_`` prefix, base units, ``_total`` on counters.
 Dashboards (``ops/grafana``) and alert rules (``ops/prometheus``) refer to these names;
-``tests/test_ops_*.py`` fail when one drifts.
+``tests/ops/`` fail when one drifts.
 """
 
 from __future__ import annotations

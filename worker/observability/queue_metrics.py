@@ -17,34 +17,47 @@ class QueueMetrics:
     def build_queue_metrics(self, r: CollectorRegistry) -> None:
         """Create the per-queue metrics in registry ``r``."""
         self.queue_jobs = Counter(
-            "scoring_queue_jobs_total", "Jobs finished, by queue and outcome.",
-            ["queue", "outcome"], registry=r,
-        )  # fmt: skip
-        self.queue_batch_jobs = Counter(
-            "scoring_queue_batch_jobs_total", "Jobs handed to batches, by queue.", ["queue"],
+            "scoring_queue_jobs_total",
+            "Jobs finished, by queue and outcome.",
+            ["queue", "outcome"],
             registry=r,
-        )  # fmt: skip
+        )
+        self.queue_batch_jobs = Counter(
+            "scoring_queue_batch_jobs_total",
+            "Jobs handed to batches, by queue.",
+            ["queue"],
+            registry=r,
+        )
         self.queue_batch_tokens = Counter(
             "scoring_queue_batch_tokens_total",
             "Tokens handed to batches, by queue (the share of the worker each queue got).",
-            ["queue"], registry=r,
-        )  # fmt: skip
+            ["queue"],
+            registry=r,
+        )
         self.queue_backlog_jobs = Gauge(
-            "scoring_queue_backlog_jobs", "Jobs read and waiting for a batch, by queue.",
-            ["queue"], registry=r,
-        )  # fmt: skip
+            "scoring_queue_backlog_jobs",
+            "Jobs read and waiting for a batch, by queue.",
+            ["queue"],
+            registry=r,
+        )
         self.queue_backlog_tokens = Gauge(
-            "scoring_queue_backlog_tokens", "Tokens read and waiting for a batch, by queue.",
-            ["queue"], registry=r,
-        )  # fmt: skip
+            "scoring_queue_backlog_tokens",
+            "Tokens read and waiting for a batch, by queue.",
+            ["queue"],
+            registry=r,
+        )
         self.queue_lag = Gauge(
-            "scoring_queue_lag", "Entries not yet delivered to the group, summed over the "
-            "queue's partitions.", ["queue", "group"], registry=r,
-        )  # fmt: skip
+            "scoring_queue_lag",
+            "Entries not yet delivered to the group, summed over the queue's partitions.",
+            ["queue", "group"],
+            registry=r,
+        )
         self.queue_weight = Gauge(
-            "scoring_queue_weight", "The weight this worker gives each queue it serves.",
-            ["queue"], registry=r,
-        )  # fmt: skip
+            "scoring_queue_weight",
+            "The weight this worker gives each queue it serves.",
+            ["queue"],
+            registry=r,
+        )
 
     def set_queue_weights(self, weights: Mapping[str, int]) -> None:
         """Export each served queue's weight (and its per-queue series at 0)."""

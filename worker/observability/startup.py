@@ -28,8 +28,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PHASES: tuple[str, ...] = (
-    "interpreter", "import", "model_read", "placement", "self_check", "warmup", "connect",
-)  # fmt: skip
+    "interpreter",
+    "import",
+    "model_read",
+    "placement",
+    "self_check",
+    "warmup",
+    "connect",
+)
 UNTIL: tuple[str, ...] = ("ready", "first_result")
 
 _FALLBACK_T0 = time.monotonic()  # where /proc cannot be read: this module's import

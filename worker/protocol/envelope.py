@@ -4,7 +4,7 @@ A job that breaks a limit (over ``max_payload_bytes``, too many tokens, a bad ``
 deserves an error result, so the worker needs its ``id`` and ``reply_to`` without decoding it.
 
 How the walk stays bounded (behaviour of ``msgpack.Unpacker``, checked on msgpack 1.x; the
-memory is measured by ``tests/test_protocol_limits.py``):
+memory is measured by ``tests/protocol/test_limits.py``):
 
 - The payload is read from a file-like object in ``_READ_SIZE`` chunks. (``feed(payload)`` would
   copy the whole payload into the unpacker's buffer.)

@@ -217,10 +217,14 @@ def dlq_counts(
     total: ``{"queue", "partitions", "total", "by_partition": [{"partition", "stream",
     "dead_letter_stream", "dead_letters"}]}``."""
     rows = [
-        {"partition": i, "stream": job_stream, "dead_letter_stream": dlq,
-         "dead_letters": int(client.xlen(dlq))}
+        {
+            "partition": i,
+            "stream": job_stream,
+            "dead_letter_stream": dlq,
+            "dead_letters": int(client.xlen(dlq)),
+        }
         for i, dlq, job_stream in _dead_streams(queue, partitions, partition)
-    ]  # fmt: skip
+    ]
     return {
         "queue": queue,
         "partitions": partitions,

@@ -127,9 +127,13 @@ def write_results(
                 shorts.append(ONE_SCRIPT)
     if split and durable:
         replies = write_then_wait(
-            client, split, maxlen=maxlen, reply_ttl_s=reply_ttl_s, durability=dur,
+            client,
+            split,
+            maxlen=maxlen,
+            reply_ttl_s=reply_ttl_s,
+            durability=dur,
             shortfalls=shorts,
-        )  # fmt: skip
+        )
     elif split and reply_ttl_s > 0:
         for d, reply in zip(split, replies, strict=True):
             if not isinstance(reply, Exception):
@@ -231,18 +235,22 @@ def dead_letter(
     if with_reply:
         try:
             client.xadd(
-                reply_to, {PAYLOAD_FIELD: result}, maxlen=result_maxlen or maxlen,
+                reply_to,
+                {PAYLOAD_FIELD: result},
+                maxlen=result_maxlen or maxlen,
                 approximate=True,
-            )  # fmt: skip
+            )
         except redis.ResponseError as exc:
             if is_transient(exc):
                 raise TransientRedisError(str(exc)) from exc
             note = f"ok; result not written: {exc}"
     try:
         client.xadd(
-            dead_stream, dict(zip(fields[::2], fields[1::2], strict=True)), maxlen=maxlen,
+            dead_stream,
+            dict(zip(fields[::2], fields[1::2], strict=True)),
+            maxlen=maxlen,
             approximate=True,
-        )  # fmt: skip
+        )
     except redis.ResponseError as exc:
         if is_transient(exc):
             raise TransientRedisError(str(exc)) from exc

@@ -1,7 +1,8 @@
 """The simulation's queueing core checked against real workers.
 
-``python -m worker.devtools.autoscale.check [--replicas 1,2]`` (``tests/test_autoscale_check.py``
-runs the same with the test Redis): one arrival trace of RL-like bursts is replayed
+``python -m worker.devtools.autoscale.check [--replicas 1,2]``
+(``tests/devtools/test_autoscale_check.py`` runs the same with the test Redis): one arrival trace
+of RL-like bursts is replayed
 
 1. through real ``serve --scorer noop`` processes with a fixed per-token cost
    (``--noop-us-per-token``) and per-batch cost (``--noop-delay-ms``), at a fixed replica count,
@@ -25,7 +26,6 @@ import argparse
 import os
 import random
 import subprocess
-import sys
 import time
 from array import array
 from collections.abc import Sequence
@@ -37,7 +37,7 @@ import redis
 from worker import keys
 from worker.devtools.autoscale.fleet import Profile
 from worker.devtools.autoscale.sim import percentile, replay
-from worker.devtools.workers import stop_all, wait_readers
+from worker.processes.local import LocalWorker, stop_all, wait_readers
 from worker.protocol import decode_result, encode_job
 
 REL_TOLERANCE = 0.15
@@ -104,13 +104,7 @@ def run_real(
     client.delete(stream, reply)
     client.xgroup_create(stream, keys.DEFAULT_GROUP, id="$", mkstream=True)
     names = [f"{queue}-w{i}" for i in range(replicas)]
-    cmd = [
-        sys.executable,
-        "-m",
-        "worker",
-        "--log-level",
-        "WARNING",
-        "serve",
+    args = [
         "--scorer",
         "noop",
         "--redis-url",
@@ -128,9 +122,14 @@ def run_real(
         "--result-maxlen",
         "100000",
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [
-        subprocess.Popen([*cmd, "--consumer", n], env=env, stdin=subprocess.DEVNULL) for n in names
+        LocalWorker(
+            [*args, "--consumer", n],
+            log_level="WARNING",
+            env={"OMP_NUM_THREADS": "1"},
+            stdin=subprocess.DEVNULL,
+        ).proc
+        for n in names
     ]
     arrivals = trace.arrivals()
     try:

@@ -2,7 +2,7 @@
 
 ``scoring-worker bench --suite autoscale`` sweeps the grid of :mod:`.sweep` and prints the
 setting it picks; ``RECOMMENDED`` is that setting, written down, and
-``tests/test_ops_static.py`` checks that ``ops/k8s/keda-scaledobject*.yaml`` carry exactly these
+``tests/ops/test_ops_static.py`` checks that ``ops/k8s/keda-scaledobject*.yaml`` carry exactly these
 values (the sweep says so when its pick and ``RECOMMENDED`` differ).
 """
 

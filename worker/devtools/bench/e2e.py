@@ -28,8 +28,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -39,6 +37,8 @@ from typing import Any
 import redis
 
 from worker import keys
+from worker.demo.embedded import redis_url_or_embedded
+from worker.processes.local import LocalWorker
 from worker.protocol import decode_result, encode_job
 
 GROUP = keys.DEFAULT_GROUP
@@ -46,15 +46,10 @@ GROUP = keys.DEFAULT_GROUP
 
 def build_model(directory: Path, vocab: int = 1024) -> str:
     """Save the tiny benchmark Llama (seed 0) to ``directory``; returns its path."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from worker.demo.tiny import llama_config, random_model
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-    )  # fmt: skip
-    LlamaForCausalLM(config).eval().save_pretrained(directory)
+    model = random_model("LlamaForCausalLM", llama_config(vocab, 64, 128, 1024), 0)
+    model.save_pretrained(directory)
     return str(directory)
 
 
@@ -159,15 +154,13 @@ class EndToEnd:
         self.log_path = log_path
         self.client = redis.Redis.from_url(url)
         self.client.delete(self.stream, self.reply)
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", "--log-level", "WARNING", "serve",
-             "--redis-url", url, "--queue", tag, "--reference-model", model, "--device", "cpu",
+        self.worker = LocalWorker(
+            ["--redis-url", url, "--queue", tag, "--reference-model", model, "--device", "cpu",
              "--consumer", "bench", "--max-batch-tokens", str(max_batch_tokens),
              "--packing", packing, "--metrics-port", "-1",
              *([] if pipeline else ["--no-pipeline"])],
-            stdout=self._log, stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)},
+            log_path=log_path, log_level="WARNING",
+            env={"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)},
         )  # fmt: skip
 
     def one_pass(self, tag: str) -> float:
@@ -190,9 +183,7 @@ class EndToEnd:
 
     def close(self) -> None:
         """Stop the worker and delete the benchmark's keys."""
-        self.proc.terminate()
-        self.proc.wait(60)
-        self._log.close()
+        self.worker.stop(60)
         self.client.delete(self.stream, self.reply, keys.dead_letter_stream(self.stream))
 
 
@@ -278,24 +269,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     n_jobs = min(args.jobs, 100) if args.quick else args.jobs
     jobs = make_jobs(n_jobs, args.seqs_per_job, args.min_len, args.max_len, vocab=1024)
     tokens = sum(len(s["tokens"]) for job in jobs for s in job)
-    server = None
-    url = args.redis_url
-    if url is None:
-        from worker.devtools.embedded import EmbeddedRedis
-
-        server = EmbeddedRedis().start()
-        url = server.url
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
-            model = build_model(Path(tmp) / "model")
-            rounds = 1 if args.quick else max(1, args.rounds)
-            times = run_side_by_side(
-                url, model, jobs, args.max_batch_tokens, args.packing, Path(tmp) / "w.log",
-                rounds, args.threads,
-            )  # fmt: skip
-    finally:
-        if server is not None:
-            server.stop()
+    with (
+        redis_url_or_embedded(args.redis_url) as url,
+        tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp,
+    ):
+        model = build_model(Path(tmp) / "model")
+        rounds = 1 if args.quick else max(1, args.rounds)
+        times = run_side_by_side(
+            url,
+            model,
+            jobs,
+            args.max_batch_tokens,
+            args.packing,
+            Path(tmp) / "w.log",
+            rounds,
+            args.threads,
+        )
     ratio, in_proc_s, e2e_s = median_round(times, "pipelined")
     seq_ratio, seq_in_s, seq_s = median_round(times, "sequential")
     print(
@@ -312,8 +301,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, (secs, all_s) in rows.items():
         listed = " ".join(f"{t:.2f}" for t in all_s)
         print(f"{name:<30} {secs:>9.3f} {n_jobs / secs:>9.1f} {tokens / secs:>10.0f}  {listed}")
-    print(f"end-to-end / in-process throughput: {ratio:.2f}x pipelined (target >= 0.95x), "
-          f"{seq_ratio:.2f}x --no-pipeline (median of {rounds})")  # fmt: skip
+    print(
+        f"end-to-end / in-process throughput: {ratio:.2f}x pipelined (target >= 0.95x), "
+        f"{seq_ratio:.2f}x --no-pipeline (median of {rounds})"
+    )
     if args.json:
         figures = {
             "jobs": n_jobs, "tokens": tokens, "rounds": rounds, "in_process_s": in_proc_s,

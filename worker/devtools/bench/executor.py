@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from worker.demo.tiny import llama_config, random_model
 from worker.devtools.bench.teacher import format_row as format_teacher_row
 from worker.devtools.bench.teacher import run_teacher
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
@@ -62,20 +63,8 @@ CHUNK_TOKENS = 256  # executor LM-head chunk: 256 x 128,256 x 4 B = 131 MB extra
 
 def build_model(vocab: int) -> torch.nn.Module:
     """Llama-shaped model: hidden 256, 2 layers, 4 heads (2 KV), fixed seed, float32, eval."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(SEED)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config).eval()
+    config = llama_config(vocab, 256, 1024, 2048, tie_word_embeddings=False)
+    return random_model("LlamaForCausalLM", config, SEED)
 
 
 def naive_logps(

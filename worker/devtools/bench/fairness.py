@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ import redis
 
 from worker import keys
 from worker.devtools.bench.capacity import RedisProcess
+from worker.processes.local import LocalWorker
 from worker.protocol import decode_result, encode_job
 
 TOKENS = 64
@@ -80,41 +80,26 @@ def _payload(job_id: str, reply: str) -> bytes:
     return encode_job(job_id, "reference", reply, [{"tokens": SEQ, "prompt_len": PROMPT_LEN}])
 
 
-@dataclass
-class WorkerProcess:
-    """A ``serve`` subprocess and its log file."""
-
-    proc: subprocess.Popen[bytes]
-    log_fh: Any
-
-    def poll(self) -> int | None:
-        """The exit code, None while it runs."""
-        return self.proc.poll()
-
-    def stop(self) -> None:
-        """SIGTERM (drain), SIGKILL after 30 s; close the log."""
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log_fh.close()
+def _start_worker(url: str, flags: list[str], args: argparse.Namespace, log: Path) -> LocalWorker:
+    """A noop ``serve`` subprocess logging to ``log``; ``stop()``: SIGTERM, SIGKILL after 30 s."""
+    cmd = [
+        "--redis-url", url, *flags, "--scorer", "noop",
+        "--noop-delay-ms", str(args.noop_delay_ms),
+        "--max-batch-tokens", str(args.max_batch_tokens), "--consumer", "fair",
+        "--metrics-port", "-1", "--result-maxlen", str(4 * args.burst + 100000),
+        "--block-ms", "100",
+    ]  # fmt: skip
+    return LocalWorker(
+        cmd,
+        log_path=log,
+        append=True,
+        log_level="WARNING",
+        env={"OMP_NUM_THREADS": "1"},
+        stdin=subprocess.DEVNULL,
+    )
 
 
-def _start_worker(url: str, flags: list[str], args: argparse.Namespace, log: Path) -> WorkerProcess:
-    cmd = [sys.executable, "-m", "worker", "--log-level", "WARNING", "serve", "--redis-url", url,
-           *flags, "--scorer", "noop", "--noop-delay-ms", str(args.noop_delay_ms),
-           "--max-batch-tokens", str(args.max_batch_tokens), "--consumer", "fair",
-           "--metrics-port", "-1", "--result-maxlen", str(4 * args.burst + 100000),
-           "--block-ms", "100"]  # fmt: skip
-    fh = open(log, "ab")  # noqa: SIM115 - closed by WorkerProcess.stop
-    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
-    return WorkerProcess(proc, fh)
-
-
-def _wait_results(client: Any, reply: str, n: int, proc: WorkerProcess, timeout_s: float) -> None:
+def _wait_results(client: Any, reply: str, n: int, proc: LocalWorker, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while int(client.xlen(reply)) < n:
         if proc.poll() is not None:
@@ -226,11 +211,15 @@ def run_scenario(
     lat = sorted((arrived[j] - sent[j]) * 1000.0 for j in sent)
     n = len(lat)
     return Figures(
-        scenario=sc.name, steady_jobs=n, steady_p50_ms=round(lat[n // 2], 1),
-        steady_p99_ms=round(lat[min(n - 1, int(n * 0.99))], 1), steady_max_ms=round(lat[-1], 1),
-        burst_jobs=args.burst, burst_drain_s=round(last_ms / 1000.0 - burst_started, 2),
+        scenario=sc.name,
+        steady_jobs=n,
+        steady_p50_ms=round(lat[n // 2], 1),
+        steady_p99_ms=round(lat[min(n - 1, int(n * 0.99))], 1),
+        steady_max_ms=round(lat[-1], 1),
+        burst_jobs=args.burst,
+        burst_drain_s=round(last_ms / 1000.0 - burst_started, 2),
         errors=errors[0],
-    )  # fmt: skip
+    )
 
 
 def scenarios(weights: tuple[int, int], prefix: str = "") -> list[Scenario]:
@@ -295,17 +284,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"tokens), capacity {cap:.0f} jobs/s; burst {args.burst} jobs at once, steady "
         f"{rate:.0f} jobs/s ({args.steady_share:g} of capacity) while the burst drains"
     )
-    print(f"{'set-up':<18} {'steady jobs':>11} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9} "
-          f"{'burst drained s':>15} {'errors':>6}")  # fmt: skip
+    print(
+        f"{'set-up':<18} {'steady jobs':>11} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9} "
+        f"{'burst drained s':>15} {'errors':>6}"
+    )
     for r in rows:
-        print(f"{r.scenario:<18} {r.steady_jobs:>11} {r.steady_p50_ms:>9.1f} "
-              f"{r.steady_p99_ms:>9.1f} {r.steady_max_ms:>9.1f} {r.burst_drain_s:>15.2f} "
-              f"{r.errors:>6}")  # fmt: skip
+        print(
+            f"{r.scenario:<18} {r.steady_jobs:>11} {r.steady_p50_ms:>9.1f} "
+            f"{r.steady_p99_ms:>9.1f} {r.steady_max_ms:>9.1f} {r.burst_drain_s:>15.2f} "
+            f"{r.errors:>6}"
+        )
     if args.json_path:
-        report = {"benchmark": "fairness", "capacity_jobs_per_s": round(cap, 1),
-                  "steady_jobs_per_s": round(rate, 1), "args": {k: v for k, v in vars(args).items()
-                                                                if k != "json_path"},
-                  "results": [asdict(r) for r in rows]}  # fmt: skip
+        report = {
+            "benchmark": "fairness",
+            "capacity_jobs_per_s": round(cap, 1),
+            "steady_jobs_per_s": round(rate, 1),
+            "args": {k: v for k, v in vars(args).items() if k != "json_path"},
+            "results": [asdict(r) for r in rows],
+        }
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json_path}")

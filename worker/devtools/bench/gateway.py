@@ -29,7 +29,6 @@ import json
 import os
 import random
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.client import ScoreResult, ScoringClient
+from worker.processes.local import LocalWorker, stop_all
 
 SMOL_VOCAB = 49152
 
@@ -150,16 +150,12 @@ class Procs:
 
     def __init__(self, url: str, tmp: Path) -> None:
         self.url, self.tmp = url, tmp
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[LocalWorker] = []
         self.queue = f"benchgw{uuid.uuid4().hex[:8]}"
 
-    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - the process owns it
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", "--log-level", "WARNING", *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=dict(os.environ),
+    def start(self, name: str, command: str, *args: str) -> LocalWorker:
+        proc = LocalWorker(
+            args, command=command, log_path=self.tmp / f"{name}.log", log_level="WARNING"
         )
         self.procs.append(proc)
         return proc
@@ -209,14 +205,7 @@ class Procs:
         raise RuntimeError(f"the gateway or worker did not come up; logs in {self.tmp}")
 
     def close(self) -> None:
-        for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:  # a worker mid-batch past its drain: stop it
-                p.kill()
-                p.wait(30)
+        stop_all(self.procs, 60)  # a worker mid-batch past its drain is killed
 
 
 def overhead(url: str, n: int, concurrency: int, tmp: Path) -> dict[str, Any]:
@@ -344,7 +333,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = None
     url = args.redis_url
     if url is None:
-        from worker.devtools.embedded import EmbeddedRedis, free_port
+        from worker.demo.embedded import EmbeddedRedis
+        from worker.processes.local import free_port
 
         server = EmbeddedRedis(port=free_port()).start()
         url = server.url

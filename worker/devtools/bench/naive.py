@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from worker.demo.embedded import redis_url_or_embedded
+
 #: name -> (speed target: naive s / worker s >=, peak RSS target: worker / naive <=)
 TARGETS = {"synthetic": (3.5, 0.12), "smollm2": (1.8, 0.5)}
 SYNTHETIC_VOCAB = 128_256
@@ -175,6 +177,7 @@ def run_worker(
 
     from worker import keys
     from worker.devtools.bench.e2e import collect_results
+    from worker.processes.local import LocalWorker
     from worker.protocol import encode_job
 
     tag = f"naive{os.getpid()}"
@@ -183,38 +186,36 @@ def run_worker(
     client = redis.Redis.from_url(url)
     client.delete(stream, reply)
     log_path = tmp / "worker.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", "--log-level", "WARNING", "serve", "--redis-url", url,
-             "--queue", tag, "--reference-model", model_path, "--device", "cpu",
-             "--consumer", "bench", "--metrics-port", "-1",
-             *([] if pipeline else ["--no-pipeline"])],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        try:
+    worker = LocalWorker(
+        ["--redis-url", url,
+         "--queue", tag, "--reference-model", model_path, "--device", "cpu",
+         "--consumer", "bench", "--metrics-port", "-1",
+         *([] if pipeline else ["--no-pipeline"])],
+        log_path=log_path, log_level="WARNING",
+    )  # fmt: skip
+    try:
 
-            def one_pass(prefix: str, batch: list[dict[str, Any]]) -> float:
-                client.delete(reply)
-                payloads = [
-                    encode_job(f"{prefix}{i}", "reference", reply, [s]) for i, s in enumerate(batch)
-                ]
-                start = time.perf_counter()
-                pipe = client.pipeline(transaction=False)
-                for p in payloads:
-                    pipe.xadd(stream, {"payload": p})
-                pipe.execute()
-                ok = collect_results(client, reply, len(batch), timeout_s=1800)
-                if ok != len(batch):
-                    raise RuntimeError(f"{len(batch) - ok} jobs failed; see {log_path}")
-                return time.perf_counter() - start
+        def one_pass(prefix: str, batch: list[dict[str, Any]]) -> float:
+            client.delete(reply)
+            payloads = [
+                encode_job(f"{prefix}{i}", "reference", reply, [s]) for i, s in enumerate(batch)
+            ]
+            start = time.perf_counter()
+            pipe = client.pipeline(transaction=False)
+            for p in payloads:
+                pipe.xadd(stream, {"payload": p})
+            pipe.execute()
+            ok = collect_results(client, reply, len(batch), timeout_s=1800)
+            if ok != len(batch):
+                raise RuntimeError(f"{len(batch) - ok} jobs failed; see {log_path}")
+            return time.perf_counter() - start
 
-            one_pass("warm", seqs[:2])
-            seconds = one_pass("timed", seqs)
-            peak = vm_hwm(proc.pid)
-        finally:
-            proc.terminate()
-            proc.wait(60)
-            client.delete(stream, reply, keys.dead_letter_stream(stream))
+        one_pass("warm", seqs[:2])
+        seconds = one_pass("timed", seqs)
+        peak = vm_hwm(worker.pid)
+    finally:
+        worker.stop(60)
+        client.delete(stream, reply, keys.dead_letter_stream(stream))
     return {"seconds": seconds, "peak_rss_bytes": peak}
 
 
@@ -256,12 +257,18 @@ def compare(name: str, url: str, quick: bool, rounds: int = 1) -> dict[str, Any]
     speed_target, mem_target = TARGETS[name]
     mem = worker["peak_rss_bytes"] / max(1.0, naive["peak_rss_bytes"])
     return {
-        "model": name, "sequences": n, "tokens": sum(len(s["tokens"]) for s in seqs),
-        "naive": naive, "worker": worker, "speedup": speedup, "peak_rss_ratio": mem,
-        "rounds": [round(d[0], 3) for d in done], "flops": flops,
+        "model": name,
+        "sequences": n,
+        "tokens": sum(len(s["tokens"]) for s in seqs),
+        "naive": naive,
+        "worker": worker,
+        "speedup": speedup,
+        "peak_rss_ratio": mem,
+        "rounds": [round(d[0], 3) for d in done],
+        "flops": flops,
         "targets": {"speedup": speed_target, "peak_rss_ratio": mem_target},
         "met": speedup >= speed_target and mem <= mem_target,
-    }  # fmt: skip
+    }
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
@@ -311,19 +318,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args, _ = p.parse_known_args(argv)
     models = args.model or (["synthetic"] if args.quick else ["smollm2", "synthetic"])
-    server = None
-    url = args.redis_url
-    if url is None:
-        from worker.devtools.embedded import EmbeddedRedis
-
-        server = EmbeddedRedis().start()
-        url = server.url
-    try:
+    with redis_url_or_embedded(args.redis_url) as url:
         rounds = 1 if args.quick else args.rounds
         rows = [compare(name, url, args.quick, rounds) for name in models]
-    finally:
-        if server is not None:
-            server.stop()
     print("\n" + format_rows(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")

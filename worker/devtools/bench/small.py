@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -28,6 +26,8 @@ from typing import Any
 import redis
 
 from worker import keys
+from worker.demo.embedded import redis_url_or_embedded
+from worker.processes.local import LocalWorker
 from worker.protocol import decode_result, encode_job
 
 
@@ -59,41 +59,39 @@ def run_once(
                     last = entry_id.decode()
                     arrived.setdefault(decode_result(fields[b"payload"]).id, now)
 
-    with open(log, "ab") as log_fh:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", "--log-level", "WARNING", "serve", "--redis-url", url,
-             "--queue", tag, "--scorer", "noop", "--noop-delay-ms", str(delay_ms),
-             "--max-wait-ms", str(max_wait_ms), "--consumer", "bench", "--metrics-port", "-1",
-             *([] if pipeline else ["--no-pipeline"])],
-            stdout=log_fh, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        try:
-            client.xadd(stream, {"payload": encode_job("warm", "reference", reply, [seq])})
-            while not client.xlen(reply):  # the worker is up and serving
-                time.sleep(0.05)
-            client.delete(reply)
-            reader = threading.Thread(target=read, daemon=True)
-            reader.start()
-            sent: list[float] = []
-            start = time.perf_counter()
-            for i, p in enumerate(payloads):
-                wait = start + i / rate - time.perf_counter()
-                if wait > 0:
-                    time.sleep(wait)
-                sent.append(time.perf_counter())
-                client.xadd(stream, {"payload": p})
-            reader.join()
-        finally:
-            proc.terminate()
-            proc.wait(30)
-            client.delete(stream, reply, keys.dead_letter_stream(stream))
+    worker = LocalWorker(
+        ["--redis-url", url, "--queue", tag, "--scorer", "noop", "--noop-delay-ms", str(delay_ms),
+         "--max-wait-ms", str(max_wait_ms), "--consumer", "bench", "--metrics-port", "-1",
+         *([] if pipeline else ["--no-pipeline"])],
+        log_path=log, append=True, log_level="WARNING",
+    )  # fmt: skip
+    try:
+        client.xadd(stream, {"payload": encode_job("warm", "reference", reply, [seq])})
+        while not client.xlen(reply):  # the worker is up and serving
+            time.sleep(0.05)
+        client.delete(reply)
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        sent: list[float] = []
+        start = time.perf_counter()
+        for i, p in enumerate(payloads):
+            wait = start + i / rate - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            sent.append(time.perf_counter())
+            client.xadd(stream, {"payload": p})
+        reader.join()
+    finally:
+        worker.stop(30)
+        client.delete(stream, reply, keys.dead_letter_stream(stream))
     if len(arrived) < n:
         raise RuntimeError(f"only {len(arrived)}/{n} results; see {log}")
     lat = sorted((arrived[f"j{i}"] - sent[i]) * 1000.0 for i in range(n))
     return {
         "jobs_per_s": n / (max(arrived.values()) - sent[0]),
-        "p50_ms": lat[n // 2], "p99_ms": lat[min(n - 1, int(n * 0.99))],
-    }  # fmt: skip
+        "p50_ms": lat[n // 2],
+        "p99_ms": lat[min(n - 1, int(n * 0.99))],
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -108,24 +106,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, _ = p.parse_known_args(argv)
     n = min(args.jobs, 200) if args.quick else args.jobs
     waits = args.max_wait_ms or ([5] if args.quick else [0, 5, 20])
-    server = None
-    url = args.redis_url
-    if url is None:
-        from worker.devtools.embedded import EmbeddedRedis
-
-        server = EmbeddedRedis().start()
-        url = server.url
     rows: list[tuple[int, str, dict[str, Any]]] = []
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench-small-") as tmp:
-            for wait in waits:
-                for pipeline in (True, False):
-                    figs = run_once(url, n, args.rate, wait, args.noop_delay_ms, pipeline,
-                                    Path(tmp) / "worker.log")  # fmt: skip
-                    rows.append((wait, "pipelined" if pipeline else "--no-pipeline", figs))
-    finally:
-        if server is not None:
-            server.stop()
+    with (
+        redis_url_or_embedded(args.redis_url) as url,
+        tempfile.TemporaryDirectory(prefix="bench-small-") as tmp,
+    ):
+        for wait in waits:
+            for pipeline in (True, False):
+                figs = run_once(url, n, args.rate, wait, args.noop_delay_ms, pipeline,
+                                Path(tmp) / "worker.log")  # fmt: skip
+                rows.append((wait, "pipelined" if pipeline else "--no-pipeline", figs))
     print(
         f"\nsmall jobs: {n} one-sequence jobs of ~200 tokens offered at {args.rate:.0f} jobs/s, "
         f"no-op scorer sleeping {args.noop_delay_ms:g} ms per batch, one worker"

@@ -24,9 +24,7 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -38,7 +36,7 @@ import msgpack
 import redis
 
 from worker import keys
-from worker.devtools.embedded import free_port
+from worker.processes.local import LocalWorker, free_port
 
 SERIES = ("rss_mib", "fds", "threads", "redis_used_mib", "redis_keys")
 
@@ -103,7 +101,7 @@ class Soak:
         self.server = Server(workdir)
         self.queue = "soak"
         self.stream = keys.job_streams(self.queue)[0]
-        self.worker: subprocess.Popen[bytes] | None = None
+        self.worker: LocalWorker | None = None
         self.samples: list[dict[str, float]] = []
         self.events: list[tuple[float, str]] = []
         self.counts = {"valid": 0, "bad": 0, "expired": 0, "poison": 0, "lost": 0, "answered": 0}
@@ -111,13 +109,12 @@ class Soak:
         self._t0 = 0.0
 
     def _start_worker(self) -> None:
-        log = open(self.workdir / "worker.log", "ab")  # noqa: SIM115 - lives with the process
-        self.worker = subprocess.Popen(
-            [sys.executable, "-m", "worker", "serve", "--scorer", "noop",
+        self.worker = LocalWorker(
+            ["--scorer", "noop",
              "--redis-url", f"redis://127.0.0.1:{self.server.port}/0", "--queue", self.queue,
              "--consumer", "soak-1", "--metrics-port", "-1", "--block-ms", "200",
              "--claim-idle-ms", "3000", "--max-deliveries", "3"],
-            stdout=log, stderr=subprocess.STDOUT,
+            log_path=self.workdir / "worker.log", append=True,
         )  # fmt: skip
 
     def _sample(self) -> None:
@@ -157,8 +154,12 @@ class Soak:
                     elif kind == "expired":
                         client.submit(seqs, deadline_ms=int(time.time() * 1000) - 1000)
                     elif kind == "bad":
-                        body = {"v": 1, "id": f"bad-{i}", "mode": "reference",
-                                "reply_to": client.reply_stream}  # fmt: skip
+                        body = {
+                            "v": 1,
+                            "id": f"bad-{i}",
+                            "mode": "reference",
+                            "reply_to": client.reply_stream,
+                        }
                         raw.xadd(self.stream, {b"payload": msgpack.packb(body)})
                     else:
                         raw.xadd(self.stream, {b"payload": b"\xc1poison"})
@@ -187,16 +188,17 @@ class Soak:
             self.counts["lost"] += 1
 
     def _events(self) -> None:
-        plan = [(0.25, "worker restart (SIGTERM, drain, start)"),
-                (0.50, "redis kill -9 + restart on AOF")]  # fmt: skip
+        plan = [
+            (0.25, "worker restart (SIGTERM, drain, start)"),
+            (0.50, "redis kill -9 + restart on AOF"),
+        ]
         for frac, what in plan:
             if self._stop.wait(max(self._t0 + frac * self.duration_s - time.monotonic(), 0)):
                 return
             self.events.append((time.monotonic() - self._t0, what))
             if what.startswith("worker"):
                 assert self.worker is not None
-                self.worker.send_signal(signal.SIGTERM)
-                self.worker.wait(60)
+                self.worker.stop(60)
                 self._start_worker()
             else:
                 self.server.kill_restart()
@@ -225,18 +227,26 @@ class Soak:
                 if r.ttl(k) == -1 and k.decode() not in queue_keys
             ]
             stream_len = int(r.xlen(self.stream))
-            dead = r.xlen(keys.dead_letter_stream(self.stream)) if r.exists(
-                keys.dead_letter_stream(self.stream)) else 0  # fmt: skip
+            dead = (
+                r.xlen(keys.dead_letter_stream(self.stream))
+                if r.exists(keys.dead_letter_stream(self.stream))
+                else 0
+            )
         if self.worker is not None:
-            self.worker.send_signal(signal.SIGTERM)
-            self.worker.wait(60)
+            self.worker.stop(60)
         self.server.stop()
         return {
-            "duration_s": self.duration_s, "rate": self.rate, "counts": self.counts,
-            "events": self.events, "samples": self.samples, "drift": self.drift(),
-            "keys_without_ttl": no_ttl, "dead_letters": dead, "job_stream_len": stream_len,
+            "duration_s": self.duration_s,
+            "rate": self.rate,
+            "counts": self.counts,
+            "events": self.events,
+            "samples": self.samples,
+            "drift": self.drift(),
+            "keys_without_ttl": no_ttl,
+            "dead_letters": dead,
+            "job_stream_len": stream_len,
             "worker_alive": alive,
-        }  # fmt: skip
+        }
 
     def window_start(self) -> float:
         """After the last disruption plus warm-up (10% of the run by default)."""

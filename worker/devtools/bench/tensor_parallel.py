@@ -4,7 +4,8 @@ tensor-parallel`` (``python -m worker.devtools.bench.tensor_parallel [--quick] [
 A random Llama checkpoint is saved once (``SHAPES``), in bfloat16 and loaded as float32, so
 every rank copies what it holds and its RSS counts exactly its own weights (a float32 checkpoint
 is memory-mapped: its pages would count in whichever rank touched them). For each size N, N
-ranks join a gloo group (``launch``, the group's own rendezvous and collectives), load it
+ranks join a gloo group (``worker.processes.tp_local``: the group's own rendezvous and
+collectives), load it
 sharded with ``ParallelExecutor.load`` and score one batch through the leader's
 ``GroupScorer``. Each rank reports the parameter bytes it holds, its RSS when it started
 (torch and transformers imported, the group joined, nothing loaded), after loading, and its
@@ -14,23 +15,22 @@ The table shows, per rank, the weights it holds (about 1/N), what loading added 
 what the batch added on top (activations and the LM head's blocks: ``[c, V / N]``, never
 ``[rows, V]``, whose size the table prints beside it).
 
-``launch`` (N rank processes of any module, rank 0 holding the ``TCPStore``) and ``join`` are
-also what the tests' two-rank scenarios use (``tests/support/tp_ranks.py``).
+``serve_calls`` (the group answering a list of calls) is also what the tests' two-rank scenarios
+(``tests/support/tp_ranks.py``) and the GPU check's ``tp`` step use.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from worker.processes.tp_local import join, launch
 
 SHAPES: dict[str, dict[str, int]] = {
     # 160M parameters, 640 MB in float32: the weights dominate a rank's RSS
@@ -44,13 +44,6 @@ SHAPES: dict[str, dict[str, int]] = {
 MIB = 1 << 20
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the group's rendezvous binds it a moment later)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def rss_bytes() -> int:
     """This process's resident set size now (``VmRSS``)."""
     with open("/proc/self/status") as fh:
@@ -58,74 +51,6 @@ def rss_bytes() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def launch(
-    size: int,
-    module: str,
-    extra: Sequence[str],
-    *,
-    out: Path,
-    timeout_s: float = 300.0,
-    device_type: str = "cpu",
-    procs: list[subprocess.Popen[bytes]] | None = None,
-) -> list[Path]:
-    """Run ``python -m module --rank r --size N --port P --out out/rank<r>.out *extra`` for
-    every rank and return the ``--out`` files, rank order, once every rank exited 0. On the CPU
-    (``device_type``) each rank gets ``OMP_NUM_THREADS`` = cores / N and no CUDA; on CUDA
-    rank r takes ``cuda:r``. A rank that fails, or ``timeout_s``, ends the others and raises
-    with the rank's log tail. ``procs`` (a list) is filled with the ranks as they start, so a
-    caller can stop them from elsewhere (a deadline)."""
-    port, logs = free_port(), []
-    procs = [] if procs is None else procs
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if device_type == "cpu":
-        env.update(OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // size)),
-                   CUDA_VISIBLE_DEVICES="")  # fmt: skip
-    for rank in range(size):
-        log = out / f"rank{rank}.log"
-        logs.append(log)
-        argv = [sys.executable, "-m", module, "--rank", str(rank), "--size", str(size),
-                "--port", str(port), "--out", str(out / f"rank{rank}.out"), *extra]  # fmt: skip
-        with open(log, "wb") as fh:
-            procs.append(subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env))
-    deadline = time.monotonic() + timeout_s
-    try:
-        while any(p.poll() is None for p in procs):
-            failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                rank = failed[0] if failed else 0
-                why = f"exited with {procs[rank].returncode}" if failed else "still running"
-                tail = logs[rank].read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"rank {rank} of {size} {why} after {timeout_s:.0f} s:\n{tail}")
-            time.sleep(0.1)
-        if any(p.returncode for p in procs):
-            raise RuntimeError(f"a rank failed:\n{logs[0].read_text(errors='replace')[-3000:]}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [out / f"rank{r}.out" for r in range(size)]
-
-
-def join(rank: int, size: int, port: int, device_type: str = "cpu") -> Any:
-    """Join a group of ``size`` as ``rank`` on this machine (rank 0 holds the ``TCPStore``;
-    gloo on the CPU, NCCL with rank r on ``cuda:r``): the group's ``Comm``."""
-    import datetime
-
-    import torch.distributed as dist
-
-    from worker.executor.parallel.collectives import GroupSpec, init_group
-
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(size))
-    devices = tuple(f"cuda:{r}" for r in range(size)) if device_type == "cuda" else ("cpu",) * size
-    spec = GroupSpec(rank, size, "127.0.0.1", port, device_type, devices, 600.0)
-    store = None
-    if rank == 0:
-        store = dist.TCPStore("127.0.0.1", port, size, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=600))  # fmt: skip
-    return init_group(spec, store)
 
 
 def serve_calls(executor: Any, comm: Any, calls: list[Any]) -> list[Any]:
@@ -183,8 +108,13 @@ def _rank(args: argparse.Namespace) -> None:
         SequenceInput(rng.integers(1, shape["vocab_size"], shape["length"]), shape["prompt"])
         for _ in range(shape["seqs"])
     ]
-    config = ExecutorConfig(mode="reference", device="cpu", dtype="float32",
-                            max_batch_tokens=1 << 20, bucket_pad_fraction=1.0)  # fmt: skip
+    config = ExecutorConfig(
+        mode="reference",
+        device="cpu",
+        dtype="float32",
+        max_batch_tokens=1 << 20,
+        bucket_pad_fraction=1.0,
+    )
     t0 = time.perf_counter()
     if args.size == 1:
         ex: Any = StatelessExecutor.from_pretrained(config, reference_model=args.model)
@@ -212,12 +142,13 @@ def _rank(args: argparse.Namespace) -> None:
 
 def _save_model(shape: dict[str, int], where: Path) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
+
+    from worker.demo.tiny import random_model
 
     keep: dict[str, Any] = {k: v for k, v in shape.items() if k not in ("seqs", "length", "prompt")}
-    torch.manual_seed(0)
     cfg = LlamaConfig(**keep, max_position_embeddings=2048, tie_word_embeddings=False)
-    model: Any = LlamaForCausalLM(cfg)
+    model: Any = random_model("LlamaForCausalLM", cfg, 0)
     model.to(torch.bfloat16).save_pretrained(where)
 
 
@@ -242,8 +173,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         root = Path(tmp)
         _save_model(shape, root / "model")
         rows_v = shape["seqs"] * (shape["length"] - shape["prompt"]) * shape["vocab_size"] * 4
-        print(f"tensor parallel, CPU over gloo: random Llama {name} ({shape}), float32; one "
-              f"batch; a [rows, V] float32 block would be {rows_v / MIB:,.0f} MiB")  # fmt: skip
+        print(
+            f"tensor parallel, CPU over gloo: random Llama {name} ({shape}), float32; one "
+            f"batch; a [rows, V] float32 block would be {rows_v / MIB:,.0f} MiB"
+        )
         print("| ranks | rank | weights held | RSS start | + load | + batch (peak) | logps sum |")
         print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for size in (int(s) for s in args.sizes.split(",")):

@@ -12,7 +12,7 @@ Steps, each timed and limited (``STEPS``; the limits add up to less than ``DEFAU
 
 1. ``install``: the missing wheels unpacked into ``OUT/scratch/site``, put on every subprocess's
    ``PYTHONPATH``;
-2. ``env``; 3. ``pytest -m gpu tests/test_gpu.py``; 4. ``bench``; 5. ``oom``; 6. ``e2e``;
+2. ``env``; 3. ``pytest -m gpu tests/executor/test_gpu.py``; 4. ``bench``; 5. ``oom``; 6. ``e2e``;
    7. ``tp`` (TP=2 over NCCL; skipped with a note below two GPUs); 8. ``backends`` (last:
    flex_attention compiles, the slowest and least predictable step). Steps 2 and 4-8 run as
    ``python -m worker.devtools.gpu_check.steps NAME`` processes, each
@@ -114,8 +114,10 @@ def describe(name: str, opts: Options) -> list[str]:
         peaks = ", ".join(f"{p.variant} {p.tflops:g}" for p in gpu_shapes.DEVICE_PEAKS)
         return [f"dense bf16 peak TFLOP/s by device name: {peaks}; other devices: MFU n/a"]
     if name == "pytest":
-        return [f"expects the {PYTEST_TARGET} tests to pass on CUDA (without it they are "
-                "collected and skip, which passes)"]  # fmt: skip
+        return [
+            f"expects the {PYTEST_TARGET} tests to pass on CUDA (without it they are "
+            "collected and skip, which passes)"
+        ]
     if name == "bench":
         return [
             f"model: {shape.describe()}; random weights, {dtype}",
@@ -179,24 +181,32 @@ def _describe_install(opts: Options) -> list[str]:
 
 def dry_run(opts: Options, cuda: tuple[bool, str]) -> int:
     """Print the plan; exit code 0."""
-    print(f"gpu-check dry run: --device {opts.device}{' --tiny' if opts.tiny else ''}, "
-          f"budget {opts.budget_s:.0f} s, out {opts.out}, python {sys.executable}")  # fmt: skip
+    print(
+        f"gpu-check dry run: --device {opts.device}{' --tiny' if opts.tiny else ''}, "
+        f"budget {opts.budget_s:.0f} s, out {opts.out}, python {sys.executable}"
+    )
     for i, spec in enumerate(s for s in STEPS if s.name in opts.steps):
         print(f"[{i + 1}] {spec.name}: {spec.title} (limit {spec.budget_s:.0f} s)")
         if spec.name != "install":
             print("    command: " + " ".join(command_for(spec.name, opts)))
         for line in describe(spec.name, opts):
             print(f"    {line}")
-    print(f"writes everything under {opts.out}: gpu-check.json, gpu-check.md, gpu-check.log, "
-          "worker.log, steps/ (scratch/ is removed at the end)")  # fmt: skip
+    print(
+        f"writes everything under {opts.out}: gpu-check.json, gpu-check.md, gpu-check.log, "
+        "worker.log, steps/ (scratch/ is removed at the end)"
+    )
     needs = ", ".join(s.name for s in STEPS if s.needs_cuda and s.name in opts.steps)
-    print(f"steps that need CUDA: {needs} (with --device cpu --tiny they run on the CPU: the "
-          "oom cap is simulated and pytest's gpu tests skip)")  # fmt: skip
+    print(
+        f"steps that need CUDA: {needs} (with --device cpu --tiny they run on the CPU: the "
+        "oom cap is simulated and pytest's gpu tests skip)"
+    )
     if cuda[0]:
         print(f"CUDA is available here: {cuda[1]}")
     else:
-        print(f"CUDA is NOT available here: {cuda[1]}. Without --dry-run, --device cuda exits 2 "
-              "before doing anything.")  # fmt: skip
+        print(
+            f"CUDA is NOT available here: {cuda[1]}. Without --dry-run, --device cuda exits 2 "
+            "before doing anything."
+        )
     print("dry run: nothing was run.")
     return 0
 
@@ -204,7 +214,7 @@ def dry_run(opts: Options, cuda: tuple[bool, str]) -> int:
 def _new_doc(opts: Options) -> dict[str, Any]:
     return {
         "tool": "worker.devtools.gpu_check",
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "host": platform.node(),
         "python": sys.executable,
         "mode": {"device": opts.device, "tiny": opts.tiny, "budget_s": opts.budget_s},
@@ -228,8 +238,11 @@ def run_all(opts: Options) -> dict[str, Any]:
             record = runner.run(spec, opts.budget_s)
             doc["steps"][spec.name] = record
             note = record.get("error") or record.get("reason") or ""
-            print(f"[gpu-check] {spec.name}: {record['status']} in {record['seconds']:.1f} s"
-                  + (f" ({note})" if note else ""), flush=True)  # fmt: skip
+            print(
+                f"[gpu-check] {spec.name}: {record['status']} in {record['seconds']:.1f} s"
+                + (f" ({note})" if note else ""),
+                flush=True,
+            )
             doc["failed"] = [n for n, r in doc["steps"].items() if r["status"] == "failed"]
             doc.update(ok=not doc["failed"], elapsed_s=time.monotonic() - started)
             _write(opts.out, doc)  # after every step: a killed run still leaves a report
@@ -243,12 +256,19 @@ def stop_for_wheels(opts: Options, lacking: list[str]) -> int:
     """No step can pass without the wheels: say so loudly, record it under OUT, exit 3."""
     message = gpu_wheels.missing_message(opts.wheels, lacking)
     bar = "!" * 78
-    print(f"{bar}\ngpu-check: STOPPED before any step: {message}. Nothing was run.\n{bar}",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"{bar}\ngpu-check: STOPPED before any step: {message}. Nothing was run.\n{bar}",
+        file=sys.stderr,
+    )
     doc = _new_doc(opts)
-    doc["steps"]["install"] = {"title": STEPS[0].title, "budget_s": STEPS[0].budget_s,
-                               "status": "failed", "seconds": 0.0, "figures": {},
-                               "error": message}  # fmt: skip
+    doc["steps"]["install"] = {
+        "title": STEPS[0].title,
+        "budget_s": STEPS[0].budget_s,
+        "status": "failed",
+        "seconds": 0.0,
+        "figures": {},
+        "error": message,
+    }
     doc.update(failed=["install"], ok=False, elapsed_s=0.0)
     opts.out.mkdir(parents=True, exist_ok=True)
     _write(opts.out, doc)
@@ -291,15 +311,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if opts.dry_run:
         return dry_run(opts, cuda)
     if opts.device == "cuda" and not cuda[0]:
-        print(f"gpu-check: CUDA is not available: {cuda[1]}. Nothing was run. Run it on a GPU "
-              "machine, or use --dry-run, or --device cpu --tiny.", file=sys.stderr)  # fmt: skip
+        print(
+            f"gpu-check: CUDA is not available: {cuda[1]}. Nothing was run. Run it on a GPU "
+            "machine, or use --dry-run, or --device cpu --tiny.",
+            file=sys.stderr,
+        )
         return EXIT_NO_CUDA
     lacking = gpu_wheels.preflight(opts.wheels) if "install" in opts.steps else []
     if lacking:
         return stop_for_wheels(opts, lacking)
     doc = run_all(opts)
-    print(f"[gpu-check] {'ok' if doc['ok'] else 'FAILED: ' + ', '.join(doc['failed'])}; wrote "
-          f"{opts.out}/gpu-check.json and gpu-check.md in {doc['elapsed_s']:.0f} s")  # fmt: skip
+    print(
+        f"[gpu-check] {'ok' if doc['ok'] else 'FAILED: ' + ', '.join(doc['failed'])}; wrote "
+        f"{opts.out}/gpu-check.json and gpu-check.md in {doc['elapsed_s']:.0f} s"
+    )
     return 0 if doc["ok"] else 1
 
 

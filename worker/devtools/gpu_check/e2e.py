@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,12 +27,14 @@ import numpy as np
 from worker.devtools.gpu_check import model as gm
 from worker.devtools.gpu_check import shapes as gs
 from worker.devtools.gpu_check.record import CheckFailed, Setup, StepReport
+from worker.processes.local import LocalWorker
 
 SEQS_PER_JOB = 4
 MAX_BATCH_TOKENS = 16384
 POLL_S = 1.0  # a wait on the first result between two looks at the worker process
 #: seconds of the step's deadline kept for what follows the last wait (stop the worker, record)
 RESERVE_S = 12.0
+STOP_GRACE_S = 8.0  # SIGTERM, then SIGKILL: the worker drains within this
 
 
 def _jobs(shape: gs.Shape) -> list[list[dict[str, Any]]]:
@@ -46,9 +47,8 @@ def _jobs(shape: gs.Shape) -> list[list[dict[str, Any]]]:
     return [flat[i : i + SEQS_PER_JOB] for i in range(0, len(flat), SEQS_PER_JOB)]
 
 
-def _serve_argv(url: str, queue: str, model_dir: Path, device: str, dtype: str) -> list[str]:
+def _serve_args(url: str, queue: str, model_dir: Path, device: str, dtype: str) -> list[str]:
     return [
-        sys.executable, "-m", "worker", "--log-level", "WARNING", "serve",
         "--redis-url", url, "--queue", queue, "--reference-model", str(model_dir),
         "--device", device, "--dtype", dtype, "--consumer", "gpu-check",
         "--max-batch-tokens", str(MAX_BATCH_TOKENS), "--metrics-port", "-1",
@@ -71,18 +71,6 @@ def _in_process(model_dir: Path, device: str, dtype: str, jobs: list[Any]) -> li
         out.append([s.logps for s in ex.score(seqs).scores])
     ex.close()
     return out
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> int | None:
-    """SIGTERM the worker, then SIGKILL after 8 s; its exit code."""
-    if proc.poll() is not None:
-        return proc.returncode
-    proc.terminate()
-    try:
-        return proc.wait(8)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait(5)
 
 
 def _tail(path: Path, limit: int = 2000) -> str:
@@ -128,7 +116,7 @@ def step_e2e(setup: Setup, report: StepReport) -> None:
     import torch
 
     from worker.client import ScoringClient
-    from worker.devtools.embedded import EmbeddedRedis
+    from worker.demo.embedded import EmbeddedRedis
 
     shape, dtype = gs.e2e_shape(setup.tiny), gs.dtype_for(setup.device)
     jobs = _jobs(shape)
@@ -145,20 +133,22 @@ def step_e2e(setup: Setup, report: StepReport) -> None:
             torch.cuda.empty_cache()
         report.put(saved_model_bytes=sum(f.stat().st_size for f in model_dir.rglob("*")))
         queue = "gpucheck"
-        with EmbeddedRedis() as server, open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                _serve_argv(server.url, queue, model_dir, setup.device, dtype),
-                stdout=log,
-                stderr=subprocess.STDOUT,
+        with EmbeddedRedis() as server:
+            worker = LocalWorker(
+                _serve_args(server.url, queue, model_dir, setup.device, dtype),
+                log_path=log_path,
+                log_level="WARNING",
             )
-            report.on_deadline(lambda: _stop(proc))
+            report.on_deadline(lambda: worker.stop(STOP_GRACE_S))
             try:
                 report.stage("scoring in process while the worker loads")
                 expected = _in_process(model_dir, setup.device, dtype, jobs)
                 # a fresh server: the loading worker creates the group, so wait for it anyway
                 with ScoringClient(server.url, queue=queue, wait_for_unknown_queue=True) as client:
                     report.stage("waiting for the worker's first result")
-                    report.put(first_job_s=_first_result(client, jobs[0], proc, report, log_path))
+                    report.put(
+                        first_job_s=_first_result(client, jobs[0], worker.proc, report, log_path)
+                    )
                     report.stage("timed jobs")
                     timeout = max(1.0, report.remaining_s() - RESERVE_S)
                     t0 = time.perf_counter()
@@ -168,7 +158,7 @@ def step_e2e(setup: Setup, report: StepReport) -> None:
                 report.put(worker_log_tail=_tail(log_path))
                 raise
             finally:
-                exit_code = _stop(proc)
+                exit_code = worker.stop(STOP_GRACE_S)
     finally:
         shutil.rmtree(model_dir, ignore_errors=True)  # 1.3 GB on the GPU: not kept under OUT
     got = [[s.logps for s in r.seqs] for r in results if not isinstance(r, Exception)]

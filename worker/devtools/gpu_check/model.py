@@ -12,27 +12,24 @@ from typing import Any
 import numpy as np
 import torch
 
+from worker.demo.tiny import llama_config, random_model
 from worker.devtools.gpu_check.shapes import SEED, Shape
 from worker.executor import SequenceInput
 
 
 def build_model(shape: Shape, device: str, dtype: str) -> Any:
     """``LlamaForCausalLM`` with random weights (seed ``SEED``), initialised on ``device``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(SEED)
-    config = LlamaConfig(
-        hidden_size=shape.hidden_size,
+    config = llama_config(
+        shape.vocab_size,
+        shape.hidden_size,
+        shape.intermediate_size,
+        shape.max_position_embeddings,
         num_hidden_layers=shape.num_hidden_layers,
         num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_key_value_heads,
-        intermediate_size=shape.intermediate_size,
-        vocab_size=shape.vocab_size,
-        max_position_embeddings=shape.max_position_embeddings,
         tie_word_embeddings=False,
     )
-    with torch.device(device):
-        model = LlamaForCausalLM(config)
+    model = random_model("LlamaForCausalLM", config, SEED, device=device)
     return model.to(getattr(torch, dtype)).eval()
 
 

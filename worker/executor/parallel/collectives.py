@@ -10,7 +10,7 @@ A group is ``size`` processes; rank 0 (the leader) alone talks to Redis, ranks 1
 * **the control group**, gloo on the CPU with a timeout of ``CONTROL_TIMEOUT``: the batch
   broadcast (a follower waits in it for as long as the queue is idle), the status vote after
   each forward, the per-call memory peaks. Liveness while idle (a rank stopped, killed or hung)
-  comes from the heartbeats and step deadline of ``worker.commands._group``, not from this
+  comes from the heartbeats and step deadline of ``worker.processes.tp_group``, not from this
   timeout.
 
 Order, per ``score`` call of the leader's ``GroupScorer`` (after the broadcast every rank runs

@@ -114,8 +114,10 @@ class ParallelForward(BatchForward):
             if self._failed:  # raised by a vote: every rank raises alike already
                 raise
             if is_collective_failure(exc):
-                self.comm.fatal(f"rank {self.comm.rank}: a collective of the forward failed: "
-                                f"{type(exc).__name__}: {exc}"[:500])  # fmt: skip
+                self.comm.fatal(
+                    f"rank {self.comm.rank}: a collective of the forward failed: "
+                    f"{type(exc).__name__}: {exc}"[:500]
+                )
             self._agree(exc)
             raise
         self._agree(None)

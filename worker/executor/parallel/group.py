@@ -9,7 +9,7 @@ the same ``ParallelExecutor.score``, repeat, until the leader sends ``None``. Th
 each call makes, in order, are listed in ``collectives``.
 
 ``StepClock`` says how long this rank has been inside one call; the group's watchdog
-(``worker.commands._group``) takes the group down when a call outlives its deadline (a rank
+(``worker.processes.tp_group``) takes the group down when a call outlives its deadline (a rank
 hung in a kernel or in a collective that a dead or stuck peer never joins).
 """
 

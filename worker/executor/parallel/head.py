@@ -122,8 +122,11 @@ class Columns:
     @classmethod
     def of(cls, spec: TokenOutputs) -> Columns:
         """The columns a call's request needs (log-probs alone: ``m``, ``s``, ``label``)."""
-        return cls("entropy" in spec.outputs, spec.topk if "topk" in spec.outputs else 0,
-                   spec.gather_k if "gather" in spec.outputs else 0)  # fmt: skip
+        return cls(
+            "entropy" in spec.outputs,
+            spec.topk if "topk" in spec.outputs else 0,
+            spec.gather_k if "gather" in spec.outputs else 0,
+        )
 
     @property
     def top(self) -> int:

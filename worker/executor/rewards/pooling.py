@@ -3,7 +3,7 @@
 The pooled position is ``start + length - 1`` of every sequence (its real length, from the batch
 layout), never a search for ``pad_token_id``: that search breaks when pad == eos and is
 meaningless in a packed row. Naive equivalent: the HF ``*ForSequenceClassification`` forward on
-one unpadded sequence, ``model(input_ids).logits[0, 0]``; ``tests/test_executor_reward.py``
+one unpadded sequence, ``model(input_ids).logits[0, 0]``; ``tests/executor/test_reward.py``
 asserts they agree.
 """
 

@@ -11,7 +11,7 @@ layer of a served model (once, at construction: hooks are never added while forw
 hook reads the adapter active in the calling context (``active``, a ``ContextVar``) and adds
 ``scale * (x @ A.T) @ B.T`` to the layer's output (``apply_delta``: one in-place ``addmm_``).
 With no adapter active the hook returns ``None`` and the output is exactly the base model's.
-Naive equivalent: the merged weight ``W + scale * B @ A`` (``tests/test_executor_adapters.py``
+Naive equivalent: the merged weight ``W + scale * B @ A`` (``tests/executor/test_adapters.py``
 asserts they agree in float64).
 """
 

@@ -71,8 +71,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         if device.type == "cpu" and dtype != "float32" and cpu_bf16_support() is False:
             log.warning(
                 "dtype %s on a CPU without native bfloat16 (no amx_bf16 / avx512_bf16 flag): "
-                "its matmuls are emulated and slower than float32 here", dtype,
-            )  # fmt: skip
+                "its matmuls are emulated and slower than float32 here",
+                dtype,
+            )
         return _DTYPES[dtype]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -267,9 +268,14 @@ def load_tokenizer(name_or_path: str, *, gguf_file: str | None = None) -> Any:
 
 #: Files one of which a checkpoint folder with a tokenizer holds.
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
-    "sentencepiece.bpe.model", "vocab.txt",
-)  # fmt: skip
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "vocab.txt",
+)
 
 
 def has_tokenizer_files(name_or_path: str) -> bool:

@@ -1,0 +1,207 @@
+"""Tiny random transformers models, built from a config with a fixed seed: the one builder of
+the demo, the tests, the benchmarks and the GPU check (the same seed and config give the same
+weights, bit for bit).
+
+:func:`random_model` builds any ``transformers`` class from a config after
+``torch.manual_seed(seed)``; :func:`llama_config` is the Llama config they share;
+:func:`tiny_config` / :func:`tiny_model` (``tiny_causal``, ``tiny_reward``, ``tiny_backbone``) are
+the 2-layer models of the tests, in four architectures.
+
+``save_tiny_models(DIR)`` (``scoring-worker demo --save-models DIR``) writes two random Llama
+checkpoints that load like any other, each with the same byte-level tokenizer (UTF-8 bytes are
+ids 3..258; ``<unk>`` 0, ``<s>`` 1, ``</s>`` 2) and a chat template, so ``text`` and
+``messages`` inputs work too:
+
+* ``DIR/tiny-llama``: a ``LlamaForCausalLM`` (reference log-probs, teacher outputs);
+* ``DIR/tiny-reward``: a ``LlamaForSequenceClassification`` with one label (rewards).
+
+Their scores mean nothing (random weights, seed 0); they load in well under a second on a CPU,
+which is what docs, tests and first tries need.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+BYTE_OFFSET = 3
+"""Token id of byte 0 (ids 0-2 are ``<unk>``, ``<s>``, ``</s>``), as ``samples.ByteTokenizer``."""
+
+VOCAB_SIZE = 256 + BYTE_OFFSET
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+"""A minimal chat template: each message as ``<s>role\\ncontent</s>\\n``."""
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The byte-level alphabet (each byte as one printable character), as byte-level BPE
+    tokenizers spell bytes."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
+def byte_tokenizer() -> Any:
+    """A ``PreTrainedTokenizerFast`` over UTF-8 bytes (no merges), with the chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab = {**specials, **{ch: b + BYTE_OFFSET for b, ch in _bytes_to_unicode().items()}}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<unk>",
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def demo_config(**overrides: Any) -> Any:
+    """The ``LlamaConfig`` of both checkpoints (2 layers, hidden 64, 4 heads, 2 KV heads)."""
+    return llama_config(
+        VOCAB_SIZE, 64, 128, 512, bos_token_id=1, eos_token_id=2, pad_token_id=0, **overrides
+    )
+
+
+def save_tiny_models(directory: str | Path) -> dict[str, Path]:
+    """Write ``tiny-llama`` and ``tiny-reward`` under ``directory``; their paths by name."""
+    root = Path(directory)
+    tokenizer = byte_tokenizer()
+    out = {"tiny-llama": root / "tiny-llama", "tiny-reward": root / "tiny-reward"}
+    random_model("LlamaForCausalLM", demo_config(), 0).save_pretrained(out["tiny-llama"])
+    reward = random_model("LlamaForSequenceClassification", demo_config(num_labels=1), 1)
+    reward.save_pretrained(out["tiny-reward"])
+    for path in out.values():
+        tokenizer.save_pretrained(path)
+    return out
+
+
+# ----------------------------------------------------------------------------- the builder
+
+
+def random_model(class_name: str, config: Any, seed: int, *, device: str | None = None) -> Any:
+    """``transformers.<class_name>(config)`` with the weights drawn after
+    ``torch.manual_seed(seed)`` (initialised on ``device`` when given), in eval mode."""
+    import torch
+    import transformers
+
+    cls = getattr(transformers, class_name)
+    torch.manual_seed(seed)
+    if device is None:
+        model = cls(config)
+    else:
+        with torch.device(device):
+            model = cls(config)
+    return model.eval()
+
+
+def llama_config(
+    vocab_size: int,
+    hidden_size: int,
+    intermediate_size: int,
+    max_position_embeddings: int,
+    *,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    **extra: Any,
+) -> Any:
+    """A ``LlamaConfig`` (2 layers, 4 heads, 2 KV heads unless told); ``extra`` as given."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=max_position_embeddings,
+        **extra,
+    )
+
+
+# ----------------------------------------------------------------------------- the tests' models
+
+VOCAB = 96
+"""The vocabulary of the tests' tiny models."""
+
+ARCHS: tuple[str, ...] = ("llama", "qwen2", "gpt2", "mistral")
+_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "gpt2": "GPT2", "mistral": "Mistral"}
+
+
+def tiny_config(arch: str, *, vocab: int = VOCAB, init_range: float = 0.2, **extra: Any) -> Any:
+    """A 2-layer config of ``arch`` small enough to build in milliseconds (``extra`` set on it
+    after it is built)."""
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    common: dict[str, Any] = {"vocab_size": vocab, "initializer_range": init_range}
+    if arch == "gpt2":
+        no_dropout: dict[str, Any] = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+        cfg = GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=256, **no_dropout, **common)
+    else:
+        cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+        sizes = {"hidden_size": 32, "intermediate_size": 64, "max_position_embeddings": 256}
+        heads = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+        cfg = cls(**sizes, **heads, tie_word_embeddings=False, **common)
+    for key, value in extra.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def tiny_model(head: str, arch: str, seed: int, **extra: Any) -> Any:
+    """A tiny random ``<Arch><head>`` (``head``: ``ForCausalLM``, ``ForSequenceClassification``,
+    ``ForTokenClassification``, ``Model``; GPT-2's causal LM is ``GPT2LMHeadModel``)."""
+    name = "GPT2LMHeadModel" if (arch, head) == ("gpt2", "ForCausalLM") else _PREFIX[arch] + head
+    return random_model(name, tiny_config(arch, **extra), seed)
+
+
+def tiny_causal(arch: str = "llama", seed: int = 0, **extra: Any) -> Any:
+    """A tiny random ``*ForCausalLM`` (GPT-2: ``GPT2LMHeadModel``), eval mode, float32."""
+    return tiny_model("ForCausalLM", arch, seed, **extra)
+
+
+def tiny_reward(arch: str = "llama", seed: int = 1, **extra: Any) -> Any:
+    """A tiny random ``*ForSequenceClassification`` with ``num_labels=1``, pad == eos == 0."""
+    extra.setdefault("num_labels", 1)
+    extra.setdefault("pad_token_id", 0)
+    extra.setdefault("eos_token_id", 0)
+    return tiny_model("ForSequenceClassification", arch, seed, **extra)
+
+
+def tiny_backbone(arch: str = "llama", seed: int = 2) -> Any:
+    """A tiny bare ``*Model`` (no head), for value-head adapters."""
+    return tiny_model("Model", arch, seed)
+
+
+__all__ = [
+    "ARCHS",
+    "CHAT_TEMPLATE",
+    "VOCAB",
+    "VOCAB_SIZE",
+    "byte_tokenizer",
+    "demo_config",
+    "llama_config",
+    "random_model",
+    "save_tiny_models",
+    "tiny_backbone",
+    "tiny_causal",
+    "tiny_config",
+    "tiny_model",
+    "tiny_reward",
+]
