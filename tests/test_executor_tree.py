@@ -45,6 +45,8 @@ def tiny(arch: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     if arch == "llama":
         return tiny_causal("llama", seed=seed).float().eval()
+    if arch == "gpt2":  # learned absolute positions
+        return tiny_causal("gpt2", seed=seed).float().eval()
     if arch == "mistral":
         return tiny_causal("mistral", seed=seed, sliding_window=5).float().eval()
     if arch == "qwen3":
@@ -151,7 +153,7 @@ def _close(a: Any, b: Any) -> None:
     np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "mistral", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "mistral", "gpt_oss", "gpt2"])
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])
 def test_tree_log_probs_equal_per_sequence(arch: str, backend: str) -> None:
     model = tiny(arch)
@@ -227,6 +229,13 @@ def test_linear_attention_is_served_per_sequence_with_its_reason() -> None:
     assert out.metrics.shared_prefix_tokens == 0
 
 
+def test_a_window_the_attention_is_not_told_turns_sharing_off() -> None:
+    model = tiny("gemma2")  # its layers keep the window they were built with (5) ...
+    model.config.sliding_window = 4096  # ... while its mask would apply 4096, past the probe
+    ex = StatelessExecutor(ExecutorConfig(attention_backend="eager"), model)
+    assert "sliding window 4096" in ex.info["prefix_sharing"], ex.info["prefix_sharing"]
+
+
 def test_short_prefixes_are_not_shared() -> None:
     on, _ = _pair(tiny("llama"), min_shared_tokens=PROMPT + 10)
     out = on.score(_inputs(group_seqs(6)))
@@ -287,11 +296,7 @@ def test_grpo_batch_through_redis_equal_on_and_off(
     results: dict[str, Any] = {}
     for sharing in ("auto", "off"):
         executor = StatelessExecutor(ExecutorConfig(prefix_sharing=sharing), model)
-        forward_tokens: list[int] = []
-        inner = executor.run
-        executor.run = lambda batch, inner=inner, seen=forward_tokens: _record(  # type: ignore[method-assign]
-            inner(batch), seen
-        )
+        registry = CollectorRegistry()
         config = WorkerConfig(
             streams=tuple(job_streams(f"{key_prefix}{sharing}", 1)),
             consumer=f"c{uuid.uuid4().hex[:6]}", metrics_port=None, block_ms=50,
@@ -299,7 +304,7 @@ def test_grpo_batch_through_redis_equal_on_and_off(
         )  # fmt: skip
         worker = Worker(
             config, RedisSettings(url=redis_url), executor,
-            metrics=WorkerMetrics(CollectorRegistry()),
+            metrics=WorkerMetrics(registry),
         )  # fmt: skip
         thread = threading.Thread(target=worker.run, daemon=True)
         thread.start()
@@ -309,14 +314,12 @@ def test_grpo_batch_through_redis_equal_on_and_off(
         finally:
             worker.request_stop()
             thread.join(30)
-        results[sharing + "_tokens"] = sum(forward_tokens)
+        for name in ("scoring_forward_tokens_total", "scoring_shared_prefix_tokens_total"):
+            results[f"{sharing}:{name}"] = registry.get_sample_value(name)
     for x, y in zip(results["auto"], results["off"], strict=True):
         _close(x.logps, y.logps)
     unique = PROMPT + sum(len(s) - PROMPT for s in seqs)
-    assert results["auto_tokens"] == unique
-    assert results["off_tokens"] == sum(len(s) for s in seqs)
-
-
-def _record(out: Any, seen: list[int]) -> Any:
-    seen.append(out.metrics.forward_tokens)
-    return out
+    assert results["auto:scoring_forward_tokens_total"] == unique
+    assert results["auto:scoring_shared_prefix_tokens_total"] == PROMPT
+    assert results["off:scoring_forward_tokens_total"] == sum(len(s) for s in seqs)
+    assert results["off:scoring_shared_prefix_tokens_total"] == 0

@@ -145,13 +145,16 @@ class BatchForward:
         *,
         kernel: str,
         options: ScoreOptions = DEFAULT_OPTIONS,
+        windows: list[int | None] | None = None,
     ) -> Computed:
         """``compute`` for tree rows (``tree.layout``): ``rows``' members index ``seqs``, each
         row one shared prefix and its continuations, the attention ``tree_attention`` in
         ``kernel`` math (``sdpa``/``eager``). The models run on the ``scoring_tree`` backend for
-        this forward; the caller holds them alone. ``slot_tokens``: the rows' slots."""
+        this forward; the caller holds them alone. ``slot_tokens``: the rows' slots.
+        ``windows``: filled with the sliding window of every attention call (the load check)."""
         batch, order = tree_batch([s.ids for s in seqs], rows, group)
-        batch = replace(batch, tree=replace(batch.tree, kernel=kernel))  # type: ignore[type-var]
+        seen = windows if windows is not None else []
+        batch = replace(batch, tree=replace(batch.tree, kernel=kernel, windows=seen))  # type: ignore[type-var]
         with tree_backend(self.models):
             return self._run(batch, seqs, order, mode, temp, options)
 

@@ -111,7 +111,7 @@ def tree_attention(
         raise TreeUnsupported(f"attention arguments the tree path does not reproduce: {odd}")
     if attention_mask is not None or dropout or not getattr(module, "is_causal", True):
         raise TreeUnsupported("attention with a mask, dropout or not causal")
-    layout.calls[0] += 1
+    layout.windows.append(sliding_window)
     rows, heads, width, dim = query.shape
     scale = float(scaling) if scaling is not None else dim**-0.5
     groups = heads // key.shape[1]
@@ -180,6 +180,8 @@ def refusal(model: nn.Module) -> str | None:
     other = sorted(kinds - {"full_attention", "sliding_attention", "attention"})
     if other:
         return f"{type(model).__name__} has non-attention layers {other} (linear attention)"
+    if getattr(config, "attention_chunk_size", None):
+        return f"{type(model).__name__} uses chunked attention (applied by its mask)"
     if getattr(config, "alibi", False) or getattr(config, "model_type", "") in _ALIBI:
         return f"{type(model).__name__} uses ALiBi position biases (by row index)"
     if not getattr(model, "_supports_attention_backend", False):

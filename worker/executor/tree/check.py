@@ -11,6 +11,8 @@ sequences alone, which is what it compares with.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -35,6 +37,18 @@ def probe_tree(vocab: int) -> list[PreparedSequence]:
     return seqs
 
 
+def configured_window(model: torch.nn.Module) -> int | None:
+    """The sliding window ``model``'s config applies to some layers (``None``: none). A window
+    longer than the probe is invisible in its numbers: the check asks that the attention
+    function was told it."""
+    config: Any = getattr(model, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    kinds = getattr(config, "layer_types", None)
+    return int(window) if kinds is None or "sliding_attention" in kinds else None
+
+
 def kernel_for(backend: str) -> str:
     """The math the tree attention runs on ``backend``: eager math for ``eager``, else SDPA."""
     return "eager" if backend == "eager" else "sdpa"
@@ -54,10 +68,19 @@ def sharing_check(forward: BatchForward, *, modes: tuple[Mode, ...], backend: st
     mode: Mode = "both" if "both" in modes else modes[0]
     group = list(range(len(seqs)))
     row = [SharedGroup(_PREFIX, tuple(group))]
+    windows: list[int | None] = []
     try:
-        tree = forward.compute_tree(seqs, group, row, mode, 1.0, kernel=kernel_for(backend))
+        tree = forward.compute_tree(
+            seqs, group, row, mode, 1.0, kernel=kernel_for(backend), windows=windows
+        )
     except Exception as exc:  # any failure of the tree path: serve per sequence
         return f"tree forward failed: {type(exc).__name__}: {exc}"[:300]
+    if not windows:
+        return "no attention layer read the tree layout"
+    for model in forward.models:
+        window = configured_window(model)
+        if window is not None and window not in windows:
+            return f"sliding window {window} is not passed to the attention function"
     row_tokens = forward.config.row_tokens(backend)
     dtype = next(forward.models[0].parameters()).dtype
     tol = 1e-4 if dtype == torch.float32 else 0.25

@@ -32,8 +32,8 @@ class TreeLayout:
     ``prefix_lens`` ``[R]``: each row's prefix; ``prefix_width``: the widest (prefix region
     columns). ``cont_index`` ``[N, C]``: flat ``[R * T]`` index of continuation ``n``'s token ``j``
     (padding: any index, masked by ``cont_valid`` ``[N, C]``); ``cont_row`` ``[N]``: its row.
-    ``kernel``: ``"sdpa"`` or ``"eager"`` (which math ``tree_attention`` runs). ``calls``: how many
-    attention layers read this layout (the load check counts them).
+    ``kernel``: ``"sdpa"`` or ``"eager"`` (which math ``tree_attention`` runs). ``windows``: the
+    sliding window of every attention call that read this layout (the load check reads them).
     """
 
     prefix_lens: torch.Tensor  # [R] int64
@@ -46,7 +46,7 @@ class TreeLayout:
     host_starts: np.ndarray  # [B] virtual start of each sequence (host)
     width: int  # T, the row width
     kernel: str = "sdpa"
-    calls: list[int] = field(default_factory=lambda: [0])
+    windows: list[int | None] = field(default_factory=list)
 
     def flat(self, k: int, positions: np.ndarray) -> np.ndarray:
         """Flat row indices of sequence ``k``'s ``positions`` (prefix ones in its row's prefix
