@@ -323,3 +323,15 @@ def test_grpo_batch_through_redis_equal_on_and_off(
     assert results["auto:scoring_shared_prefix_tokens_total"] == PROMPT
     assert results["off:scoring_forward_tokens_total"] == sum(len(s) for s in seqs)
     assert results["off:scoring_shared_prefix_tokens_total"] == 0
+
+
+def test_continuations_in_chunks_give_the_same_scores(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.executor.tree import attention
+
+    on, off = _pair(tiny("mistral"))
+    monkeypatch.setattr(attention, "_CHUNK_BYTES", 1)  # one continuation per chunk
+    seqs = _inputs(group_seqs(10, g=5))
+    a, b = on.score(seqs), off.score(seqs)
+    assert a.metrics.shared_prefix_tokens == PROMPT
+    for x, y in zip(a.scores, b.scores, strict=True):
+        _close(x.logps, y.logps)

@@ -124,8 +124,7 @@ class StatelessExecutor(DirectScoring):
             why_not = sharing_check(forward, modes=self.modes, backend=backend)
         if why_not is not None and config.prefix_sharing != "off":
             log.warning("prefix sharing off: %s", why_not)
-        #: "on", or "off: <reason>" (``tree.check``)
-        self.prefix_sharing = "on" if why_not is None else f"off: {why_not}"
+        self.prefix_sharing = "on" if why_not is None else f"off: {why_not}"  # info[...]
         self._runner = BatchRunner(
             config, forward, self._guard, backend=backend, packed=packed, unmasked=unmasked,
             notify=self._on_fallback, share_min=config.min_shared_tokens if why_not is None else 0,

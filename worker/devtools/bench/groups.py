@@ -2,8 +2,9 @@
 completions of C tokens) scored with ``prefix_sharing`` on and off, in one process, on a tiny
 random Llama (no download). Prints the best-of-N time of each and the tokens through the backbone.
 
-``python -m worker.devtools.bench.groups --shape 256,8,32 --rounds 3``; the shapes are small
-stand-ins for (1024, 8, 128); a shared machine makes the times noisy.
+``scoring-worker bench --suite groups`` (or ``python -m worker.devtools.bench.groups --shape
+256,8,32 --rounds 3``): in process, no Redis; the shapes are small stand-ins for (1024, 8, 128); a
+shared machine makes the times noisy.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     """Run the comparison and print one line per setting."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -26,8 +27,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help="a smaller shape (a smoke run)")
     args = parser.parse_args(argv)
-    p, g, c = (int(x) for x in args.shape.split(","))
+    p, g, c = (int(x) for x in ("64,4,8" if args.quick else args.shape).split(","))
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=4096, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
@@ -55,7 +57,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{m.forward_tokens}  shared_prefix_tokens={m.shared_prefix_tokens}  "
             f"({ex.info['prefix_sharing']})"
         )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

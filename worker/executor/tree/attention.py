@@ -32,6 +32,8 @@ from worker.executor import backends
 from worker.executor.tree.layout import TreeLayout
 
 NAME = "scoring_tree"
+# transient bytes of one chunk of continuations (their duplicated prefix K/V and scores)
+_CHUNK_BYTES = 256 * 1024 * 1024
 # keywords the models pass that change nothing here (None/False values of any keyword too)
 _INERT = frozenset(
     {"position_ids", "use_cache", "cache_position", "output_attentions", "position_embeddings"}
@@ -115,42 +117,56 @@ def tree_attention(
     rows, heads, width, dim = query.shape
     scale = float(scaling) if scaling is not None else dim**-0.5
     groups = heads // key.shape[1]
-    k, v = _repeat_kv(key, groups), _repeat_kv(value, groups)  # [R, H, T, D]
     opts: dict[str, Any] = {
         "scaling": scale,
         "softcap": softcap,
         "sinks": s_aux,
         "eager": layout.kernel == "eager" or softcap is not None or s_aux is not None,
     }
-    device = query.device
     out = query.new_zeros(rows * width, heads, dim)  # [R * T, H, D]
     # prefixes: causal over the prefix region (pads sit after every real prefix token)
     p = layout.prefix_width
-    idx = torch.arange(p, device=device)  # [P]
+    idx = torch.arange(p, device=query.device)  # [P]
     gap = idx[:, None] - idx[None, :]  # [P, P] query - key position
     allowed = _windowed(gap >= 0, gap, sliding_window)[None, None]  # [1, 1, P, P]
-    pre = _attend(query[:, :, :p], k[:, :, :p], v[:, :, :p], allowed, **opts)  # [R, H, P, D]
+    kp = _repeat_kv(key[:, :, :p], groups)  # [R, H, P, D]
+    vp = _repeat_kv(value[:, :, :p], groups)
+    pre = _attend(query[:, :, :p], kp, vp, allowed, **opts)  # [R, H, P, D]
     out.view(rows, width, heads, dim)[:, :p] = pre.transpose(1, 2)
-    # continuations: their row's prefix keys, then their own keys
+    # continuations, a chunk at a time: their row's prefix keys, then their own keys
     flat_q = query.transpose(1, 2).reshape(rows * width, heads, dim)  # [R * T, H, D]
-    flat_k = k.transpose(1, 2).reshape(rows * width, heads, dim)
-    flat_v = v.transpose(1, 2).reshape(rows * width, heads, dim)
-    index = layout.cont_index  # [N, C]
-    qc = flat_q[index].transpose(1, 2)  # [N, H, C, D]
-    kc = torch.cat([k[layout.cont_row, :, :p], flat_k[index].transpose(1, 2)], dim=2)
-    vc = torch.cat([v[layout.cont_row, :, :p], flat_v[index].transpose(1, 2)], dim=2)
-    qpos = layout.cont_positions()  # [N, C]
-    kpos = torch.cat([idx.expand(len(index), p), qpos], dim=1)  # [N, P + C]
-    kcol = torch.arange(p + index.shape[1], device=device)  # [P + C]
-    own = kcol[None, :] >= p  # [1, P + C] continuation keys
-    in_prefix = ~own & (kcol[None, :] < layout.prefix_lens[layout.cont_row][:, None])  # [N, P + C]
-    gap_c = qpos[:, :, None] - kpos[:, None, :]  # [N, C, P + C]
-    causal = torch.where(own[:, None, :], gap_c >= 0, in_prefix[:, None, :])  # [N, C, P + C]
-    allowed_c = _windowed(causal, gap_c, sliding_window)[:, None]  # [N, 1, C, P + C]
-    cont = _attend(qc, kc, vc, allowed_c, **opts).transpose(1, 2)  # [N, C, H, D]
-    valid = layout.cont_valid  # [N, C]
-    out.index_copy_(0, index[valid], cont[valid])
+    flat_k = key.transpose(1, 2).reshape(rows * width, key.shape[1], dim)  # [R * T, Hkv, D]
+    flat_v = value.transpose(1, 2).reshape(rows * width, key.shape[1], dim)
+    n, c = layout.cont_index.shape
+    per = (p + c) * heads * (2 * dim * query.element_size() + 4 * c)  # bytes per continuation
+    step = max(1, _CHUNK_BYTES // per)
+    for a in range(0, n, step):
+        part = slice(a, a + step)
+        index, row = layout.cont_index[part], layout.cont_row[part]  # [n, C], [n]
+        qc = flat_q[index].transpose(1, 2)  # [n, H, C, D]
+        kc = torch.cat([key[row, :, :p], flat_k[index].transpose(1, 2)], dim=2)  # [n, Hkv, P+C, D]
+        vc = torch.cat([value[row, :, :p], flat_v[index].transpose(1, 2)], dim=2)
+        kc, vc = _repeat_kv(kc, groups), _repeat_kv(vc, groups)  # [n, H, P + C, D]
+        mask = _continuation_mask(layout, part, p, sliding_window)  # [n, 1, C, P + C]
+        cont = _attend(qc, kc, vc, mask, **opts).transpose(1, 2)  # [n, C, H, D]
+        valid = layout.cont_valid[part]  # [n, C]
+        out.index_copy_(0, index[valid], cont[valid])
     return out.view(rows, width, heads, dim), None
+
+
+def _continuation_mask(layout: TreeLayout, part: slice, p: int, window: int | None) -> torch.Tensor:
+    """Which keys ``[row prefix (P columns), own continuation (C)]`` each query of the
+    continuations ``part`` may see, ``[n, 1, C, P + C]``: its row's real prefix tokens and its own
+    earlier tokens, within ``window`` positions."""
+    qpos = layout.cont_positions()[part]  # [n, C]
+    n, c = qpos.shape
+    cols = torch.arange(p + c, device=qpos.device)  # [P + C]
+    kpos = torch.cat([cols[:p].expand(n, p), qpos], dim=1)  # [n, P + C]
+    own = cols[None, :] >= p  # [1, P + C] continuation keys
+    real = cols[None, :] < layout.prefix_lens[layout.cont_row[part]][:, None]  # [n, P + C]
+    gap = qpos[:, :, None] - kpos[:, None, :]  # [n, C, P + C]
+    causal = torch.where(own[:, None, :], gap >= 0, (~own & real)[:, None, :])  # [n, C, P + C]
+    return _windowed(causal, gap, window)[:, None]
 
 
 def register() -> None:
