@@ -335,3 +335,54 @@ def test_continuations_in_chunks_give_the_same_scores(monkeypatch: pytest.Monkey
     assert a.metrics.shared_prefix_tokens == PROMPT
     for x, y in zip(a.scores, b.scores, strict=True):
         _close(x.logps, y.logps)
+
+
+def _two_prompts(seed: int) -> list[list[int]]:
+    """Two prompts (40 and 51 ids) with three completions each: two rows of different prefixes
+    in one forward."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for p in (PROMPT, PROMPT + 11):
+        prompt = rng.integers(0, VOCAB, p).tolist()
+        out += [prompt + rng.integers(0, VOCAB, 2 + 3 * i).tolist() for i in range(3)]
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gpt_oss"])
+def test_rows_of_different_prefixes_in_one_forward(arch: str) -> None:
+    on, off = _pair(tiny(arch), attention_backend="eager" if arch == "gpt_oss" else "sdpa")
+    seqs = [SequenceInput(s, prompt_len=PROMPT - 1) for s in _two_prompts(11)]
+    a, b = on.score(seqs, temperature=0.9), off.score(seqs, temperature=0.9)
+    assert a.metrics.shared_prefix_tokens == 2 * PROMPT + 11
+    assert a.metrics.forwards == 1  # both rows in one forward
+    for x, y in zip(a.scores, b.scores, strict=True):
+        _close(x.logps, y.logps)
+
+
+def test_one_model_both_surfaces_reads_rewards_from_the_tree_row() -> None:
+    from worker.executor.rewards.pooling import ValueHeadAdapter
+
+    model = tiny("llama")
+    torch.manual_seed(5)
+    adapter = ValueHeadAdapter(torch.nn.Linear(32, 1))
+    on = StatelessExecutor(ExecutorConfig(mode="both"), model, reward_adapter=adapter)
+    off = StatelessExecutor(
+        ExecutorConfig(mode="both", prefix_sharing="off"), model, reward_adapter=adapter
+    )
+    assert on.info["prefix_sharing"] == "on"
+    seqs = [SequenceInput(s, prompt_len=PROMPT - 1) for s in _two_prompts(12)]
+    a, b = on.score(seqs, mode="both"), off.score(seqs, mode="both")
+    assert a.metrics.shared_prefix_tokens == 2 * PROMPT + 11
+    for x, y in zip(a.scores, b.scores, strict=True):
+        _close(x.logps, y.logps)
+        assert abs(x.reward - y.reward) <= ATOL  # type: ignore[operator]
+
+
+def test_token_level_rewards_are_not_shared() -> None:
+    from worker.executor.rewards.pooling import ValueHeadAdapter
+
+    adapter = ValueHeadAdapter(torch.nn.Linear(32, 1), token_level=True)
+    ex = StatelessExecutor(ExecutorConfig(mode="both"), tiny("llama"), reward_adapter=adapter)
+    out = ex.score([SequenceInput(s, prompt_len=PROMPT) for s in _two_prompts(13)], mode="both")
+    assert out.metrics.shared_prefix_tokens == 0
+    assert all(s.token_scores is not None for s in out.scores)
