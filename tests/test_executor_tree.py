@@ -386,3 +386,27 @@ def test_token_level_rewards_are_not_shared() -> None:
     out = ex.score([SequenceInput(s, prompt_len=PROMPT) for s in _two_prompts(13)], mode="both")
     assert out.metrics.shared_prefix_tokens == 0
     assert all(s.token_scores is not None for s in out.scores)
+
+
+def test_a_tree_forward_that_returns_a_cache_is_rejected() -> None:
+    from transformers import DynamicCache
+
+    from worker.errors import KVCacheRejected
+
+    model = tiny("llama")
+    ex = StatelessExecutor(ExecutorConfig(), model)
+    assert ex.info["prefix_sharing"] == "on"
+    original = model.model.forward
+
+    def leaking(*args: Any, **kwargs: Any) -> Any:  # a backbone that returns a cache anyway
+        out = original(*args, **kwargs)
+        cache = DynamicCache(config=model.config)
+        kv = out.last_hidden_state.new_zeros(1, 2, 4, 8)  # [R, kv_heads, T, d]
+        cache.update(kv, kv.clone(), 0)
+        out["past_key_values"] = cache
+        return out
+
+    model.model.forward = leaking
+    seqs = [SequenceInput(s, prompt_len=PROMPT) for s in group_seqs(14)[:-1]]  # one tree row
+    with pytest.raises(KVCacheRejected, match="KV cache"):
+        ex.score(seqs)
