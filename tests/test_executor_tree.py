@@ -410,3 +410,14 @@ def test_a_tree_forward_that_returns_a_cache_is_rejected() -> None:
     seqs = [SequenceInput(s, prompt_len=PROMPT) for s in group_seqs(14)[:-1]]  # one tree row
     with pytest.raises(KVCacheRejected, match="KV cache"):
         ex.score(seqs)
+
+
+def test_identical_and_nested_sequences() -> None:
+    on, off = _pair(tiny("llama"))
+    base = group_seqs(15)[0]
+    seqs = [base, list(base), base[:-2], [*base, 3, 4, 5]]  # equal twice, a prefix of the others
+    inputs = [SequenceInput(s, prompt_len=PROMPT - 5) for s in seqs]
+    a, b = on.score(inputs), off.score(inputs)
+    assert a.metrics.shared_prefix_tokens == len(base) - 3  # one id short of the shortest
+    for x, y in zip(a.scores, b.scores, strict=True):
+        _close(x.logps, y.logps)
