@@ -56,7 +56,7 @@ def _attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    allowed: torch.Tensor,
+    allowed: torch.Tensor | None,
     *,
     scaling: float,
     softcap: float | None,
@@ -64,10 +64,15 @@ def _attend(
     eager: bool,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, Q, D]`` over ``k``/``v`` ``[B, H, K, D]`` where ``allowed``
-    ``[B, 1, Q, K]`` (bool); returns ``[B, H, Q, D]``. Eager math mirrors transformers'
-    ``eager_attention_forward`` (and gpt-oss's, with sinks); else torch SDPA with a bool mask."""
+    ``[B, 1, Q, K]`` (bool; ``None``: causal, SDPA only); returns ``[B, H, Q, D]``. Eager math
+    mirrors transformers' ``eager_attention_forward`` (and gpt-oss's, with sinks); else torch SDPA
+    with a bool mask, or its causal kernel."""
     if not eager:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling)
+        causal = allowed is None
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, is_causal=causal, scale=scaling
+        )
+    assert allowed is not None
     scores = torch.matmul(q, k.transpose(2, 3)) * scaling  # [B, H, Q, K]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
@@ -128,7 +133,9 @@ def tree_attention(
     p = layout.prefix_width
     idx = torch.arange(p, device=query.device)  # [P]
     gap = idx[:, None] - idx[None, :]  # [P, P] query - key position
-    allowed = _windowed(gap >= 0, gap, sliding_window)[None, None]  # [1, 1, P, P]
+    allowed: torch.Tensor | None = _windowed(gap >= 0, gap, sliding_window)[None, None]
+    if sliding_window is None and not opts["eager"]:
+        allowed = None  # SDPA's causal kernel, no mask tensor; else [1, 1, P, P]
     kp = _repeat_kv(key[:, :, :p], groups)  # [R, H, P, D]
     vp = _repeat_kv(value[:, :, :p], groups)
     pre = _attend(query[:, :, :p], kp, vp, allowed, **opts)  # [R, H, P, D]
