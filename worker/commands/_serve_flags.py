@@ -152,6 +152,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(mask-free right-padded) buckets, or padded buckets with a mask",
     )
     m.add_argument(
+        "--prefix-sharing",
+        choices=["auto", "off"],
+        default=env_get("PREFIX_SHARING", "auto"),
+        help="compute a prefix shared by several sequences of a batch once, in one forward "
+        "(auto: where the load check finds the tree rows exact; off: every sequence alone)",
+    )
+    m.add_argument(
         "--trust-remote-code",
         action="store_true",
         default=env_bool(env_get("TRUST_REMOTE_CODE")),

@@ -37,6 +37,7 @@ SUITES = {
     "fairness": "worker.devtools.bench.fairness",
     "autoscale": "worker.devtools.autoscale.sweep",
     "coldstart": "worker.devtools.bench.coldstart",
+    "groups": "worker.devtools.bench.groups",
 }
 
 HEADLINE: dict[str, tuple[str, ...]] = {

@@ -172,6 +172,7 @@ def executor_config(args: argparse.Namespace) -> Any:
         "attention_backend": args.attention_backend,
         "max_batch_tokens": args.max_batch_tokens,
         "packing": args.packing,
+        "prefix_sharing": args.prefix_sharing,
         "reward_index": args.reward_index,
     }
     names = {f.name for f in dataclasses.fields(ExecutorConfig)}

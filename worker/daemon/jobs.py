@@ -57,6 +57,7 @@ def _results(
     ctx.metrics.record_batch(
         batch_size=m.batch_size, real_tokens=m.real_tokens, scored_tokens=m.scored_tokens,
         padded_tokens=m.padded_tokens, packed_fill_tokens=m.packed_fill_tokens,
+        forward_tokens=m.forward_tokens, shared_prefix_tokens=m.shared_prefix_tokens,
         forward_s=m.forward_s, elapsed_s=m.elapsed_s,
         peak_allocated_bytes=m.peak_allocated_bytes, peak_reserved_bytes=m.peak_reserved_bytes,
         kv_output_bytes=m.kv_output_bytes, kv_rejected=m.kv_rejected, oom_splits=m.oom_splits,

@@ -139,6 +139,8 @@ class BatchResult:
     extra_tokens: int  # right padding (masked or unmasked bucket) or row fill (packed)
     kv_tensors: int = 0
     kv_bytes: int = 0
+    forward_tokens: int = 0  # real tokens through the backbone (a shared prefix once)
+    shared_tokens: int = 0  # tokens of the shared prefixes among them
 
 
 @dataclass
@@ -161,6 +163,8 @@ class ScoreCall:
     fill_tokens: int = 0
     forwards: int = 0
     packed_any: bool = False
+    forward_tokens: int = 0
+    shared_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.results = [None] * len(self.prepared)
@@ -171,19 +175,30 @@ class ScoreCall:
         return [len(p.ids) for p in self.prepared]
 
     def plan(
-        self, config: ExecutorConfig, *, layout: Layout, backend: str, pad_fraction: float = 1.0
+        self,
+        config: ExecutorConfig,
+        *,
+        layout: Layout,
+        backend: str,
+        pad_fraction: float = 1.0,
+        subset: Sequence[int] | None = None,
     ) -> list[list[int]]:
         """Indices of the sequences of each forward, under ``max_batch_tokens``: packed rows
         (several per forward, each capped by ``config.row_tokens(backend)``), unmasked buckets
-        (padding within ``pad_fraction`` of their slots) or masked padded buckets."""
+        (padding within ``pad_fraction`` of their slots) or masked padded buckets; ``subset``:
+        plan only those sequences (default: all)."""
+        among = list(range(len(self.prepared))) if subset is None else list(subset)
+        lengths = [len(self.prepared[i].ids) for i in among]
         if layout == "packed":
             forwards = plan_packed_forwards(
-                self.lengths, config.max_batch_tokens, config.row_tokens(backend)
+                lengths, config.max_batch_tokens, config.row_tokens(backend)
             )
-            return [[i for row in fwd for i in row] for fwd in forwards]
-        if layout == "unmasked":
-            return plan_buckets(self.lengths, config.max_batch_tokens, pad_fraction)
-        return plan_padded(self.lengths, config.max_batch_tokens)
+            local = [[i for row in fwd for i in row] for fwd in forwards]
+        elif layout == "unmasked":
+            local = plan_buckets(lengths, config.max_batch_tokens, pad_fraction)
+        else:
+            local = plan_padded(lengths, config.max_batch_tokens)
+        return [[among[i] for i in fwd] for fwd in local]
 
     def add(self, group: list[int], batch: BatchResult) -> None:
         """Record one forward of ``group`` (its scores and costs)."""
@@ -199,6 +214,8 @@ class ScoreCall:
         self.packed_any = self.packed_any or batch.packed
         self.kv_tensors += batch.kv_tensors
         self.kv_bytes += batch.kv_bytes
+        self.forward_tokens += batch.forward_tokens
+        self.shared_tokens += batch.shared_tokens
 
     def output(
         self,
@@ -231,6 +248,8 @@ class ScoreCall:
             packed=self.packed_any,
             forwards=self.forwards,
             packed_fill_tokens=self.fill_tokens,
+            forward_tokens=self.forward_tokens,
+            shared_prefix_tokens=self.shared_tokens,
         )
         scores = [r if r is not None else SequenceScore() for r in self.results]
         return ScoreOutput(scores=scores, metrics=metrics)
@@ -266,6 +285,8 @@ def concat_outputs(parts: list[tuple[list[int], ScoreOutput]], total: int) -> Sc
         packed=any(m.packed for m in ms),
         forwards=sum(m.forwards for m in ms),
         packed_fill_tokens=sum(m.packed_fill_tokens for m in ms),
+        forward_tokens=sum(m.forward_tokens for m in ms),
+        shared_prefix_tokens=sum(m.shared_prefix_tokens for m in ms),
     )
     return ScoreOutput(
         scores=[s if s is not None else SequenceScore() for s in scores], metrics=metrics

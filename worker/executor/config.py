@@ -79,6 +79,10 @@ class ExecutorConfig:
     self_check: bool = True
     # multi-objective reward heads: the output that is ``reward`` (all come back as ``rewards``)
     reward_index: int = 0
+    # shared prefixes computed once per forward (``tree``): "auto" when the load check agrees
+    prefix_sharing: Literal["auto", "off"] = "auto"
+    # shortest prefix worth sharing, in tokens (shorter ones run in the usual layouts)
+    min_shared_tokens: int = 32
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ConfigError:
@@ -99,6 +103,7 @@ class ExecutorConfig:
             "logprob_chunk_tokens",
             "logprob_chunk_bytes",
             "packed_row_tokens",
+            "min_shared_tokens",
         ):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
@@ -118,6 +123,8 @@ class ExecutorConfig:
             and 0.0 <= float(fraction) <= 1.0
         ):
             raise bad("bucket_pad_fraction", "expected None or a number in [0, 1]")
+        if self.prefix_sharing not in ("auto", "off"):
+            raise bad("prefix_sharing", "expected 'auto' or 'off'")
         if not isinstance(self.native_head, bool):
             raise bad("native_head", "expected a bool")
         tile = self.head_vocab_tile

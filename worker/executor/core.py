@@ -33,6 +33,7 @@ from worker.executor.memory import device_total_bytes, read_peak, reset_peak
 from worker.executor.rewards.pooling import RewardAdapter, backbone_of
 from worker.executor.rewards.surface import merge_outputs, resolve_head, reward_surface
 from worker.executor.selfcheck import allowed_layouts
+from worker.executor.tree.check import sharing_check
 from worker.executor.weights.loading import (
     load_models,
     load_tokenizers,
@@ -119,9 +120,14 @@ class StatelessExecutor(DirectScoring):
         for event in refused:
             log.warning("%s layout disabled: %s", event.requested, event.message)
             self._on_load_fallback(event)
+        with timed(self.startup_seconds, "sharing_check"):
+            why_not = sharing_check(forward, modes=self.modes, backend=backend)
+        if why_not is not None and config.prefix_sharing != "off":
+            log.warning("prefix sharing off: %s", why_not)
+        self.prefix_sharing = "on" if why_not is None else f"off: {why_not}"  # info[...]
         self._runner = BatchRunner(
             config, forward, self._guard, backend=backend, packed=packed, unmasked=unmasked,
-            notify=self._on_fallback,
+            notify=self._on_fallback, share_min=config.min_shared_tokens if why_not is None else 0,
         )  # fmt: skip
         self._rewards = reward_surface(self.reward_model, head, tokenizers, forward)
         # per-job adapters and versions (docs/models.md); None: base weights only
@@ -262,6 +268,7 @@ class StatelessExecutor(DirectScoring):
             "requested_backend": self.config.attention_backend,
             "fallback": last.as_dict() if last else None,
             "packing": self._runner.layout(),
+            "prefix_sharing": self.prefix_sharing,
             "lm_head": lm_head_path(self.reference_model, self.config, self.device),
             "modes": list(self.modes),
             "torch": torch.__version__,

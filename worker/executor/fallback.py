@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -35,6 +36,9 @@ from worker.executor.config import ExecutorConfig, Layout
 from worker.executor.forward import BatchForward
 from worker.executor.kvcache import KVGuard
 from worker.executor.memory import free_device_memory
+from worker.executor.tree.check import kernel_for
+from worker.executor.tree.trie import SharedGroup, leftover, plan_trees, shared_groups
+from worker.modes import LOGPROB_MODES
 from worker.scorer.outputs import FallbackEvent, SequenceScore
 
 log = logging.getLogger(__name__)
@@ -84,12 +88,29 @@ class BackendGate:
                 self._cond.notify_all()
 
 
+@dataclass(frozen=True)
+class TreeForward:
+    """One forward of tree rows: each row a shared prefix and its continuations (``rows``'
+    members index the call's sequences)."""
+
+    rows: tuple[SharedGroup, ...]
+
+    @property
+    def members(self) -> list[int]:
+        """The call's sequences this forward scores, row by row."""
+        return [i for row in self.rows for i in row.members]
+
+
+Forward = list[int] | TreeForward
+
+
 class BatchRunner:
     """Runs the batches of ``score`` calls on ``forward`` (see the module docstring).
 
     ``backend``: the backend active between calls; ``packed``/``unmasked``: whether those batch
     layouts may run (settled at load by the probe); ``layout(backend)`` picks one per backend.
-    ``notify(event)`` is called on every run-time fallback.
+    ``notify(event)`` is called on every run-time fallback. ``share_min``: the shortest prefix
+    that tree rows share (``tree``); 0 turns sharing off.
     """
 
     def __init__(
@@ -102,6 +123,7 @@ class BatchRunner:
         packed: bool,
         unmasked: bool = False,
         notify: Callable[[FallbackEvent], None],
+        share_min: int = 0,
     ) -> None:
         self.config = config
         self.forward = forward
@@ -111,6 +133,7 @@ class BatchRunner:
         self.unmasked = unmasked
         self._notify = notify
         self._gate = BackendGate()
+        self.share_min = share_min
 
     def layout(self, backend: str | None = None) -> Layout:
         """The batch layout on ``backend`` (default: the active one), ``backends.layout_for``."""
@@ -118,16 +141,40 @@ class BatchRunner:
             backend or self.backend, packed=self.packed, unmasked=self.unmasked
         )
 
-    def plan(self, call: ScoreCall) -> list[list[int]]:
-        """``call``'s forwards in the layout of the active backend."""
+    def plan(self, call: ScoreCall) -> list[Forward]:
+        """``call``'s forwards: tree rows for the sequences sharing a prefix of at least
+        ``share_min`` tokens (when sharing is on and the call can use it), the rest in the
+        layout of the active backend."""
+        trees: list[Forward] = []
+        rest: list[int] | None = None
+        if self.share_min and self._shareable(call):
+            ids = [p.ids for p in call.prepared]
+            groups = shared_groups(ids, self.share_min)
+            forwards = plan_trees(groups, call.lengths, self.config.max_batch_tokens)
+            trees = [TreeForward(tuple(rows)) for rows in forwards]
+            rest = leftover(len(ids), forwards) if trees else None
+        return trees + list(self._plan_layout(call, rest))
+
+    def _plan_layout(self, call: ScoreCall, subset: list[int] | None) -> list[list[int]]:
+        """``call``'s forwards (of ``subset``, default all) in the active backend's layout."""
+        if subset is not None and not subset:
+            return []
         return call.plan(
             self.config,
             layout=self.layout(),
             backend=self.backend,
             pad_fraction=self.config.pad_fraction(self.forward.device.type),
+            subset=subset,
         )
 
-    def run_group(self, group: list[int], call: ScoreCall) -> None:
+    def _shareable(self, call: ScoreCall) -> bool:
+        """Whether ``call`` reads only what tree rows give: no per-token rewards or steps."""
+        if call.mode in LOGPROB_MODES and call.mode != "both":
+            return True
+        token_level = bool(getattr(self.forward.reward_adapter, "token_level", False))
+        return call.options.step is None and not token_level
+
+    def run_group(self, group: Forward, call: ScoreCall) -> None:
         """Run one planned batch into ``call``; on device OOM split it in halves.
 
         The OOM is only recorded inside the ``except``; the recovery runs after it. While the
@@ -135,8 +182,11 @@ class BatchRunner:
         them its hidden states, q/k/v and masks: halves run there would find that memory still
         taken and split far more often than needed (PyTorch FAQ, "My out of memory exception
         handler can't allocate memory"). Leaving the block drops the traceback; the device cache
-        is freed, then the halves run.
+        is freed, then the halves run. A ``TreeForward`` runs in ``_run_tree``.
         """
+        if isinstance(group, TreeForward):
+            self._run_tree(group, call)
+            return
         try:
             call.add(group, self._run_with_fallback(group, call))
             return
@@ -160,6 +210,89 @@ class BatchRunner:
         log.warning("out of memory on a batch of %d sequences; splitting", len(group))
         self.run_group(group[:half], call)
         self.run_group(group[half:], call)
+
+    def _run_tree(self, tree: TreeForward, call: ScoreCall) -> None:
+        """One forward of tree rows; on device OOM split it (between rows, then between a row's
+        continuations); any other failure of the tree path scores its sequences in the usual
+        layouts (logged), never approximately."""
+        members = tree.members
+        try:
+            call.add(members, self._tree_batch(tree, call))
+            return
+        except torch.OutOfMemoryError as exc:
+            message = str(exc)
+        except ScoringError:
+            raise
+        except Exception as exc:
+            log.warning(
+                "tree forward failed (%s: %s); scoring its %d sequences one by one",
+                type(exc).__name__, exc, len(members),
+            )  # fmt: skip
+            for group in self._plan_layout(call, members):
+                self.run_group(group, call)
+            return
+        free_device_memory(self.forward.device)
+        call.oom_splits += 1
+        log.warning("out of memory on a tree forward (%s); splitting", message[:200])
+        rows = tree.rows
+        if len(rows) > 1:
+            half = len(rows) // 2
+            parts: list[Forward] = [TreeForward(rows[:half]), TreeForward(rows[half:])]
+        else:
+            row = rows[0]
+            half = len(row.members) // 2
+            parts = [
+                TreeForward((SharedGroup(row.prefix_len, part),)) if len(part) > 1 else list(part)
+                for part in (row.members[:half], row.members[half:])
+            ]
+        for part in parts:
+            self.run_group(part, call)
+
+    def _tree_batch(self, tree: TreeForward, call: ScoreCall) -> BatchResult:
+        """One tree forward on the active backend, the models held alone (their attention
+        switched for it), timed, inside a KV-guard scope."""
+        members = tree.members
+        local = {i: k for k, i in enumerate(members)}
+        rows = [SharedGroup(r.prefix_len, tuple(local[i] for i in r.members)) for r in tree.rows]
+        seqs = [call.prepared[i] for i in members]
+        reject = self.config.reject_kv_cache_outputs
+        with self._gate.exclusive():
+            backend = self.backend
+            t0 = time.perf_counter()
+            with self.guard.scope(drop=not reject) as kv:
+                computed = self.forward.compute_tree(
+                    seqs, members, rows, call.mode, call.temperature,
+                    kernel=kernel_for(backend), options=call.options,
+                )  # fmt: skip
+            if self.forward.device.type == "cuda":
+                torch.cuda.synchronize(self.forward.device)
+            elapsed = time.perf_counter() - t0
+        self._check_kv(kv.tensors, kv.nbytes)
+        lengths = [len(s.ids) for s in seqs]
+        unique = sum(r.unique_tokens(lengths) for r in rows)
+        return BatchResult(
+            scores=computed.scores,
+            backend=backend,
+            packed=False,
+            forward_s=elapsed,
+            extra_tokens=max(0, computed.slot_tokens - unique),
+            kv_tensors=kv.tensors,
+            kv_bytes=kv.nbytes,
+            forward_tokens=unique,
+            shared_tokens=sum(r.prefix_len for r in rows),
+        )
+
+    def _check_kv(self, tensors: int, nbytes: int) -> None:
+        """A returned KV cache: ``KVCacheRejected`` (rejection on) or a warning (dropped)."""
+        if not tensors:
+            return
+        if self.config.reject_kv_cache_outputs:
+            raise KVCacheRejected(
+                f"model returned a KV cache despite use_cache=False "
+                f"({tensors} tensors, {nbytes} bytes); batch rejected",
+                kv_output_tensors=tensors, kv_output_bytes=nbytes,
+            )  # fmt: skip
+        log.warning("model returned a KV cache (%d tensors, %d bytes); dropped", tensors, nbytes)
 
     def _run_with_fallback(self, group: list[int], call: ScoreCall) -> BatchResult:
         """Run a batch; an attention-kernel error retries it on the next backend(s)."""
@@ -229,17 +362,7 @@ class BatchRunner:
         if self.forward.device.type == "cuda":
             torch.cuda.synchronize(self.forward.device)
         elapsed = time.perf_counter() - t0
-        if kv.tensors:
-            if reject:
-                raise KVCacheRejected(
-                    f"model returned a KV cache despite use_cache=False "
-                    f"({kv.tensors} tensors, {kv.nbytes} bytes); batch rejected",
-                    kv_output_tensors=kv.tensors,
-                    kv_output_bytes=kv.nbytes,
-                )
-            log.warning(
-                "model returned a KV cache (%d tensors, %d bytes); dropped", kv.tensors, kv.nbytes
-            )
+        self._check_kv(kv.tensors, kv.nbytes)
         return BatchResult(
             scores=computed.scores,
             backend=backend,
@@ -248,6 +371,7 @@ class BatchRunner:
             extra_tokens=max(0, computed.slot_tokens - sum(len(s.ids) for s in seqs)),
             kv_tensors=kv.tensors,
             kv_bytes=kv.nbytes,
+            forward_tokens=sum(len(s.ids) for s in seqs),
         )
 
 

@@ -36,6 +36,9 @@ from worker.executor.rewards.pooling import (
     backbone_hidden,
 )
 from worker.executor.rewards.steps import head_kind, step_scores
+from worker.executor.tree.attention import tree_backend
+from worker.executor.tree.layout import tree_batch
+from worker.executor.tree.trie import SharedGroup
 from worker.modes import LOGPROB_MODES, REWARD_MODES, Mode
 from worker.request import DEFAULT_OPTIONS, ScoreOptions
 from worker.scorer.inputs import PreparedSequence, is_int
@@ -130,6 +133,41 @@ class BatchForward:
         else:
             order = list(range(len(seqs)))
             batch = pad_unmasked(ids, group) if layout == "unmasked" else pad(ids, group)
+        return self._run(batch, seqs, order, mode, temp, options)
+
+    def compute_tree(
+        self,
+        seqs: list[PreparedSequence],
+        group: list[int],
+        rows: list[SharedGroup],
+        mode: Mode,
+        temp: float,
+        *,
+        kernel: str,
+        options: ScoreOptions = DEFAULT_OPTIONS,
+        windows: list[int | None] | None = None,
+    ) -> Computed:
+        """``compute`` for tree rows (``tree.layout``): ``rows``' members index ``seqs``, each
+        row one shared prefix and its continuations, the attention ``tree_attention`` in
+        ``kernel`` math (``sdpa``/``eager``). The models run on the ``scoring_tree`` backend for
+        this forward; the caller holds them alone. ``slot_tokens``: the rows' slots.
+        ``windows``: filled with the sliding window of every attention call (the load check)."""
+        batch, order = tree_batch([s.ids for s in seqs], rows, group)
+        seen = windows if windows is not None else []
+        batch = replace(batch, tree=replace(batch.tree, kernel=kernel, windows=seen))  # type: ignore[type-var]
+        with tree_backend(self.models):
+            return self._run(batch, seqs, order, mode, temp, options)
+
+    def _run(
+        self,
+        batch: ForwardBatch,
+        seqs: list[PreparedSequence],
+        order: list[int],
+        mode: Mode,
+        temp: float,
+        options: ScoreOptions,
+    ) -> Computed:
+        """The forward of a laid-out ``batch`` (``order``: batch order -> index into ``seqs``)."""
         slots = batch.slot_tokens
         batch = batch.to(self.device)
         scores = [SequenceScore() for _ in seqs]
@@ -269,12 +307,18 @@ class BatchForward:
         """Hidden states ``[N, H]`` of the positions that predict a scored token, their labels
         ``[N]`` and the number of scored tokens per sequence, batch order."""
         starts = batch.starts.cpu().numpy()
-        scored = [s.scored for s in seqs]
-        assert all(p is not None for p in scored)
-        where = np.concatenate([st + p - 1 for st, p in zip(starts, scored, strict=True)])
+        scored = [s.scored for s in seqs if s.scored is not None]
+        assert len(scored) == len(seqs)
+        tree = batch.tree  # tree rows: a prefix position sits in its row's prefix region
+        where = np.concatenate(
+            [
+                tree.flat(k, p - 1) if tree is not None else st + p - 1
+                for k, (st, p) in enumerate(zip(starts, scored, strict=True))
+            ]
+        )
         labels = np.concatenate([s.ids[p] for s, p in zip(seqs, scored, strict=True)])
         picked = gather_flat(hidden, torch.from_numpy(where).to(self.device))  # [N, H]
-        sizes = [len(p) for p in scored]  # type: ignore[arg-type]
+        sizes = [len(p) for p in scored]
         return picked, torch.from_numpy(labels).to(self.device), sizes
 
     def _host(self, values: torch.Tensor) -> np.ndarray:

@@ -25,9 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from worker.executor.tree.layout import TreeLayout
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,8 @@ class ForwardBatch:
     lengths: torch.Tensor  # [B] int64 real lengths
     seq_ids: tuple[int, ...]
     packed: bool
+    # tree rows (shared prefixes, ``tree.layout``): the structure the attention reads, else None
+    tree: TreeLayout | None = None
 
     @property
     def real_tokens(self) -> int:
@@ -74,6 +80,7 @@ class ForwardBatch:
             lengths=self.lengths.to(device),
             seq_ids=self.seq_ids,
             packed=self.packed,
+            tree=self.tree.to(device) if self.tree is not None else None,
         )
 
 

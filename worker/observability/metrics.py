@@ -31,14 +31,7 @@ BATCH_TOKENS_BUCKETS = tuple(float(2**p) for p in range(6, 21))  # 64 .. 1M toke
 
 JOB_OUTCOMES: tuple[str, ...] = ("ok", *ERROR_CODES)  # the table in worker.errors
 #: Per-token outputs a job may ask for (``worker.scorer.teacher.OUTPUT_NAMES``; a test checks).
-OUTPUT_KINDS: tuple[str, ...] = (
-    "logps",
-    "entropy",
-    "topk",
-    "gather",
-    "processed_logps",
-    "rank",
-)
+OUTPUT_KINDS: tuple[str, ...] = ("logps", "entropy", "topk", "gather", "processed_logps", "rank")
 RESULT_BYTES_BUCKETS = tuple(float(2**p) for p in range(10, 31, 2))  # 1 KiB .. 1 GiB
 
 
@@ -76,6 +69,12 @@ class WorkerMetrics(QueueMetrics):
             "Pad tails that even out the packed rows of one forward (sdpa/eager).",
             registry=r,
         )
+        self.forward_tokens = Counter(
+            "scoring_forward_tokens_total", "Backbone tokens (a shared prefix once).", registry=r
+        )
+        self.shared_prefix_tokens = Counter(
+            "scoring_shared_prefix_tokens_total", "Prefix tokens shared by tree rows.", registry=r
+        )
         self.batches = Counter("scoring_batches_total", "Forward batches run.", registry=r)
         # --- teacher outputs (distillation)
         self.outputs_requested = Counter(
@@ -100,9 +99,7 @@ class WorkerMetrics(QueueMetrics):
             registry=r,
         )
         self.step_scores = Counter(
-            "scoring_step_scores_total",
-            "Process-reward step scores returned.",
-            registry=r,
+            "scoring_step_scores_total", "Process-reward step scores returned.", registry=r
         )
         self.batch_size = Histogram(
             "scoring_batch_size_sequences",
@@ -394,6 +391,8 @@ class WorkerMetrics(QueueMetrics):
         scored_tokens: int,
         padded_tokens: int,
         packed_fill_tokens: int = 0,
+        forward_tokens: int = 0,
+        shared_prefix_tokens: int = 0,
         forward_s: float,
         elapsed_s: float,
         peak_allocated_bytes: int,
@@ -411,6 +410,8 @@ class WorkerMetrics(QueueMetrics):
         self.scored_tokens.inc(scored_tokens)
         self.padded_tokens.inc(padded_tokens)
         self.packed_fill_tokens.inc(packed_fill_tokens)
+        self.forward_tokens.inc(forward_tokens)
+        self.shared_prefix_tokens.inc(shared_prefix_tokens)
         self.batch_size.observe(batch_size)
         self.batch_tokens.observe(real_tokens)
         self.forward_seconds.observe(forward_s)

@@ -85,6 +85,9 @@ class BatchMetrics:
     packed: bool
     forwards: int = 0
     packed_fill_tokens: int = 0
+    # tokens through the backbone (each shared prefix once), and the shared prefixes' tokens
+    forward_tokens: int = 0
+    shared_prefix_tokens: int = 0
     # Per-job weights: which adapter/version ran, loads and residency (None: base only).
     weights: WeightsReport | None = None
     # Tensor parallelism: the group's ranks and collectives (None: one process).

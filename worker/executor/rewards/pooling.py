@@ -70,11 +70,13 @@ def backbone_of(model: nn.Module) -> nn.Module:
 
 def backbone_hidden(model: nn.Module, batch: ForwardBatch) -> torch.Tensor:
     """Last hidden states ``[R, T, H]`` of ``model``'s backbone, one ``use_cache=False`` forward."""
+    tree = {} if batch.tree is None else {"scoring_tree": batch.tree}  # tree rows' structure
     out = backbone_of(model)(
         input_ids=batch.input_ids,
         position_ids=batch.position_ids,
         attention_mask=batch.attention_mask,
         use_cache=False,
+        **tree,
     )
     hidden = getattr(out, "last_hidden_state", None)
     if hidden is None:

@@ -236,6 +236,8 @@ def merge_outputs(outputs: list[ScoreOutput]) -> ScoreOutput:
         packed=m.packed or n.packed,
         forwards=m.forwards + n.forwards,
         packed_fill_tokens=m.packed_fill_tokens + n.packed_fill_tokens,
+        forward_tokens=m.forward_tokens + n.forward_tokens,
+        shared_prefix_tokens=m.shared_prefix_tokens + n.shared_prefix_tokens,
     )
     return ScoreOutput(scores=scores, metrics=metrics)
 

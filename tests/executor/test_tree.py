@@ -1,0 +1,423 @@
+"""Prefix sharing: a GRPO group scored as one tree row gives what each sequence gives alone.
+
+The trie (``tree.trie``) against a dict trie; the tree attention (``tree.attention``) through the
+executor with ``prefix_sharing="auto"`` against the same executor with ``"off"`` (every sequence
+alone), on tiny random models of each attention variant: log-probs with temperature and masks,
+teacher outputs, rewards, ``mode="both"``; the refusals (linear attention); the OOM split; and a
+real worker over Redis.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from tests.support.models import tiny_causal, tiny_reward
+from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
+from worker.executor.tree.trie import naive_groups, plan_trees, shared_groups
+from worker.request import ScoreOptions
+from worker.scorer.teacher import Sampling, TokenOutputs
+
+VOCAB = 96
+ATOL = 2e-5
+PROMPT = 40  # above the default min_shared_tokens (32)
+
+
+def _small(cls: Any, **extra: Any) -> Any:
+    common = {
+        "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+        "max_position_embeddings": 256, "initializer_range": 0.3,
+    }  # fmt: skip
+    return cls(**{**common, **extra})
+
+
+def tiny(arch: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny float32 causal LM of ``arch`` with its attention variant made to bite."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if arch == "llama":
+        return tiny_causal("llama", seed=seed).float().eval()
+    if arch == "gpt2":  # learned absolute positions
+        return tiny_causal("gpt2", seed=seed).float().eval()
+    if arch == "mistral":
+        return tiny_causal("mistral", seed=seed, sliding_window=5).float().eval()
+    if arch == "qwen3":
+        return tf.Qwen3ForCausalLM(_small(tf.Qwen3Config)).eval()
+    if arch == "gemma2":  # softcap + window on every other layer
+        cfg = _small(tf.Gemma2Config, attn_logit_softcapping=1.5, sliding_window=5,
+                     attn_implementation="eager")  # fmt: skip
+        return tf.Gemma2ForCausalLM(cfg).eval()
+    if arch == "gpt_oss":  # sinks, window, MoE
+        cfg = _small(tf.GptOssConfig, num_local_experts=4, num_experts_per_tok=2,
+                     sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+                     attn_implementation="eager")  # fmt: skip
+        model = tf.GptOssForCausalLM(cfg).eval()
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 1.0)  # zero sinks would not bite
+        return model
+    if arch == "qwen3_next":
+        cfg = _small(
+            tf.Qwen3NextConfig, layer_types=["linear_attention", "full_attention"],
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+            shared_expert_intermediate_size=16, linear_num_value_heads=2,
+            linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+        )  # fmt: skip
+        return tf.Qwen3NextForCausalLM(cfg).eval()
+    raise ValueError(arch)
+
+
+def group_seqs(seed: int = 0, g: int = 4) -> list[list[int]]:
+    """One prompt of ``PROMPT`` ids, ``g`` completions (two share their first ids), and an
+    unrelated sequence."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, VOCAB, PROMPT).tolist()
+    out = [prompt + rng.integers(0, VOCAB, 3 + 2 * i).tolist() for i in range(g)]
+    out[1] = out[0][: PROMPT + 2] + out[1][PROMPT + 2 :]  # shares more than the prompt
+    out.append(rng.integers(0, VOCAB, 17).tolist())
+    return out
+
+
+def _pair(model: Any, **kw: Any) -> tuple[StatelessExecutor, StatelessExecutor]:
+    on = StatelessExecutor(ExecutorConfig(prefix_sharing="auto", **kw), model)
+    off = StatelessExecutor(ExecutorConfig(prefix_sharing="off", **kw), model)
+    assert on.info["prefix_sharing"] == "on", on.info["prefix_sharing"]
+    assert off.info["prefix_sharing"].startswith("off:")
+    return on, off
+
+
+def _inputs(seqs: list[list[int]]) -> list[SequenceInput]:
+    """Completions scored after the prompt (the unrelated sequence after its fifth id)."""
+    return [SequenceInput(s, prompt_len=PROMPT if len(s) > PROMPT else 5) for s in seqs]
+
+
+def _unique(seqs: list[list[int]]) -> int:
+    """Tokens of the group's tree row plus the unrelated sequence."""
+    return PROMPT + sum(len(s) - PROMPT for s in seqs[:-1]) + len(seqs[-1])
+
+
+# ---------------------------------------------------------------- the trie
+
+
+def test_shared_groups_match_a_dict_trie() -> None:
+    rng = np.random.default_rng(3)
+    for trial in range(30):
+        roots = [rng.integers(0, 4, 6) for _ in range(3)]
+        seqs = [
+            np.concatenate([roots[int(rng.integers(0, 3))], rng.integers(0, 4, int(n))])
+            for n in rng.integers(1, 6, 8)
+        ]
+        m = int(rng.integers(2, 6))
+        got = {(g.prefix_len, frozenset(g.members)) for g in shared_groups(seqs, m)}
+        want = {(d, frozenset(members)) for d, members in naive_groups(seqs, m)}
+        # the split only ever refines a trie group into groups sharing more
+        for depth, members in want:
+            inside = [(p, g) for p, g in got if g <= members]
+            assert inside, (trial, depth, members)
+            if len(inside) == 1 and inside[0][1] == members:
+                assert inside[0][0] == depth
+        assert all(len(g) >= 2 and p >= m for p, g in got)
+
+
+def test_a_group_splits_where_its_parts_share_more() -> None:
+    base = list(range(40))
+    seqs = [np.array(base + [90 + i // 2] * 30 + [i]) for i in range(4)]  # two pairs of 70
+    groups = shared_groups(seqs, 32)
+    assert sorted((g.prefix_len, g.members) for g in groups) == [(70, (0, 1)), (70, (2, 3))]
+    assert shared_groups([np.arange(40), np.arange(40)], 32)[0].prefix_len == 39  # one id left
+    assert shared_groups([np.arange(20), np.arange(20)], 32) == []  # below min_shared
+
+
+def test_plan_trees_splits_a_row_between_its_continuations() -> None:
+    lengths = [60, 70, 80, 50]
+    (group,) = shared_groups([np.r_[np.arange(40), np.full(n - 40, i)] for i, n in
+                              enumerate(lengths)], 32)  # fmt: skip
+    forwards = plan_trees([group], lengths, max_batch_tokens=100)
+    rows = [r for fwd in forwards for r in fwd]
+    assert all(r.unique_tokens(lengths) <= 100 for r in rows)
+    assert sorted(i for r in rows for i in r.members) == [0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------- the tree against alone
+
+
+def _close(a: Any, b: Any) -> None:
+    np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "mistral", "gpt_oss", "gpt2"])
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_tree_log_probs_equal_per_sequence(arch: str, backend: str) -> None:
+    model = tiny(arch)
+    if arch in ("gemma2", "gpt_oss") and backend == "sdpa":
+        pytest.skip(f"{arch} does not run on sdpa")
+    on, off = _pair(model, attention_backend=backend)
+    seqs = group_seqs()
+    for temperature in (1.0, 0.7):
+        inputs = [SequenceInput(s, prompt_len=PROMPT - 3) for s in seqs[:3]]
+        inputs += [
+            SequenceInput(s, mask=[int(i % 3 == 1) for i in range(len(s))]) for s in seqs[3:]
+        ]
+        a = on.score(inputs, temperature=temperature)
+        b = off.score(inputs, temperature=temperature)
+        for x, y in zip(a.scores, b.scores, strict=True):
+            _close(x.logps, y.logps)
+        assert a.metrics.shared_prefix_tokens == PROMPT  # one tree row
+        assert a.metrics.forward_tokens == _unique(seqs)
+        assert b.metrics.forward_tokens == sum(len(s) for s in seqs)
+        assert b.metrics.shared_prefix_tokens == 0
+
+
+def test_teacher_outputs_equal_per_sequence() -> None:
+    on, off = _pair(tiny("llama"))
+    seqs = _inputs(group_seqs(1))
+    spec = TokenOutputs(("logps", "entropy", "topk", "gather", "processed_logps"), topk=5,
+                        gather_ids=(1, 7, 3), sampling=Sampling(top_k=7, top_p=0.9))  # fmt: skip
+    a = on.score(seqs, temperature=0.8, options=ScoreOptions(outputs=spec))
+    b = off.score(seqs, temperature=0.8, options=ScoreOptions(outputs=spec))
+    assert a.metrics.shared_prefix_tokens > 0
+    for x, y in zip(a.scores, b.scores, strict=True):
+        _close(x.logps, y.logps)
+        assert x.arrays is not None and y.arrays is not None and x.arrays.keys() == y.arrays.keys()
+        for name in x.arrays:
+            if x.arrays[name].dtype.kind == "f":
+                _close(x.arrays[name], y.arrays[name])
+            else:
+                np.testing.assert_array_equal(x.arrays[name], y.arrays[name])
+
+
+def test_rewards_at_each_true_last_token() -> None:
+    reward = tiny_reward("llama").float().eval()
+    on = StatelessExecutor(ExecutorConfig(mode="reward"), None, reward)
+    off = StatelessExecutor(ExecutorConfig(mode="reward", prefix_sharing="off"), None, reward)
+    assert on.info["prefix_sharing"] == "on"
+    seqs = [SequenceInput(s) for s in group_seqs(2)]
+    a, b = on.score(seqs), off.score(seqs)
+    assert a.metrics.shared_prefix_tokens == PROMPT
+    for x, y in zip(a.scores, b.scores, strict=True):
+        assert x.reward is not None and y.reward is not None
+        assert abs(x.reward - y.reward) <= ATOL
+
+
+def test_mode_both_shares_for_both_models() -> None:
+    model, reward = tiny("llama"), tiny_reward("llama").float().eval()
+    on = StatelessExecutor(ExecutorConfig(mode="both"), model, reward)
+    off = StatelessExecutor(ExecutorConfig(mode="both", prefix_sharing="off"), model, reward)
+    assert on.info["prefix_sharing"] == "on"
+    seqs = _inputs(group_seqs(4))
+    a, b = on.score(seqs, mode="both"), off.score(seqs, mode="both")
+    assert a.metrics.shared_prefix_tokens > 0
+    for x, y in zip(a.scores, b.scores, strict=True):
+        _close(x.logps, y.logps)
+        assert abs(x.reward - y.reward) <= ATOL  # type: ignore[operator]
+
+
+def test_linear_attention_is_served_per_sequence_with_its_reason() -> None:
+    model = tiny("qwen3_next")
+    ex = StatelessExecutor(ExecutorConfig(attention_backend="eager"), model)
+    assert ex.info["prefix_sharing"].startswith("off: "), ex.info["prefix_sharing"]
+    assert "linear" in ex.info["prefix_sharing"]
+    out = ex.score(_inputs(group_seqs(5)))
+    assert out.metrics.shared_prefix_tokens == 0
+
+
+def test_a_window_the_attention_is_not_told_turns_sharing_off() -> None:
+    model = tiny("gemma2")  # its layers keep the window they were built with (5) ...
+    model.config.sliding_window = 4096  # ... while its mask would apply 4096, past the probe
+    ex = StatelessExecutor(ExecutorConfig(attention_backend="eager"), model)
+    assert "sliding window 4096" in ex.info["prefix_sharing"], ex.info["prefix_sharing"]
+
+
+def test_short_prefixes_are_not_shared() -> None:
+    on, _ = _pair(tiny("llama"), min_shared_tokens=PROMPT + 10)
+    out = on.score(_inputs(group_seqs(6)))
+    assert out.metrics.shared_prefix_tokens == 0
+
+
+def test_oom_splits_a_tree_between_its_continuations(monkeypatch: pytest.MonkeyPatch) -> None:
+    on, off = _pair(tiny("llama"))
+    forward = on._runner.forward
+    real = forward.compute_tree
+    sizes: list[int] = []
+
+    def tight(seqs: list[Any], *args: Any, **kwargs: Any) -> Any:
+        sizes.append(len(seqs))
+        if len(seqs) > 2:
+            raise torch.OutOfMemoryError("probe: out of memory")
+        return real(seqs, *args, **kwargs)
+
+    monkeypatch.setattr(forward, "compute_tree", tight)
+    seqs = _inputs(group_seqs(7, g=6))
+    a, b = on.score(seqs), off.score(seqs)
+    assert a.metrics.oom_splits >= 1 and max(sizes) > 2 and 2 in sizes
+    for x, y in zip(a.scores, b.scores, strict=True):
+        _close(x.logps, y.logps)
+
+
+def test_a_failing_tree_forward_falls_back_per_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
+    on, off = _pair(tiny("llama"))
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("probe: tree kernel failed")
+
+    monkeypatch.setattr(on._runner.forward, "compute_tree", broken)
+    seqs = _inputs(group_seqs(8))
+    a, b = on.score(seqs), off.score(seqs)
+    assert a.metrics.shared_prefix_tokens == 0
+    for x, y in zip(a.scores, b.scores, strict=True):
+        _close(x.logps, y.logps)
+
+
+# ---------------------------------------------------------------- through a real worker
+
+
+@pytest.mark.redis
+def test_grpo_batch_through_redis_equal_on_and_off(
+    redis_url: str, key_prefix: str, cleanup_keys: None
+) -> None:
+    from worker.client import ScoringClient
+    from worker.config import RedisSettings
+    from worker.daemon import Worker
+    from worker.daemon.config import WorkerConfig
+    from worker.keys import job_streams
+    from worker.observability.metrics import WorkerMetrics
+
+    model = tiny("llama")
+    seqs = group_seqs(9, g=6)[:-1]  # one prompt, six completions
+    job = [{"tokens": s, "prompt_len": PROMPT} for s in seqs]
+    results: dict[str, Any] = {}
+    for sharing in ("auto", "off"):
+        executor = StatelessExecutor(ExecutorConfig(prefix_sharing=sharing), model)
+        registry = CollectorRegistry()
+        config = WorkerConfig(
+            streams=tuple(job_streams(f"{key_prefix}{sharing}", 1)),
+            consumer=f"c{uuid.uuid4().hex[:6]}", metrics_port=None, block_ms=50,
+            claim_idle_ms=5000, max_wait_ms=50,
+        )  # fmt: skip
+        worker = Worker(
+            config, RedisSettings(url=redis_url), executor,
+            metrics=WorkerMetrics(registry),
+        )  # fmt: skip
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+        try:
+            with ScoringClient(redis_url, queue=f"{key_prefix}{sharing}") as client:
+                results[sharing] = client.result(client.submit(job), timeout=60).seqs
+        finally:
+            worker.request_stop()
+            thread.join(30)
+        for name in ("scoring_forward_tokens_total", "scoring_shared_prefix_tokens_total"):
+            results[f"{sharing}:{name}"] = registry.get_sample_value(name)
+    for x, y in zip(results["auto"], results["off"], strict=True):
+        _close(x.logps, y.logps)
+    unique = PROMPT + sum(len(s) - PROMPT for s in seqs)
+    assert results["auto:scoring_forward_tokens_total"] == unique
+    assert results["auto:scoring_shared_prefix_tokens_total"] == PROMPT
+    assert results["off:scoring_forward_tokens_total"] == sum(len(s) for s in seqs)
+    assert results["off:scoring_shared_prefix_tokens_total"] == 0
+
+
+def test_continuations_in_chunks_give_the_same_scores(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.executor.tree import attention
+
+    on, off = _pair(tiny("mistral"))
+    monkeypatch.setattr(attention, "_CHUNK_BYTES", 1)  # one continuation per chunk
+    seqs = _inputs(group_seqs(10, g=5))
+    a, b = on.score(seqs), off.score(seqs)
+    assert a.metrics.shared_prefix_tokens == PROMPT
+    for x, y in zip(a.scores, b.scores, strict=True):
+        _close(x.logps, y.logps)
+
+
+def _two_prompts(seed: int) -> list[list[int]]:
+    """Two prompts (40 and 51 ids) with three completions each: two rows of different prefixes
+    in one forward."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for p in (PROMPT, PROMPT + 11):
+        prompt = rng.integers(0, VOCAB, p).tolist()
+        out += [prompt + rng.integers(0, VOCAB, 2 + 3 * i).tolist() for i in range(3)]
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gpt_oss"])
+def test_rows_of_different_prefixes_in_one_forward(arch: str) -> None:
+    on, off = _pair(tiny(arch), attention_backend="eager" if arch == "gpt_oss" else "sdpa")
+    seqs = [SequenceInput(s, prompt_len=PROMPT - 1) for s in _two_prompts(11)]
+    a, b = on.score(seqs, temperature=0.9), off.score(seqs, temperature=0.9)
+    assert a.metrics.shared_prefix_tokens == 2 * PROMPT + 11
+    assert a.metrics.forwards == 1  # both rows in one forward
+    for x, y in zip(a.scores, b.scores, strict=True):
+        _close(x.logps, y.logps)
+
+
+def test_one_model_both_surfaces_reads_rewards_from_the_tree_row() -> None:
+    from worker.executor.rewards.pooling import ValueHeadAdapter
+
+    model = tiny("llama")
+    torch.manual_seed(5)
+    adapter = ValueHeadAdapter(torch.nn.Linear(32, 1))
+    on = StatelessExecutor(ExecutorConfig(mode="both"), model, reward_adapter=adapter)
+    off = StatelessExecutor(
+        ExecutorConfig(mode="both", prefix_sharing="off"), model, reward_adapter=adapter
+    )
+    assert on.info["prefix_sharing"] == "on"
+    seqs = [SequenceInput(s, prompt_len=PROMPT - 1) for s in _two_prompts(12)]
+    a, b = on.score(seqs, mode="both"), off.score(seqs, mode="both")
+    assert a.metrics.shared_prefix_tokens == 2 * PROMPT + 11
+    for x, y in zip(a.scores, b.scores, strict=True):
+        _close(x.logps, y.logps)
+        assert abs(x.reward - y.reward) <= ATOL  # type: ignore[operator]
+
+
+def test_token_level_rewards_are_not_shared() -> None:
+    from worker.executor.rewards.pooling import ValueHeadAdapter
+
+    adapter = ValueHeadAdapter(torch.nn.Linear(32, 1), token_level=True)
+    ex = StatelessExecutor(ExecutorConfig(mode="both"), tiny("llama"), reward_adapter=adapter)
+    out = ex.score([SequenceInput(s, prompt_len=PROMPT) for s in _two_prompts(13)], mode="both")
+    assert out.metrics.shared_prefix_tokens == 0
+    assert all(s.token_scores is not None for s in out.scores)
+
+
+def test_a_tree_forward_that_returns_a_cache_is_rejected() -> None:
+    from transformers import DynamicCache
+
+    from worker.errors import KVCacheRejected
+
+    model = tiny("llama")
+    ex = StatelessExecutor(ExecutorConfig(), model)
+    assert ex.info["prefix_sharing"] == "on"
+    original = model.model.forward
+
+    def leaking(*args: Any, **kwargs: Any) -> Any:  # a backbone that returns a cache anyway
+        out = original(*args, **kwargs)
+        cache = DynamicCache(config=model.config)
+        kv = out.last_hidden_state.new_zeros(1, 2, 4, 8)  # [R, kv_heads, T, d]
+        cache.update(kv, kv.clone(), 0)
+        out["past_key_values"] = cache
+        return out
+
+    model.model.forward = leaking
+    seqs = [SequenceInput(s, prompt_len=PROMPT) for s in group_seqs(14)[:-1]]  # one tree row
+    with pytest.raises(KVCacheRejected, match="KV cache"):
+        ex.score(seqs)
+
+
+def test_identical_and_nested_sequences() -> None:
+    on, off = _pair(tiny("llama"))
+    base = group_seqs(15)[0]
+    seqs = [base, list(base), base[:-2], [*base, 3, 4, 5]]  # equal twice, a prefix of the others
+    inputs = [SequenceInput(s, prompt_len=PROMPT - 5) for s in seqs]
+    a, b = on.score(inputs), off.score(inputs)
+    assert a.metrics.shared_prefix_tokens == len(base) - 3  # one id short of the shortest
+    for x, y in zip(a.scores, b.scores, strict=True):
+        _close(x.logps, y.logps)

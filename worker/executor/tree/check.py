@@ -1,0 +1,100 @@
+"""The load check of prefix sharing: does a tree row give what its sequences give alone, here?
+
+``sharing_check`` runs once at load on the real device, backend and dtype: a refusal first for
+what cannot be exact (``attention.refusal``: linear-attention layers, ALiBi, attention outside
+``AttentionInterface``; a forward type other than ``BatchForward``, e.g. tensor-parallel), then
+three probe sequences sharing a prefix go through one tree forward and through one forward each
+(``BatchForward.compute``, masked padded layout), in the served mode. Log-probs (and rewards)
+that disagree beyond the tolerance turn sharing off with the reason. Naive equivalent: the
+sequences alone, which is what it compares with.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from worker.executor.forward import BatchForward
+from worker.executor.tree.attention import refusal
+from worker.executor.tree.trie import SharedGroup
+from worker.modes import LOGPROB_MODES, Mode
+from worker.scorer.inputs import PreparedSequence
+
+_PREFIX = 7
+_CONTINUATIONS = (3, 5, 1)
+
+
+def probe_tree(vocab: int) -> list[PreparedSequence]:
+    """Three deterministic sequences of ids in ``[0, vocab)`` sharing their first ``_PREFIX``
+    ids, every position after the first scored."""
+    prefix = (np.arange(_PREFIX) * 7919 + 3) % vocab
+    seqs = []
+    for n in _CONTINUATIONS:
+        ids = np.concatenate([prefix, (np.arange(n) * 104729 + 31 * n + 5) % vocab])
+        seqs.append(PreparedSequence(ids=ids, scored=np.arange(1, len(ids), dtype=np.int64)))
+    return seqs
+
+
+def configured_window(model: torch.nn.Module) -> int | None:
+    """The sliding window ``model``'s config applies to some layers (``None``: none). A window
+    longer than the probe is invisible in its numbers: the check asks that the attention
+    function was told it."""
+    config: Any = getattr(model, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    kinds = getattr(config, "layer_types", None)
+    return int(window) if kinds is None or "sliding_attention" in kinds else None
+
+
+def kernel_for(backend: str) -> str:
+    """The math the tree attention runs on ``backend``: eager math for ``eager``, else SDPA."""
+    return "eager" if backend == "eager" else "sdpa"
+
+
+def sharing_check(forward: BatchForward, *, modes: tuple[Mode, ...], backend: str) -> str | None:
+    """``None`` when tree rows may run on ``forward`` (module docstring), else why not."""
+    if forward.config.prefix_sharing == "off":
+        return "disabled (prefix_sharing=off)"
+    if type(forward) is not BatchForward:
+        return f"{type(forward).__name__} is not checked for tree rows"
+    for model in forward.models:
+        reason = refusal(model)
+        if reason is not None:
+            return reason
+    seqs = probe_tree(forward.vocab_size)
+    mode: Mode = "both" if "both" in modes else modes[0]
+    group = list(range(len(seqs)))
+    row = [SharedGroup(_PREFIX, tuple(group))]
+    windows: list[int | None] = []
+    try:
+        tree = forward.compute_tree(
+            seqs, group, row, mode, 1.0, kernel=kernel_for(backend), windows=windows
+        )
+    except Exception as exc:  # any failure of the tree path: serve per sequence
+        return f"tree forward failed: {type(exc).__name__}: {exc}"[:300]
+    if not windows:
+        return "no attention layer read the tree layout"
+    for model in forward.models:
+        window = configured_window(model)
+        if window is not None and window not in windows:
+            return f"sliding window {window} is not passed to the attention function"
+    row_tokens = forward.config.row_tokens(backend)
+    dtype = next(forward.models[0].parameters()).dtype
+    tol = 1e-4 if dtype == torch.float32 else 0.25
+    for i, seq in enumerate(seqs):
+        alone = forward.compute([seq], [i], mode, 1.0, layout="padded", row_tokens=row_tokens)
+        want, got = alone.scores[0], tree.scores[i]
+        if mode in LOGPROB_MODES:
+            assert want.logps is not None and got.logps is not None
+            diff = float(np.abs(want.logps - got.logps).max())
+            if not diff <= tol:
+                return f"tree log-probs differ from per-sequence by {diff:.3g} (tolerance {tol})"
+        if want.reward is not None:
+            got_reward = np.nan if got.reward is None else float(got.reward)
+            diff = abs(float(want.reward) - got_reward)
+            if not diff <= tol * 10:
+                return f"tree rewards differ from per-sequence by {diff:.3g}"
+    return None
