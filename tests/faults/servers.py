@@ -1,7 +1,7 @@
 """A real ``redis-server`` process per test: free port, own data dir, AOF/TLS/ACL options,
 kill -9 and restart on the same data. Used by the fault harness and the security tests.
 
-Plain classes (not fixtures) so ``tests/conftest.py`` stays the lead's.
+Plain classes (not fixtures) so ``tests/conftest.py`` stays the only conftest.
 """
 
 from __future__ import annotations

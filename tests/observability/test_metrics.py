@@ -8,7 +8,14 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker.observability.metrics import BYTES_BUCKETS, JOB_OUTCOMES, SECONDS_BUCKETS, WorkerMetrics
+from worker.observability.metrics import (
+    BYTES_BUCKETS,
+    JOB_OUTCOMES,
+    OUTPUT_KINDS,
+    SECONDS_BUCKETS,
+    WorkerMetrics,
+)
+from worker.request import OUTPUT_NAMES
 
 
 @pytest.fixture
@@ -33,6 +40,12 @@ def _batch(m: WorkerMetrics, **over: object) -> None:
     }
     kwargs.update(over)
     m.record_batch(**kwargs)  # type: ignore[arg-type]
+
+
+def test_output_kinds_are_the_request_output_names() -> None:
+    """The ``output`` label's values (observability imports no request types) are exactly the
+    outputs a job may ask for."""
+    assert OUTPUT_KINDS == OUTPUT_NAMES
 
 
 def test_fresh_registries_are_independent() -> None:

@@ -1,6 +1,6 @@
 """Helpers for the daemon tests: subprocess workers, enqueueing raw jobs, collecting results.
 
-Plain functions and classes (not fixtures) so ``tests/conftest.py`` stays the lead's.
+Plain functions and classes (not fixtures) so ``tests/conftest.py`` stays the only conftest.
 """
 
 from __future__ import annotations

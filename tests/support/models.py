@@ -3,7 +3,7 @@
 The builder is the package's (``worker.demo.tiny``: the demo, the benchmarks and the GPU check
 build with it too); tests import it from here (``from tests.support.models import tiny_causal``),
 with the tests' own helpers: random token ids, the real SmolLM2 GGUF, the bf16 bounds. Nothing
-here is a pytest fixture so the lead's ``tests/conftest.py`` stays the only conftest.
+here is a pytest fixture so ``tests/conftest.py`` stays the only conftest.
 """
 
 from __future__ import annotations

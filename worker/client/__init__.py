@@ -21,9 +21,12 @@ its late result is dropped on arrival (``client.late_results``). Results for job
 not waiting for are kept up to ``MAX_UNCLAIMED_RESULTS``, oldest dropped first.
 
 Modules: ``core`` (the sans-I/O core both clients drive: payloads, handles, waiting, the reply
-reader) with ``window`` (``score_many``) and ``buffer`` (``ReplyBuffer``), ``sync``
-(``ScoringClient``) and ``aio`` (``AsyncScoringClient``) doing the I/O, ``base`` (what the two
-expose), ``errors`` (the ``JobFailed`` tree), ``results`` and ``inputs``. Import from here.
+reader; ``effects``, what it yields) with ``window`` (``score_many``), ``buffer``
+(``ReplyBuffer``), ``resubmit`` (overdue jobs added again) and ``workers`` (the queue rule:
+served, known or refused), ``sync`` (``ScoringClient``) and ``aio`` (``AsyncScoringClient``)
+doing the I/O, ``base`` (what the two expose), ``coalesce`` (``Coalescer``: concurrent small
+calls into multi-sequence jobs), ``errors`` (the ``JobFailed`` tree), ``results`` and
+``inputs``. Import from here.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ Modules, one role each:
 * ``pipeline``: the compute stage (one batch scoring on its own thread, or inline with
   ``--no-pipeline``);
 * ``context``: shared data (``Pending``, ``Reply``, ``DeadLetter``, ``Outbox``, ``JobContext``);
-* ``intake``: decode and validate an entry; ``jobs``: score a batch into results;
+* ``intake``: decode an entry and prepare it (``Scorer.prepare``); ``jobs``: run a batch of
+  prepared jobs (``Scorer.run``) into results;
   ``writer``: write an outbox (result before ack, dead letters);
 * ``backlog``: held jobs per queue and batch taking (several queues share the batches by weight);
   ``reader``: read (per queue) and reclaim entries;

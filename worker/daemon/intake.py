@@ -1,9 +1,11 @@
-"""Intake: decode and validate one entry, and say what becomes of it.
+"""Intake: decode one entry, have the scorer prepare it, and say what becomes of it.
 
-A good job becomes a ``Pending`` for the backlog; anything else is answered at once: an error
-result (``bad_request``, ``expired``, the scorer's ``too_long`` / ``unsupported_mode``, ...) or the
-dead-letter stream (delivered too often, no payload, no ``reply_to`` to answer). Nothing is
-written here: the caller queues what :func:`prepare_entry` returns.
+A good job becomes a ``Pending`` for the backlog, holding the ``Prepared`` request its scorer
+planned (``Scorer.prepare``, once; ``Scorer.run`` later runs that plan); anything else is
+answered at once: an error result (``bad_request``, ``expired``, the scorer's ``too_long`` /
+``unsupported_mode``, ...) or the dead-letter stream (delivered too often, no payload, no
+``reply_to`` to answer). Nothing is written here: the caller queues what :func:`prepare_entry`
+returns.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def seq_inputs(job: Job) -> list[SequenceInput]:
 def prepare_entry(
     ctx: JobContext, entry: streams.Entry, now_s: float | None = None
 ) -> Pending | Reply | DeadLetter:
-    """Decode and validate one entry: a ``Pending`` job, or the answer it gets right away."""
+    """Decode and prepare one entry: a ``Pending`` job, or the answer it gets right away."""
     cfg = ctx.config
     now_s = time.time() if now_s is None else now_s
     if entry.deliveries > 1:

@@ -4,8 +4,10 @@ rewards out. The contract is written down in ``docs/executor.md``.
 Modules, by role:
 
 * ``config``: ``ExecutorConfig`` and its validation.
-* ``core``: ``StatelessExecutor``, the torch ``worker.scorer.Scorer`` (construction, ``score``).
-* ``call``: one ``score`` call's arguments, inputs, batch plan, results, tallies and metrics.
+* ``core``: ``StatelessExecutor``, the torch ``worker.scorer.Scorer`` (construction,
+  ``prepare``, ``run``).
+* ``call``: a request's plan (``plan_calls``, at ``prepare``; ``merge_plans``, at ``run``) and
+  one call of it at run time (``ScoreCall``: inputs, batch plan, results, tallies, metrics).
 * ``fallback``: running a planned batch: attention-backend fallback, OOM halving, KV guard.
 * ``forward``: one batch's ``use_cache=False`` forward, log-probs and rewards.
 * ``selfcheck``: the load-time probe (fast path vs the model's logits, packed vs one by one).
@@ -13,8 +15,9 @@ Modules, by role:
 * ``packing``, ``backends``, ``memory``: batch layouts, the backend chain, memory figures.
 
 Sub-packages: ``head`` (the LM head: log-probs, vocabulary tiles, teacher outputs),
-``weights`` (loading, per-job adapters and versions, residency) and ``rewards`` (reward
-adapters, process-reward heads, chat templates, the reward side of a call).
+``weights`` (loading, per-job adapters and versions, residency), ``rewards`` (reward
+adapters, process-reward heads, chat templates, the reward side of a call) and ``parallel``
+(tensor parallelism: one model over the devices of a node).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 BATCH_TOKENS_BUCKETS = tuple(float(2**p) for p in range(6, 21))  # 64 .. 1M tokens
 
 JOB_OUTCOMES: tuple[str, ...] = ("ok", *ERROR_CODES)  # the table in worker.errors
-#: Per-token outputs a job may ask for (``worker.scorer.teacher.OUTPUT_NAMES``; a test checks).
+#: Per-token outputs a job may ask for (``worker.request.OUTPUT_NAMES``; a test checks).
 OUTPUT_KINDS: tuple[str, ...] = ("logps", "entropy", "topk", "gather", "processed_logps", "rank")
 RESULT_BYTES_BUCKETS = tuple(float(2**p) for p in range(10, 31, 2))  # 1 KiB .. 1 GiB
 

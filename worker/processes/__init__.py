@@ -6,5 +6,7 @@
   refusals, follower processes, heartbeats, the step deadline ("group" in this package means the
   tensor-parallel group, never the Redis consumer group);
 * ``parent_death``: children that stop when their parent dies (``PR_SET_PDEATHSIG``, and a
-  watchdog process for children a library starts).
+  watchdog process for children a library starts);
+* ``local``: the one launcher of local worker processes (the demo, tests, benchmarks, checks);
+* ``tp_local``: a tensor-parallel group of local rank processes (tests, benchmark, GPU check).
 """

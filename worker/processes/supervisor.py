@@ -1,10 +1,10 @@
 """Run, restart and drain child worker processes (``serve --gpus all|0,1,..`` / ``--replicas N``).
 
 The supervisor is process plumbing only: it never imports torch, never touches Redis and knows
-no ``serve`` flag. ``worker.commands.serve`` builds one :class:`ChildSpec` per child (its argv,
-its environment such as ``CUDA_VISIBLE_DEVICES``, its consumer name and metrics port) and a
-:class:`SupervisorConfig` from its parsed flags; the children are fresh processes, not forks, so
-no CUDA state is ever shared.
+no ``serve`` flag. ``worker.processes.fleet`` builds one :class:`ChildSpec` per child (its
+argv, its environment such as ``CUDA_VISIBLE_DEVICES``, its consumer name and metrics port) and a
+:class:`SupervisorConfig` from ``serve``'s parsed flags; the children are fresh processes, not
+forks, so no CUDA state is ever shared.
 
 A child that exits non-zero (or is killed) is restarted with exponential backoff
 (``restart_backoff_s`` doubling up to ``restart_backoff_max_s``); its backoff resets once it has

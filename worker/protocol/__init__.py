@@ -8,8 +8,9 @@ anything proportional to it is allocated, and pickle is never involved.
 Modules: ``limits`` (constants, ``Limits``, the bounded decoder), ``seqs`` (token ids, masks and
 float arrays on the wire), ``jobs`` (``Job``, ``encode_job``, ``decode_job``), ``results``
 (``Result``, ``encode_result``, ``decode_result``), ``outputs`` (teacher-output job keys and
-result arrays), ``envelope`` (``peek_envelope`` for payloads
-that break the rules). Import the names from here.
+result arrays), ``rewards`` (``messages``, step positions, the ``step`` map), ``weights`` (the
+``adapter`` / ``version`` keys), ``prefix`` (the job's ``prefix``: a group's prompt sent once),
+``envelope`` (``peek_envelope`` for payloads that break the rules). Import the names from here.
 """
 
 from __future__ import annotations

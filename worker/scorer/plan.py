@@ -3,7 +3,7 @@
 ``Scorer.prepare`` validates a ``ScoreRequest`` and plans it once, at intake; ``Scorer.run``
 runs what was planned (several prepared requests of one batch key together), never planning
 again. ``DirectScoring`` gives every scorer the one-call API that tests, benchmarks and the
-warm-up use: ``score(seqs, mode=..., ...)`` is ``run([prepare(ScoreRequest(...))])``.
+GPU check use: ``score(seqs, mode=..., ...)`` is ``run([prepare(ScoreRequest(...))])``.
 """
 
 from __future__ import annotations

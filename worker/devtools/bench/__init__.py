@@ -7,5 +7,7 @@
 * ``e2e``: queue overhead (in-process vs a pipelined worker); ``small``: latency of small jobs;
   ``capacity``: the queue's jobs/s with the no-op scorer; ``soak``: a long run's drift;
   ``fairness``: one worker's weighted queues under a burst.
-* ``adapters``: per-job LoRA adapters on SmolLM2.
+* ``adapters``: per-job LoRA adapters on SmolLM2; ``dtype``: float32 vs bfloat16 on the CPU;
+  ``gateway``: the HTTP gateway vs ``score_many``; ``tensor_parallel``: per-rank memory of a
+  sharded model; ``coldstart``: process start to ready and to the first result.
 """

@@ -8,7 +8,7 @@ For each model, the same ragged RL sequences (prompts 64-256 tokens, completions
 seed) are scored two ways:
 
 * naive: a subprocess loads the model and runs what trainer code does (right-padded batches of 4
-  in arrival order, full float32 logits, ``log_softmax``, ``gather``: :func:`bench.naive_logps`);
+  in arrival order, full float32 logits, ``log_softmax``, ``gather``: :func:`executor.naive_logps`);
 * end to end: one ``python -m worker serve`` subprocess on the same model; every sequence is a
   one-sequence job ``XADD``-ed in one pipeline, the clock runs until the last result is read.
 

@@ -66,7 +66,7 @@ def naive_logps(
     order: right-pad (to the batch's longest, or to ``width`` if longer: one shape for every
     batch, so a compiled attention kernel compiles once), full logits in float32,
     ``log_softmax``, ``gather``, keep the completion. The same computation as
-    ``worker.devtools.bench.naive_logps`` (which runs on CPU only)."""
+    ``worker.devtools.bench.executor.naive_logps`` (which runs on CPU only)."""
     device = next(model.parameters()).device
     out: list[Any] = []
     for start in range(0, len(seqs), batch):

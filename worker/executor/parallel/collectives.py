@@ -13,7 +13,7 @@ A group is ``size`` processes; rank 0 (the leader) alone talks to Redis, ranks 1
   comes from the heartbeats and step deadline of ``worker.processes.tp_group``, not from this
   timeout.
 
-Order, per ``score`` call of the leader's ``GroupScorer`` (after the broadcast every rank runs
+Order, per ``run`` call of the leader's ``GroupScorer`` (after the broadcast every rank runs
 the same deterministic executor code on the same inputs, so every rank issues the same
 collectives in the same order):
 

@@ -1,7 +1,7 @@
 """``ParallelExecutor``: the ``StatelessExecutor`` of one rank of a tensor-parallel group.
 
 Every rank builds one, on its shards (``load``: each rank reads only its shard of every
-weight, ``plan.tensor_parallel_plan``), and every rank runs the same ``score`` calls in the
+weight, ``plan.tensor_parallel_plan``), and every rank runs the same ``run`` calls in the
 same order (``group``). What it changes from one process:
 
 * the forward is ``forward.ParallelForward`` (the vocabulary-parallel LM head, the votes);

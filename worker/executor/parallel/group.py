@@ -2,11 +2,11 @@
 ``follow`` loop.
 
 Rank 0 runs the ordinary daemon (``worker.daemon.Worker``, unchanged) with a ``GroupScorer``:
-it validates and prepares at intake like any scorer, and each ``score`` broadcasts the call
-(the batch's sequences: token ids, prompt lengths or masks, gather ids; mode, temperature,
-options) before running it on its own shards. Ranks 1..N-1 run ``follow``: receive a call, run
-the same ``ParallelExecutor.score``, repeat, until the leader sends ``None``. The collectives
-each call makes, in order, are listed in ``collectives``.
+it prepares at intake like any scorer (``prepare``: the leader's plan), and each ``run``
+broadcasts the call (the batch as prepared: its ``Prepared`` requests, plans included) before
+running it on its own shards. Ranks 1..N-1 run ``follow``: receive a call, run the same
+``ParallelExecutor.run`` on the leader's plans, repeat, until the leader sends ``None``. The
+collectives each call makes, in order, are listed in ``collectives``.
 
 ``StepClock`` says how long this rank has been inside one call; the group's watchdog
 (``worker.processes.tp_group``) takes the group down when a call outlives its deadline (a rank
@@ -64,8 +64,8 @@ class StepClock:
 
 
 class GroupScorer(DirectScoring):
-    """The leader's ``worker.scorer.Scorer``: ``executor``'s validation and identity, and a
-    ``score`` that broadcasts each call to the followers first (one call at a time)."""
+    """The leader's ``worker.scorer.Scorer``: ``executor``'s preparation and identity, and a
+    ``run`` that broadcasts each call to the followers first (one call at a time)."""
 
     def __init__(self, executor: ParallelExecutor, comm: Comm, clock: StepClock) -> None:
         if comm.rank != 0:
