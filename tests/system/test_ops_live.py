@@ -426,12 +426,15 @@ def test_drain_flips_readiness_and_finishes_the_batch(
     workers: list[WorkerProc],
 ) -> None:
     """SIGTERM during a slow batch: /readyz goes 503 (draining) while the batch finishes, the
-    result is written, and the worker exits 0."""
+    result is written, and the worker exits 0. ``--no-handback``: the job is seen in flight once
+    it is read, before its batch starts; a worker that hands back what it has not started would
+    then give it back and exit at once (tests/faults: the hand-back scenario), and this test's
+    SIGTERM must land in a batch whatever the moment."""
     stream = keys.job_streams(key_prefix)[0]
     reply = keys.reply_stream(stream, "ops")
     args = [
         "--redis-url", redis_url, "--queue", key_prefix, "--scorer", "noop",
-        "--noop-delay-ms", "3000", "--metrics-port", "0", "--block-ms", "200",
+        "--noop-delay-ms", "3000", "--metrics-port", "0", "--block-ms", "200", "--no-handback",
     ]  # fmt: skip
     w = _start(workers, tmp_path, args).wait_ready()
     base = w.metrics_url.rsplit("/", 1)[0]
