@@ -142,7 +142,8 @@ def test_the_quick_probe_runs_fewer_forwards_and_agrees_with_the_full_one(
 
     monkeypatch.setattr(BatchForward, "compute", counting)
     model = tiny_causal("llama", seed=0)
-    config = ExecutorConfig(mode="reference", device="cpu")
+    # the layout probe alone: the prefix-sharing check at load runs forwards of its own
+    config = ExecutorConfig(mode="reference", device="cpu", prefix_sharing="off")
     quick = StatelessExecutor(config, model)
     quick_layouts, verdict = list(layouts), (quick.layout, quick.load_fallbacks)
     quick.close()
