@@ -74,7 +74,7 @@ def test_each_sequence_is_checked_once_and_each_job_planned_once(
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     try:
-        with ScoringClient(redis_url, queue=key_prefix) as client:
+        with ScoringClient(redis_url, queue=key_prefix, wait_for_unknown_queue=True) as client:
             handles = [client.submit(seqs) for seqs in jobs]
             got = [client.result(h, timeout=60).seqs for h in handles]
     finally:

@@ -309,7 +309,9 @@ def test_grpo_batch_through_redis_equal_on_and_off(
         thread = threading.Thread(target=worker.run, daemon=True)
         thread.start()
         try:
-            with ScoringClient(redis_url, queue=f"{key_prefix}{sharing}") as client:
+            with ScoringClient(
+                redis_url, queue=f"{key_prefix}{sharing}", wait_for_unknown_queue=True
+            ) as client:
                 results[sharing] = client.result(client.submit(job), timeout=60).seqs
         finally:
             worker.request_stop()
