@@ -119,8 +119,9 @@ def test_auto_layout_per_backend_and_device_pad_fraction() -> None:
 
 
 def test_bidirectional_model_falls_back_to_masked_buckets() -> None:
-    """A BERT reward model attends to the pads after a sequence: the load probe refuses both
-    unmasked buckets and packed rows, and masked padded buckets give the one-by-one rewards."""
+    """A BERT reward model attends to the pads after a sequence: the load probe refuses
+    unmasked buckets (and packed rows where transformers does not split them), and the layout
+    it keeps gives the one-by-one rewards."""
     from transformers import BertConfig
 
     config = BertConfig(
@@ -130,12 +131,17 @@ def test_bidirectional_model_falls_back_to_masked_buckets() -> None:
     )  # fmt: skip
     model = random_model("BertForSequenceClassification", config, 0)
     ex = StatelessExecutor(ExecutorConfig(mode="reward", bucket_pad_fraction=1.0), None, model)
-    assert ex.layout == "padded"
     events = [(e.requested, e.used, e.reason) for e in ex.load_fallbacks]
-    assert events == [("unmasked", "packed", "no_unmasked"), ("packed", "padded", "no_packing")]
+    assert events[0] == ("unmasked", "packed", "no_unmasked")
+    # transformers >= 5.25 reads packed rows' restarting position ids as a block-diagonal mask
+    # for bidirectional models too: the probe then finds packed rows exact and keeps them
+    if ex.layout == "padded":
+        assert events[1:] == [("packed", "padded", "no_packing")]
+    else:
+        assert ex.layout == "packed" and events[1:] == []
     seqs = _seqs(seed=2)
     out = ex.score(seqs)
-    assert out.metrics.padded_tokens > 0
+    assert out.metrics.padded_tokens > 0 or ex.layout == "packed"
     for s, score in zip(seqs, out.scores, strict=True):
         assert score.reward == pytest.approx(ex.score([s]).scores[0].reward, abs=1e-4)
     with pytest.raises(Exception, match="packing='unmasked' requested"):
