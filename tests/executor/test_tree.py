@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -18,9 +19,9 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from tests.support.models import tiny_causal, tiny_reward
+from tests.support.models import tiny_causal, tiny_model, tiny_reward
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
-from worker.executor.tree.trie import naive_groups, plan_trees, shared_groups
+from worker.executor.tree.trie import SharedGroup, naive_tree_tokens, plan_trees, shared_groups
 from worker.request import ScoreOptions
 from worker.scorer.teacher import Sampling, TokenOutputs
 
@@ -107,33 +108,88 @@ def _unique(seqs: list[list[int]]) -> int:
 # ---------------------------------------------------------------- the trie
 
 
+def _random_forest(rng: np.random.Generator) -> list[np.ndarray]:
+    """Sequences over 3 ids sharing roots and second turns at random (dense sharing)."""
+    roots = [rng.integers(0, 3, int(rng.integers(1, 8))) for _ in range(3)]
+    out = []
+    for n in rng.integers(1, 6, int(rng.integers(2, 10))):
+        root = roots[int(rng.integers(0, 3))]
+        turn = roots[int(rng.integers(0, 3))][: int(rng.integers(0, 5))]
+        out.append(np.concatenate([root, turn, rng.integers(0, 3, int(n))]).astype(np.int64))
+    return out
+
+
+def _check_tree(group: SharedGroup, seqs: list[np.ndarray], min_shared: int) -> None:
+    """Every node holds at least ``min_shared`` ids that at least two members below it share;
+    each member's path covers its first ids contiguously and keeps its last id out."""
+    for k, i in enumerate(group.members):
+        path = group.path(k)
+        assert group.nodes[path[0]].start == 0
+        for a, b in pairwise(path):
+            assert group.nodes[a].end == group.nodes[b].start and group.nodes[b].parent == a
+        assert group.depth(k) < len(seqs[i])
+    for j, node in enumerate(group.nodes):
+        below = [group.members[k] for k in range(len(group.members)) if j in group.path(k)]
+        assert len(below) >= 2 and len(node) >= min_shared
+        for i in below:
+            np.testing.assert_array_equal(seqs[i][node.start : node.end],
+                                          seqs[below[0]][node.start : node.end])  # fmt: skip
+
+
 def test_shared_groups_match_a_dict_trie() -> None:
+    """With every shared id worth sharing (``min_shared=1``) the trees compute what a dict trie
+    counts; with a larger minimum every node still holds what its members share."""
     rng = np.random.default_rng(3)
-    for trial in range(30):
-        roots = [rng.integers(0, 4, 6) for _ in range(3)]
-        seqs = [
-            np.concatenate([roots[int(rng.integers(0, 3))], rng.integers(0, 4, int(n))])
-            for n in rng.integers(1, 6, 8)
-        ]
-        m = int(rng.integers(2, 6))
-        got = {(g.prefix_len, frozenset(g.members)) for g in shared_groups(seqs, m)}
-        want = {(d, frozenset(members)) for d, members in naive_groups(seqs, m)}
-        # the split only ever refines a trie group into groups sharing more
-        for depth, members in want:
-            inside = [(p, g) for p, g in got if g <= members]
-            assert inside, (trial, depth, members)
-            if len(inside) == 1 and inside[0][1] == members:
-                assert inside[0][0] == depth
-        assert all(len(g) >= 2 and p >= m for p, g in got)
+    for _ in range(300):
+        seqs = _random_forest(rng)
+        lengths = [len(s) for s in seqs]
+        for m in (1, 2, 4):
+            groups = shared_groups(seqs, m)
+            members = [i for g in groups for i in g.members]
+            assert len(members) == len(set(members))
+            for group in groups:
+                _check_tree(group, seqs, m)
+            alone = sum(n for i, n in enumerate(lengths) if i not in members)
+            total = sum(g.unique_tokens(lengths) for g in groups) + alone
+            if m == 1:
+                assert total == naive_tree_tokens(seqs), seqs
+            assert total >= naive_tree_tokens(seqs)
 
 
-def test_a_group_splits_where_its_parts_share_more() -> None:
-    base = list(range(40))
-    seqs = [np.array(base + [90 + i // 2] * 30 + [i]) for i in range(4)]  # two pairs of 70
-    groups = shared_groups(seqs, 32)
-    assert sorted((g.prefix_len, g.members) for g in groups) == [(70, (0, 1)), (70, (2, 3))]
+def test_turns_share_each_level() -> None:
+    """Agent rollouts: a system prompt (40 ids), two first turns (40 more each) under it, two
+    completions under each turn: one node per shared segment; a segment shorter than
+    ``min_shared`` is folded into the nodes below it."""
+    system = list(range(40))
+    turns = [[60 + t] * 40 for t in range(2)]
+    seqs = [np.array(system + turns[i // 2] + [90 + i] * 5) for i in range(4)]
+    (group,) = shared_groups(seqs, 32)
+    assert sorted((n.start, n.end, n.parent) for n in group.nodes) == [
+        (0, 40, -1), (40, 80, 0), (40, 80, 0)]  # fmt: skip
+    assert [group.depth(k) for k in range(4)] == [80] * 4
+    assert group.unique_tokens([len(s) for s in seqs]) == 40 + 2 * 40 + 4 * 5
+    short = [np.array(system + [60 + i // 2] * 30 + [i]) for i in range(4)]  # turns of 30 ids
+    (group,) = shared_groups(short, 32)
+    assert [(n.start, n.end) for n in group.nodes] == [(0, 40)]
+    long_turns = [np.array(system[:10] + [60 + i // 2] * 60 + [i]) for i in range(4)]
+    assert sorted((g.prefix_len, g.members) for g in shared_groups(long_turns, 32)) == [
+        (70, (0, 1)),
+        (70, (2, 3)),
+    ]  # a short common root is folded into the two below it
     assert shared_groups([np.arange(40), np.arange(40)], 32)[0].prefix_len == 39  # one id left
     assert shared_groups([np.arange(20), np.arange(20)], 32) == []  # below min_shared
+
+
+def test_a_subset_keeps_the_nodes_its_members_share() -> None:
+    system = list(range(40))
+    seqs = [np.array(system + [60 + i // 2] * 40 + [90 + i] * 5) for i in range(4)]
+    (group,) = shared_groups(seqs, 32)
+    pair = group.subset([0, 1])
+    assert pair is not None and pair.members == (0, 1)
+    assert [(n.start, n.end) for n in pair.nodes] == [(0, 40), (40, 80)]
+    cross = group.subset([0, 2])  # different turns: only the system prompt
+    assert cross is not None and [(n.start, n.end) for n in cross.nodes] == [(0, 40)]
+    assert group.subset([3]) is None
 
 
 def test_plan_trees_splits_a_row_between_its_continuations() -> None:
@@ -380,14 +436,146 @@ def test_one_model_both_surfaces_reads_rewards_from_the_tree_row() -> None:
         assert abs(x.reward - y.reward) <= ATOL  # type: ignore[operator]
 
 
-def test_token_level_rewards_are_not_shared() -> None:
+def test_token_level_rewards_equal_per_sequence() -> None:
     from worker.executor.rewards.pooling import ValueHeadAdapter
 
+    torch.manual_seed(6)
     adapter = ValueHeadAdapter(torch.nn.Linear(32, 1), token_level=True)
-    ex = StatelessExecutor(ExecutorConfig(mode="both"), tiny("llama"), reward_adapter=adapter)
-    out = ex.score([SequenceInput(s, prompt_len=PROMPT) for s in _two_prompts(13)], mode="both")
-    assert out.metrics.shared_prefix_tokens == 0
-    assert all(s.token_scores is not None for s in out.scores)
+    model = tiny("llama")
+    on = StatelessExecutor(ExecutorConfig(mode="both"), model, reward_adapter=adapter)
+    off = StatelessExecutor(
+        ExecutorConfig(mode="both", prefix_sharing="off"), model, reward_adapter=adapter
+    )
+    seqs = [SequenceInput(s, prompt_len=5) for s in agent_seqs(13)]
+    a, b = on.score(seqs, mode="both"), off.score(seqs, mode="both")
+    assert a.metrics.shared_prefix_tokens == AGENT_SHARED
+    for x, y in zip(a.scores, b.scores, strict=True):
+        assert x.token_scores is not None and y.token_scores is not None
+        _close(x.token_scores, y.token_scores)  # every position, shared ones included
+        _close(x.logps, y.logps)
+        assert abs(x.reward - y.reward) <= ATOL  # type: ignore[operator]
+
+
+STEP_TAG = 7
+
+
+@pytest.mark.parametrize("head", ["token-classification", "lm-label"])
+def test_step_scores_equal_per_sequence(head: str) -> None:
+    """Process-reward step scores at tag positions in the shared turns and in the completions."""
+    from worker.scorer.steps import StepOptions
+
+    if head == "token-classification":
+        model = tiny_model("ForTokenClassification", "llama", 3, num_labels=2)
+        step = StepOptions(tag_id=STEP_TAG, positive_index=1)
+    else:
+        model = tiny("llama")
+        step = StepOptions(tag_id=STEP_TAG, label_token_ids=(11, 12))
+    on = StatelessExecutor(ExecutorConfig(mode="reward"), reward_model=model)
+    off = StatelessExecutor(ExecutorConfig(mode="reward", prefix_sharing="off"), None, model)
+    assert on.info["prefix_sharing"] == "on"
+    seqs = agent_seqs(16)
+    for seq in seqs:
+        seq[10::9] = [STEP_TAG] * len(seq[10::9])  # tags in every segment
+    options = ScoreOptions(step=step)
+    a = on.score([SequenceInput(s) for s in seqs], options=options)
+    b = off.score([SequenceInput(s) for s in seqs], options=options)
+    assert a.metrics.shared_prefix_tokens == AGENT_SHARED
+    for x, y in zip(a.scores, b.scores, strict=True):
+        assert x.step_positions is not None and y.step_positions is not None
+        np.testing.assert_array_equal(x.step_positions, y.step_positions)
+        _close(x.step_scores, y.step_scores)
+
+
+def test_multi_objective_rewards_equal_per_sequence() -> None:
+    reward = tiny_reward("llama", num_labels=3).float().eval()
+    on = StatelessExecutor(ExecutorConfig(mode="reward"), None, reward)
+    off = StatelessExecutor(ExecutorConfig(mode="reward", prefix_sharing="off"), None, reward)
+    seqs = [SequenceInput(s) for s in agent_seqs(17)]
+    a, b = on.score(seqs), off.score(seqs)
+    assert a.metrics.shared_prefix_tokens == AGENT_SHARED
+    for x, y in zip(a.scores, b.scores, strict=True):
+        assert x.rewards is not None and y.rewards is not None and x.rewards.shape == (3,)
+        _close(x.rewards, y.rewards)
+        assert abs(x.reward - y.reward) <= ATOL  # type: ignore[operator]
+
+
+# ---------------------------------------------------------------- agent turns: several levels
+
+AGENT_SYSTEM, AGENT_TURN, AGENT_REPLY = 40, 36, 34
+
+
+def agent_seqs(seed: int) -> list[list[int]]:
+    """Three-turn agent rollouts: one system prompt (40 ids), two first turns under it (36 ids
+    each), two second turns under each (34 ids), two final completions under each of those
+    (2-9 ids): a tree of 1 + 2 + 4 shared nodes over 8 sequences, and an unrelated one."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, VOCAB, AGENT_SYSTEM).tolist()
+    out = []
+    for _ in range(2):
+        turn = rng.integers(0, VOCAB, AGENT_TURN).tolist()
+        for _ in range(2):
+            reply = rng.integers(0, VOCAB, AGENT_REPLY).tolist()
+            for _ in range(2):
+                out.append(
+                    system
+                    + turn
+                    + reply
+                    + rng.integers(0, VOCAB, int(rng.integers(2, 10))).tolist()
+                )
+    out.append(rng.integers(0, VOCAB, 21).tolist())
+    return out
+
+
+AGENT_SHARED = AGENT_SYSTEM + 2 * AGENT_TURN + 4 * AGENT_REPLY
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "mistral", "gpt_oss", "gpt2"])
+def test_agent_turns_share_every_level(arch: str) -> None:
+    backend = "eager" if arch in ("gemma2", "gpt_oss") else "sdpa"
+    on, off = _pair(tiny(arch), attention_backend=backend)
+    seqs = agent_seqs(20)
+    prompt = AGENT_SYSTEM + AGENT_TURN + AGENT_REPLY
+    inputs = [SequenceInput(s, prompt_len=AGENT_SYSTEM) for s in seqs[:4]]
+    inputs += [SequenceInput(s, mask=[int(i % 4 > 1) for i in range(len(s))]) for s in seqs[4:]]
+    a, b = on.score(inputs, temperature=0.8), off.score(inputs, temperature=0.8)
+    assert a.metrics.shared_prefix_tokens == AGENT_SHARED
+    conts = sum(len(s) - prompt for s in seqs[:-1])
+    assert a.metrics.forward_tokens == AGENT_SHARED + conts + len(seqs[-1])
+    assert a.metrics.forwards == 2  # the tree row, the unrelated sequence
+    for x, y in zip(a.scores, b.scores, strict=True):
+        _close(x.logps, y.logps)
+
+
+def test_a_tree_split_between_its_members_keeps_their_turns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tree over the budget is split in trie order: each part keeps the nodes its members
+    share; the OOM split of one tree row does the same."""
+    on, off = _pair(tiny("llama"), max_batch_tokens=200)
+    seqs = [SequenceInput(s, prompt_len=5) for s in agent_seqs(21)]
+    a, b = on.score(seqs), off.score(seqs)
+    assert a.metrics.forwards > 2  # the tree of 8 (about 460 ids) in parts
+    assert AGENT_SYSTEM < a.metrics.shared_prefix_tokens < AGENT_SHARED * 2
+    for x, y in zip(a.scores, b.scores, strict=True):
+        _close(x.logps, y.logps)
+    on, _ = _pair(tiny("llama"))
+    forward = on._runner.forward
+    real = forward.compute_tree
+    rows: list[Any] = []
+
+    def tight(seqs: list[Any], group: Any, tree: Any, *args: Any, **kwargs: Any) -> Any:
+        rows.extend(tree)
+        if len(seqs) > 2:
+            raise torch.OutOfMemoryError("probe: out of memory")
+        return real(seqs, group, tree, *args, **kwargs)
+
+    monkeypatch.setattr(forward, "compute_tree", tight)
+    c = on.score(seqs)
+    assert c.metrics.oom_splits >= 1
+    pairs = [r for r in rows if len(r.members) == 2]
+    assert pairs and all(len(r.nodes) == 3 for r in pairs)  # system, turn, reply kept
+    for x, y in zip(c.scores, b.scores, strict=True):
+        _close(x.logps, y.logps)
 
 
 def test_a_tree_forward_that_returns_a_cache_is_rejected() -> None:

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -38,7 +38,6 @@ from worker.executor.kvcache import KVGuard
 from worker.executor.memory import free_device_memory
 from worker.executor.tree.check import kernel_for
 from worker.executor.tree.trie import SharedGroup, leftover, plan_trees, shared_groups
-from worker.modes import LOGPROB_MODES
 from worker.scorer.outputs import FallbackEvent, SequenceScore
 
 log = logging.getLogger(__name__)
@@ -142,12 +141,12 @@ class BatchRunner:
         )
 
     def plan(self, call: ScoreCall) -> list[Forward]:
-        """``call``'s forwards: tree rows for the sequences sharing a prefix of at least
-        ``share_min`` tokens (when sharing is on and the call can use it), the rest in the
-        layout of the active backend."""
+        """``call``'s forwards: tree rows for the sequences sharing prefixes of at least
+        ``share_min`` tokens (when sharing is on), the rest in the layout of the active
+        backend."""
         trees: list[Forward] = []
         rest: list[int] | None = None
-        if self.share_min and self._shareable(call):
+        if self.share_min:
             ids = [p.ids for p in call.prepared]
             groups = shared_groups(ids, self.share_min)
             forwards = plan_trees(groups, call.lengths, self.config.max_batch_tokens)
@@ -166,13 +165,6 @@ class BatchRunner:
             pad_fraction=self.config.pad_fraction(self.forward.device.type),
             subset=subset,
         )
-
-    def _shareable(self, call: ScoreCall) -> bool:
-        """Whether ``call`` reads only what tree rows give: no per-token rewards or steps."""
-        if call.mode in LOGPROB_MODES and call.mode != "both":
-            return True
-        token_level = bool(getattr(self.forward.reward_adapter, "token_level", False))
-        return call.options.step is None and not token_level
 
     def run_group(self, group: Forward, call: ScoreCall) -> None:
         """Run one planned batch into ``call``; on device OOM split it in halves.
@@ -240,11 +232,12 @@ class BatchRunner:
             parts: list[Forward] = [TreeForward(rows[:half]), TreeForward(rows[half:])]
         else:
             row = rows[0]
-            half = len(row.members) // 2
-            parts = [
-                TreeForward((SharedGroup(row.prefix_len, part),)) if len(part) > 1 else list(part)
-                for part in (row.members[:half], row.members[half:])
-            ]
+            order = row.dfs_order()
+            half = len(order) // 2
+            parts = []
+            for keep in (order[:half], order[half:]):
+                sub = row.subset(keep)
+                parts.append(TreeForward((sub,)) if sub else [row.members[k] for k in keep])
         for part in parts:
             self.run_group(part, call)
 
@@ -253,7 +246,7 @@ class BatchRunner:
         switched for it), timed, inside a KV-guard scope."""
         members = tree.members
         local = {i: k for k, i in enumerate(members)}
-        rows = [SharedGroup(r.prefix_len, tuple(local[i] for i in r.members)) for r in tree.rows]
+        rows = [replace(r, members=tuple(local[i] for i in r.members)) for r in tree.rows]
         seqs = [call.prepared[i] for i in members]
         reject = self.config.reject_kv_cache_outputs
         with self._gate.exclusive():
@@ -279,7 +272,7 @@ class BatchRunner:
             kv_tensors=kv.tensors,
             kv_bytes=kv.nbytes,
             forward_tokens=unique,
-            shared_tokens=sum(r.prefix_len for r in rows),
+            shared_tokens=sum(r.shared_tokens for r in rows),
         )
 
     def _check_kv(self, tensors: int, nbytes: int) -> None:

@@ -306,16 +306,9 @@ class BatchForward:
     ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Hidden states ``[N, H]`` of the positions that predict a scored token, their labels
         ``[N]`` and the number of scored tokens per sequence, batch order."""
-        starts = batch.starts.cpu().numpy()
         scored = [s.scored for s in seqs if s.scored is not None]
         assert len(scored) == len(seqs)
-        tree = batch.tree  # tree rows: a prefix position sits in its row's prefix region
-        where = np.concatenate(
-            [
-                tree.flat(k, p - 1) if tree is not None else st + p - 1
-                for k, (st, p) in enumerate(zip(starts, scored, strict=True))
-            ]
-        )
+        where = batch.flat_index([p - 1 for p in scored])
         labels = np.concatenate([s.ids[p] for s, p in zip(seqs, scored, strict=True)])
         picked = gather_flat(hidden, torch.from_numpy(where).to(self.device))  # [N, H]
         sizes = [len(p) for p in scored]

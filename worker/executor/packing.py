@@ -69,6 +69,18 @@ class ForwardBatch:
         """Flat index of each sequence's true last token, ``[B]``."""
         return self.starts + self.lengths - 1
 
+    def flat_index(self, positions: Sequence[np.ndarray]) -> np.ndarray:
+        """Flat indices (into ``[R * T]``), host side, of ``positions[k]`` of every sequence
+        ``k`` (batch order), concatenated: ``starts[k] + positions[k]``, or through a tree
+        row's segments."""
+        tree = self.tree
+        if tree is not None:
+            parts = [tree.flat(k, p) for k, p in enumerate(positions)]
+        else:
+            starts = self.starts.cpu().numpy()
+            parts = [st + p for st, p in zip(starts, positions, strict=True)]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
     def to(self, device: torch.device | str) -> ForwardBatch:
         """The same batch with every tensor on ``device``."""
         mask = self.attention_mask.to(device) if self.attention_mask is not None else None

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -86,6 +87,9 @@ def backbone_hidden(model: nn.Module, batch: ForwardBatch) -> torch.Tensor:
 
 def token_index(batch: ForwardBatch) -> torch.Tensor:
     """Flat indices of every real token of every sequence, batch order, ``[sum L]``."""
+    if batch.tree is not None:  # a shared segment's tokens are read once per sequence
+        where = batch.flat_index([np.arange(n) for n in batch.lengths.tolist()])
+        return torch.from_numpy(where).to(batch.starts.device)
     offsets = torch.repeat_interleave(batch.starts, batch.lengths)  # [S]
     firsts = torch.repeat_interleave(
         torch.cumsum(batch.lengths, 0) - batch.lengths, batch.lengths

@@ -82,10 +82,8 @@ def step_scores(
     sizes = [0 if s.steps is None else len(s.steps) for s in seqs]
     if sum(sizes) == 0:
         return [torch.zeros(0) for _ in seqs]
-    starts = batch.starts.cpu().numpy()
-    where = np.concatenate(
-        [st + s.steps for st, s in zip(starts, seqs, strict=True) if s.steps is not None]
-    )
+    none = np.zeros(0, dtype=np.int64)
+    where = batch.flat_index([none if s.steps is None else s.steps for s in seqs])
     hidden = backbone_hidden(model, batch)  # [R, T, H]
     picked = gather_flat(hidden, torch.from_numpy(where).to(hidden.device))  # [N, H]
     if kind == "token-classification":

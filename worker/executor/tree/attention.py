@@ -1,13 +1,14 @@
-"""Exact per-sequence attention over a tree row, as a transformers attention function.
+"""Exact per-sequence attention over tree rows, as a transformers attention function.
 
 ``tree_attention`` is registered with transformers' ``AttentionInterface`` as ``scoring_tree``;
 ``tree_backend`` switches the models to it for one forward (no mask is built for a name
 transformers does not know: ``masking_utils`` hands the layers ``attention_mask=None``), and the
-layout arrives as the ``scoring_tree`` keyword of ``model(...)``. Two blocks per layer:
+layout arrives as the ``scoring_tree`` keyword of ``model(...)``. Per layer,
 
-- the prefixes: ``[R, H, P, D]`` queries against their own keys, causal (the sequence alone);
-- the continuations: each one's queries ``[N, H, C, D]`` against its row's prefix keys followed by
-  its own keys (the prefix K/V duplicated per continuation), causal within the continuation.
+every segment (a shared node or a continuation, ``layout``) in blocks of like sizes: its queries
+``[n, H, C, D]`` against the keys of the nodes above it (its context, gathered: their K/V
+duplicated per segment, a chunk of segments at a time) followed by its own keys, causal within
+the segment. A root node has no context: on SDPA without a window that is the causal kernel.
 
 Both honour what the model's own attention does: ``scaling``, GQA (``repeat_kv``), sliding windows
 in positions (``q - k < window``, as ``masking_utils.sliding_window_overlay``), logit softcapping
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.executor import backends
-from worker.executor.tree.layout import TreeLayout
+from worker.executor.tree.layout import Block, TreeLayout
 
 NAME = "scoring_tree"
 # transient bytes of one chunk of continuations (their duplicated prefix K/V and scores)
@@ -129,50 +130,46 @@ def tree_attention(
         "eager": layout.kernel == "eager" or softcap is not None or s_aux is not None,
     }
     out = query.new_zeros(rows * width, heads, dim)  # [R * T, H, D]
-    # prefixes: causal over the prefix region (pads sit after every real prefix token)
-    p = layout.prefix_width
-    idx = torch.arange(p, device=query.device)  # [P]
-    gap = idx[:, None] - idx[None, :]  # [P, P] query - key position
-    allowed: torch.Tensor | None = _windowed(gap >= 0, gap, sliding_window)[None, None]
-    if sliding_window is None and not opts["eager"]:
-        allowed = None  # SDPA's causal kernel, no mask tensor; else [1, 1, P, P]
-    kp = _repeat_kv(key[:, :, :p], groups)  # [R, H, P, D]
-    vp = _repeat_kv(value[:, :, :p], groups)
-    pre = _attend(query[:, :, :p], kp, vp, allowed, **opts)  # [R, H, P, D]
-    out.view(rows, width, heads, dim)[:, :p] = pre.transpose(1, 2)
-    # continuations, a chunk at a time: their row's prefix keys, then their own keys
     flat_q = query.transpose(1, 2).reshape(rows * width, heads, dim)  # [R * T, H, D]
     flat_k = key.transpose(1, 2).reshape(rows * width, key.shape[1], dim)  # [R * T, Hkv, D]
     flat_v = value.transpose(1, 2).reshape(rows * width, key.shape[1], dim)
-    n, c = layout.cont_index.shape
-    per = (p + c) * heads * (2 * dim * query.element_size() + 4 * c)  # bytes per continuation
-    step = max(1, _CHUNK_BYTES // per)
-    for a in range(0, n, step):
-        part = slice(a, a + step)
-        index, row = layout.cont_index[part], layout.cont_row[part]  # [n, C], [n]
-        qc = flat_q[index].transpose(1, 2)  # [n, H, C, D]
-        kc = torch.cat([key[row, :, :p], flat_k[index].transpose(1, 2)], dim=2)  # [n, Hkv, P+C, D]
-        vc = torch.cat([value[row, :, :p], flat_v[index].transpose(1, 2)], dim=2)
-        kc, vc = _repeat_kv(kc, groups), _repeat_kv(vc, groups)  # [n, H, P + C, D]
-        mask = _continuation_mask(layout, part, p, sliding_window)  # [n, 1, C, P + C]
-        cont = _attend(qc, kc, vc, mask, **opts).transpose(1, 2)  # [n, C, H, D]
-        valid = layout.cont_valid[part]  # [n, C]
-        out.index_copy_(0, index[valid], cont[valid])
+    for block in layout.blocks:
+        n, c = block.own.shape
+        a = block.ctx.shape[1]
+        per = (a + c) * heads * (2 * dim * query.element_size() + 4 * c)  # bytes per segment
+        step = max(1, _CHUNK_BYTES // per)
+        for first in range(0, n, step):
+            part = slice(first, first + step)
+            own, ctx = block.own[part], block.ctx[part]  # [n, C], [n, A]
+            keys = torch.cat([ctx, own], dim=1)  # [n, A + C]
+            qc = flat_q[own].transpose(1, 2)  # [n, H, C, D]
+            kc = _repeat_kv(flat_k[keys].transpose(1, 2), groups)  # [n, H, A + C, D]
+            vc = _repeat_kv(flat_v[keys].transpose(1, 2), groups)
+            plain = a == 0 and sliding_window is None and not opts["eager"]
+            mask = None if plain else _segment_mask(block, part, sliding_window)  # [n, 1, C, A+C]
+            got = _attend(qc, kc, vc, mask, **opts).transpose(1, 2)  # [n, C, H, D]
+            cols = torch.arange(c, device=own.device)  # [C]
+            valid = cols[None, :] < block.own_len[part][:, None]  # [n, C]
+            out.index_copy_(0, own[valid], got[valid])
     return out.view(rows, width, heads, dim), None
 
 
-def _continuation_mask(layout: TreeLayout, part: slice, p: int, window: int | None) -> torch.Tensor:
-    """Which keys ``[row prefix (P columns), own continuation (C)]`` each query of the
-    continuations ``part`` may see, ``[n, 1, C, P + C]``: its row's real prefix tokens and its own
-    earlier tokens, within ``window`` positions."""
-    qpos = layout.cont_positions()[part]  # [n, C]
-    n, c = qpos.shape
-    cols = torch.arange(p + c, device=qpos.device)  # [P + C]
-    kpos = torch.cat([cols[:p].expand(n, p), qpos], dim=1)  # [n, P + C]
-    own = cols[None, :] >= p  # [1, P + C] continuation keys
-    real = cols[None, :] < layout.prefix_lens[layout.cont_row[part]][:, None]  # [n, P + C]
-    gap = qpos[:, :, None] - kpos[:, None, :]  # [n, C, P + C]
-    causal = torch.where(own[:, None, :], gap >= 0, (~own & real)[:, None, :])  # [n, C, P + C]
+def _segment_mask(block: Block, part: slice, window: int | None) -> torch.Tensor:
+    """Which keys ``[context (A columns), own tokens (C)]`` each query of the segments ``part``
+    may see, ``[n, 1, C, A + C]``: the real context tokens and its own earlier tokens, within
+    ``window`` positions (positions: context column ``i`` is position ``i``, own column ``j`` is
+    ``ctx_len + j``)."""
+    ctx_len = block.ctx_len[part]  # [n]
+    n, c = block.own[part].shape
+    a = block.ctx.shape[1]
+    cols_a = torch.arange(a, device=ctx_len.device)  # [A]
+    cols_c = torch.arange(c, device=ctx_len.device)  # [C]
+    qpos = ctx_len[:, None] + cols_c[None, :]  # [n, C]
+    kpos = torch.cat([cols_a.expand(n, a), qpos], dim=1)  # [n, A + C]
+    gap = qpos[:, :, None] - kpos[:, None, :]  # [n, C, A + C]
+    real = torch.cat([cols_a[None, :] < ctx_len[:, None], qpos >= 0], dim=1)  # [n, A + C]
+    own = torch.cat([cols_a < 0, cols_c >= 0])  # [A + C] own-token columns
+    causal = torch.where(own[None, None, :], gap >= 0, real[:, None, :])  # [n, C, A + C]
     return _windowed(causal, gap, window)[:, None]
 
 

@@ -1,16 +1,20 @@
-"""The tree row: one forward holding each shared prefix once, then its continuations.
+"""The tree row: one forward holding each shared segment once, then the continuations.
 
-Row ``r`` of a tree forward is ``[prefix_r (padded to the widest prefix), c1, .., cG, fill]``;
-``position_ids`` are ``0 .. P_r - 1`` over the prefix and ``P_r .. P_r + len(ci) - 1`` over every
-continuation, so each continuation sees the positions it has in its own sequence. The structure
-the attention needs (``TreeLayout``) rides with the batch into ``model(..., scoring_tree=layout)``;
-``attention.tree_attention`` reads it. Naive equivalent: every sequence alone in its own row; the
-tests and the load check (``check``) assert the two agree.
+Row ``r`` of a tree forward is ``[node_1, .., node_m, c_1, .., c_G, fill]``: its tree's nodes in
+pre-order (``trie.SharedGroup``), then each member's continuation. ``position_ids`` are each
+token's position in its own sequence (a node's ``start .. end - 1``, a continuation's from its
+member's depth on), so every token sees the positions it has alone. A *segment* is a node or a
+continuation; its queries attend to the segments above it (its *context*: positions ``0 ..
+start - 1``, the nodes on its path) and causally to its own tokens. The structure the attention
+needs (``TreeLayout``: segments bucketed by context and own length into ``Block``s) rides with
+the batch into ``model(..., scoring_tree=layout)``; ``attention.tree_attention`` reads it. Naive
+equivalent: every sequence alone in its own row; the tests and the load check (``check``)
+assert the two agree.
 
 A sequence ``k`` of a tree forward keeps the ``ForwardBatch`` reading: ``starts[k]`` is the flat
-index its token ``P_k`` would have if the whole sequence sat contiguously before its continuation
-(``cont_start - P_k``), so ``starts + lengths - 1`` is still its true last token (rewards);
-``TreeLayout.flat`` maps any of its positions, prefix ones included, to the row.
+index its first token would have if the whole sequence sat contiguously before its continuation
+(``cont_start - depth_k``), so ``starts + lengths - 1`` is still its true last token (rewards);
+``TreeLayout.flat`` maps any of its positions, node ones included, to the row.
 """
 
 from __future__ import annotations
@@ -26,50 +30,88 @@ from worker.executor.tree.trie import SharedGroup
 
 
 @dataclass(frozen=True)
-class TreeLayout:
-    """Where the prefixes and continuations of a tree forward sit (tensors on the batch's device).
+class Block:
+    """Segments of like sizes attended together (tensors on the batch's device).
 
-    ``prefix_lens`` ``[R]``: each row's prefix; ``prefix_width``: the widest (prefix region
-    columns). ``cont_index`` ``[N, C]``: flat ``[R * T]`` index of continuation ``n``'s token ``j``
-    (padding: any index, masked by ``cont_valid`` ``[N, C]``); ``cont_row`` ``[N]``: its row.
-    ``kernel``: ``"sdpa"`` or ``"eager"`` (which math ``tree_attention`` runs). ``windows``: the
-    sliding window of every attention call that read this layout (the load check reads them).
+    ``own`` ``[n, C]``: flat ``[R * T]`` index of each segment's tokens (its queries and own
+    keys; padding: any index, past ``own_len``); ``own_len`` ``[n]``. ``ctx`` ``[n, A]``: flat
+    index of the tokens of the nodes above it, positions ``0 .. ctx_len - 1`` in order (padding
+    past ``ctx_len``); ``ctx_len`` ``[n]``: also the position of the segment's first token.
     """
 
-    prefix_lens: torch.Tensor  # [R] int64
-    prefix_width: int
-    cont_index: torch.Tensor  # [N, C] int64
-    cont_valid: torch.Tensor  # [N, C] bool
-    cont_row: torch.Tensor  # [N] int64
-    host_rows: np.ndarray  # [B] row of each sequence (host)
-    host_prefix: np.ndarray  # [B] prefix length of each sequence (host)
-    host_starts: np.ndarray  # [B] virtual start of each sequence (host)
-    width: int  # T, the row width
+    own: torch.Tensor  # [n, C] int64
+    own_len: torch.Tensor  # [n] int64
+    ctx: torch.Tensor  # [n, A] int64
+    ctx_len: torch.Tensor  # [n] int64
+
+    def to(self, device: torch.device | str) -> Block:
+        """The same block on ``device``."""
+        return Block(
+            self.own.to(device), self.own_len.to(device), self.ctx.to(device),
+            self.ctx_len.to(device),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TreeLayout:
+    """Where the segments of a tree forward sit.
+
+    ``blocks``: the segments, bucketed by size (``Block``). Host maps of each sequence (batch
+    order): ``host_pieces[k]`` = (first position, flat index) of each segment on its path, root
+    first, continuation last; ``host_starts[k]``: its virtual start (module docstring).
+    ``width``: ``T``. ``kernel``: ``"sdpa"`` or ``"eager"`` (which math ``tree_attention``
+    runs). ``windows``: the sliding window of every attention call that read this layout (the
+    load check reads them).
+    """
+
+    blocks: tuple[Block, ...]
+    host_pieces: tuple[tuple[np.ndarray, np.ndarray], ...]
+    host_starts: np.ndarray  # [B]
+    width: int
     kernel: str = "sdpa"
     windows: list[int | None] = field(default_factory=list)
 
     def flat(self, k: int, positions: np.ndarray) -> np.ndarray:
-        """Flat row indices of sequence ``k``'s ``positions`` (prefix ones in its row's prefix
-        region, the rest in its continuation)."""
-        in_prefix = positions < self.host_prefix[k]
-        return np.where(
-            in_prefix, self.host_rows[k] * self.width + positions, self.host_starts[k] + positions
-        )
+        """Flat row indices of sequence ``k``'s ``positions`` (each in the segment of its path
+        that holds it)."""
+        first, flat = self.host_pieces[k]
+        piece = np.searchsorted(first, positions, side="right") - 1
+        return flat[piece] + positions - first[piece]
 
     def to(self, device: torch.device | str) -> TreeLayout:
         """The same layout with its tensors on ``device``."""
-        return replace(
-            self,
-            prefix_lens=self.prefix_lens.to(device),
-            cont_index=self.cont_index.to(device),
-            cont_valid=self.cont_valid.to(device),
-            cont_row=self.cont_row.to(device),
-        )
+        return replace(self, blocks=tuple(b.to(device) for b in self.blocks))
 
-    def cont_positions(self) -> torch.Tensor:
-        """Position of every continuation slot, ``[N, C]``: ``P_row + j``."""
-        cols = torch.arange(self.cont_index.shape[1], device=self.cont_index.device)  # [C]
-        return self.prefix_lens[self.cont_row][:, None] + cols[None, :]  # [N, C]
+
+def _bucket(ctx: int, own: int) -> tuple[int, int]:
+    """Segments whose context and own lengths are within a factor of two share a block."""
+    return ctx.bit_length(), own.bit_length()
+
+
+def _blocks(segments: list[tuple[int, int, np.ndarray]]) -> tuple[Block, ...]:
+    """``(flat start, length, context flat indices)`` of every segment -> ``Block``s."""
+    buckets: dict[tuple[int, int], list[tuple[int, int, np.ndarray]]] = {}
+    for seg in segments:
+        buckets.setdefault(_bucket(len(seg[2]), seg[1]), []).append(seg)
+    out = []
+    for key in sorted(buckets):
+        segs = buckets[key]
+        c = max(s[1] for s in segs)
+        a = max(len(s[2]) for s in segs)
+        own = np.zeros((len(segs), c), dtype=np.int64)  # [n, C]
+        ctx = np.zeros((len(segs), a), dtype=np.int64)  # [n, A]
+        for n, (start, length, above) in enumerate(segs):
+            own[n, :length] = start + np.arange(length)
+            ctx[n, : len(above)] = above
+        out.append(
+            Block(
+                own=torch.from_numpy(own),
+                own_len=torch.tensor([s[1] for s in segs], dtype=torch.int64),
+                ctx=torch.from_numpy(ctx),
+                ctx_len=torch.tensor([len(s[2]) for s in segs], dtype=torch.int64),
+            )
+        )
+    return tuple(out)
 
 
 def tree_batch(
@@ -78,47 +120,38 @@ def tree_batch(
     """One forward of tree rows (module docstring): the batch (its ``tree`` set) and the order of
     its sequences (indices into ``seqs``, batch order). ``rows``' members index ``seqs``;
     ``seq_ids[i]`` is the caller's id of ``seqs[i]``."""
-    width_p = max(g.prefix_len for g in rows)
-    widths = [width_p + sum(len(seqs[i]) - g.prefix_len for i in g.members) for g in rows]
-    width = max(widths)
+    lengths = [len(s) for s in seqs]
+    width = max(g.unique_tokens(lengths) for g in rows)
     ids = np.zeros((len(rows), width), dtype=np.int64)  # [R, T]
     pos = np.zeros((len(rows), width), dtype=np.int64)  # [R, T]
-    longest = max(len(seqs[i]) - g.prefix_len for g in rows for i in g.members)
-    n_cont = sum(len(g.members) for g in rows)
-    cont_index = np.zeros((n_cont, longest), dtype=np.int64)  # [N, C]
-    cont_valid = np.zeros((n_cont, longest), dtype=bool)  # [N, C]
-    cont_row = np.zeros(n_cont, dtype=np.int64)  # [N]
-    order, starts, lengths, host_rows, host_prefix = [], [], [], [], []
-    n = 0
+    segments: list[tuple[int, int, np.ndarray]] = []
+    order, starts, pieces = [], [], []
     for r, group in enumerate(rows):
-        p = group.prefix_len
-        first = seqs[group.members[0]]
-        ids[r, :p] = first[:p]
-        pos[r, :width_p] = np.arange(width_p)
-        col = width_p
-        for i in group.members:
-            seq = seqs[i]
-            cont = len(seq) - p
-            ids[r, col : col + cont] = seq[p:]
-            pos[r, col : col + cont] = np.arange(p, len(seq))
-            cont_index[n, :cont] = r * width + col + np.arange(cont)
-            cont_valid[n, :cont] = True
-            cont_row[n] = r
+        paths = [group.path(k) for k in range(len(group.members))]
+        node_at: list[int] = []  # flat start of each node
+        col = 0
+        for j, node in enumerate(group.nodes):
+            source = seqs[group.members[next(k for k, p in enumerate(paths) if j in p)]]
+            ids[r, col : col + len(node)] = source[node.start : node.end]
+            pos[r, col : col + len(node)] = np.arange(node.start, node.end)
+            node_at.append(r * width + col)
+            segments.append((node_at[j], len(node), _above(group, node.parent, node_at)))
+            col += len(node)
+        for k, i in enumerate(group.members):
+            seq, depth = seqs[i], group.depth(k)
+            cont = len(seq) - depth
+            ids[r, col : col + cont] = seq[depth:]
+            pos[r, col : col + cont] = np.arange(depth, len(seq))
+            segments.append((r * width + col, cont, _above(group, group.attach[k], node_at)))
+            first = [group.nodes[j].start for j in paths[k]] + [depth]
+            flat = [node_at[j] for j in paths[k]] + [r * width + col]
+            pieces.append((np.array(first, dtype=np.int64), np.array(flat, dtype=np.int64)))
             order.append(i)
-            starts.append(r * width + col - p)
-            lengths.append(len(seq))
-            host_rows.append(r)
-            host_prefix.append(p)
+            starts.append(r * width + col - depth)
             col += cont
-            n += 1
     layout = TreeLayout(
-        prefix_lens=torch.tensor([g.prefix_len for g in rows], dtype=torch.int64),
-        prefix_width=width_p,
-        cont_index=torch.from_numpy(cont_index),
-        cont_valid=torch.from_numpy(cont_valid),
-        cont_row=torch.from_numpy(cont_row),
-        host_rows=np.array(host_rows, dtype=np.int64),
-        host_prefix=np.array(host_prefix, dtype=np.int64),
+        blocks=_blocks(segments),
+        host_pieces=tuple(pieces),
         host_starts=np.array(starts, dtype=np.int64),
         width=width,
     )
@@ -127,7 +160,7 @@ def tree_batch(
         position_ids=torch.from_numpy(pos),
         attention_mask=None,
         starts=torch.tensor(starts, dtype=torch.int64),
-        lengths=torch.tensor(lengths, dtype=torch.int64),
+        lengths=torch.tensor([lengths[i] for i in order], dtype=torch.int64),
         seq_ids=tuple(seq_ids[i] for i in order),
         packed=False,
         tree=layout,
@@ -135,6 +168,16 @@ def tree_batch(
     return batch, order
 
 
+def _above(group: SharedGroup, node: int, node_at: list[int]) -> np.ndarray:
+    """Flat indices of the tokens of ``node`` and every node above it, positions in order."""
+    chain = []
+    while node >= 0:
+        chain.append(node)
+        node = group.nodes[node].parent
+    parts = [node_at[j] + np.arange(len(group.nodes[j])) for j in reversed(chain)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
 def unique_tokens(rows: Sequence[SharedGroup], lengths: Sequence[int]) -> int:
-    """Real tokens a tree forward computes: each prefix once, each continuation once."""
+    """Real tokens a tree forward computes: each node once, each continuation once."""
     return sum(g.unique_tokens(lengths) for g in rows)
