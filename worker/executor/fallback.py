@@ -268,6 +268,9 @@ class BatchRunner:
                 torch.cuda.synchronize(self.forward.device)
             elapsed = time.perf_counter() - t0
         self._check_kv(kv.tensors, kv.nbytes)
+        for row in rows:  # each member's prefix, computed once for the row
+            for k in row.members:
+                computed.scores[k].shared_tokens = row.prefix_len
         lengths = [len(s.ids) for s in seqs]
         unique = sum(r.unique_tokens(lengths) for r in rows)
         return BatchResult(
