@@ -7,7 +7,8 @@
 - ``/healthz`` and ``/readyz`` during start, Redis loss and recovery, and drain after SIGTERM;
 - a real Prometheus (Debian's ``prometheus``; skipped when missing) scrapes the worker and a
   gateway (``scoring-worker gateway`` behind an API key) in front of it, loads the alert rules, and
-  every dashboard query returns data.
+  every dashboard query returns data (the jobs include a GRPO group whose prompt the worker
+  computes once, so the prefix-sharing panel shows a saving above 0).
 """
 
 from __future__ import annotations
@@ -250,6 +251,20 @@ def _gateway_traffic(base: str, wave: int) -> int:
         )
         assert status == 401 and body["error"]["code"] == "unauthorized", body
     return sum(len(p) for p in requests)
+
+
+SHARED_PROMPT = 40  # over the worker's min_shared_tokens (32)
+
+
+def _group_job(wave: int, g: int = 4) -> list[dict[str, Any]]:
+    """A GRPO group: ``g`` completions (first ids all different) of one ``SHARED_PROMPT``-token
+    prompt, which a worker with prefix sharing on computes once."""
+    prompt = [(13 * wave + 7 * k) % (VOCAB - 1) + 1 for k in range(SHARED_PROMPT)]
+    return [
+        {"tokens": prompt + [i + 1] + [(5 * i + k) % (VOCAB - 1) + 1 for k in range(2 + i)],
+         "prompt_len": SHARED_PROMPT}
+        for i in range(g)
+    ]  # fmt: skip
 
 
 def _good_jobs(n: int) -> list[tuple[str, list[dict[str, Any]]]]:
@@ -616,10 +631,12 @@ def test_real_prometheus_scrapes_worker_and_every_dashboard_query_has_data(
         gateway_sequences = 0
         for wave in range(2):  # two waves so rates see increases between scrapes
             ids = []
-            for job_id, seqs in _good_jobs(4):
+            for job_id, seqs in [*_good_jobs(4), ("group", _group_job(wave))]:
                 ids.append(f"{job_id}-{wave}")
                 enqueue(client, stream, ids[-1], reply, seqs)
-            collect(client, reply, ids, timeout=60)
+            got, _ = collect(client, reply, ids, timeout=60)
+            # the group's prompt ran once for its 4 completions (the prefix-sharing panels)
+            assert got[f"group-{wave}"].info["shared_tokens"] == SHARED_PROMPT * 4
             gateway_sequences += _gateway_traffic(gateway, wave)
             time.sleep(2)
         fams = scrape(gateway + "/metrics", key=GATEWAY_KEY)
@@ -638,6 +655,12 @@ def test_real_prometheus_scrapes_worker_and_every_dashboard_query_has_data(
             if not query(promql):
                 empty.append((title, promql))
         assert not empty, f"dashboard queries without data: {empty}"
+        # the prefix-sharing panel shows the saving of the groups' prompts
+        (saving,) = [
+            e for t, e in dashboard_queries() if t == "Prefix sharing: backbone tokens saved"
+        ]
+        (sample,) = query(substitute_grafana(saving, window="1m"))
+        assert float(sample["value"][1]) > 0, sample
 
         _, body = _get(f"{api}/rules")
         groups = json.loads(body)["data"]["groups"]
