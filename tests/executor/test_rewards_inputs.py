@@ -106,6 +106,22 @@ def test_both_mode_tokens_for_logps_messages_for_reward(rm_dir: Path, tmp_path: 
     assert out[1].reward == pytest.approx(tok_reward, abs=1e-5) and out[1].rm_tokens is None
 
 
+def test_merged_calls_sum_each_sequences_shared_tokens() -> None:
+    """``merge_outputs`` (a reference call and a reward call on its own surface): a sequence's
+    ``shared_tokens`` are those of both calls, as the batch's token counts are."""
+    from worker.executor.rewards.surface import merge_outputs
+
+    ex = StatelessExecutor(ExecutorConfig(), reference_model=tiny_causal("llama", vocab=96))
+    prompt = random_tokens(40, 7, vocab=96)  # over min_shared_tokens (32)
+    seqs = [SequenceInput([*prompt, 1 + i, *random_tokens(3, i, vocab=96)], 40) for i in range(3)]
+    seqs.append(SequenceInput(random_tokens(20, 9, vocab=96), 2))  # shares nothing
+    first, second = ex.score(seqs), ex.score(seqs)
+    assert [s.shared_tokens for s in first.scores] == [40, 40, 40, 0]
+    merged = merge_outputs([first, second])
+    assert [s.shared_tokens for s in merged.scores] == [80, 80, 80, 0]
+    assert merged.metrics.shared_prefix_tokens == 2 * first.metrics.shared_prefix_tokens
+
+
 def test_different_tokenizers_refuse_a_reward_on_tokens(smol_tokenizer: Any) -> None:
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast

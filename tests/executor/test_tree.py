@@ -542,6 +542,8 @@ def test_agent_turns_share_every_level(arch: str) -> None:
     conts = sum(len(s) - prompt for s in seqs[:-1])
     assert a.metrics.forward_tokens == AGENT_SHARED + conts + len(seqs[-1])
     assert a.metrics.forwards == 2  # the tree row, the unrelated sequence
+    assert [x.shared_tokens for x in a.scores] == [prompt] * 8 + [0]  # every level on its path
+    assert all(y.shared_tokens == 0 for y in b.scores)
     for x, y in zip(a.scores, b.scores, strict=True):
         _close(x.logps, y.logps)
 

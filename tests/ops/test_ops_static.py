@@ -168,6 +168,8 @@ def test_dashboard_covers_what_operators_need() -> None:
         "scoring_attention_fallbacks_total", "scoring_kv_outputs_rejected_total",
         "scoring_dead_lettered_total", "scoring_oom_splits_total", "scoring_worker_up",
         "scoring_model_loaded", "scoring_build_info",
+        # prefix sharing: sequence tokens against backbone tokens, shared-prefix tokens
+        "scoring_forward_tokens_total", "scoring_shared_prefix_tokens_total",
         # the gateway: requests, coalesced jobs, 4xx/5xx by code, latency
         "scoring_gateway_requests_total", "scoring_gateway_jobs_total",
         "scoring_gateway_errors_total", "scoring_gateway_request_seconds_bucket",

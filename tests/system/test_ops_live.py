@@ -5,8 +5,10 @@
   attention fallback (flash_attention_2 requested on a CPU machine) and a KV-cache rejection
   (a remote-code model that leaks ``past_key_values``);
 - ``/healthz`` and ``/readyz`` during start, Redis loss and recovery, and drain after SIGTERM;
-- a real Prometheus (Debian's ``prometheus``; skipped when missing) scrapes the worker, loads the
-  alert rules, and every dashboard query returns data.
+- a real Prometheus (Debian's ``prometheus``; skipped when missing) scrapes the worker and a
+  gateway (``scoring-worker gateway`` behind an API key) in front of it, loads the alert rules, and
+  every dashboard query returns data (the jobs include a GRPO group whose prompt the worker
+  computes once, so the prefix-sharing panel shows a saving above 0).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +32,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.daemon import WorkerProc, collect, enqueue, wait_until
+from tests.support.daemon import ROOT, WorkerProc, collect, enqueue, wait_until
 from tests.support.models import tiny_causal
 from tests.support.ops import (
     ALERTS,
@@ -42,13 +45,14 @@ from tests.support.ops import (
 )
 from worker import keys
 from worker.gateway.metrics import GatewayMetrics
-from worker.processes.local import free_port
+from worker.processes.local import LocalWorker, free_port
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
 PROMETHEUS = shutil.which("prometheus")
 REDIS_SERVER = shutil.which("redis-server")
 VOCAB = 128
+GATEWAY_KEY = "ops-live-key"
 
 LEAKY_MODELING = '''
 """A Llama whose backbone returns a KV cache whatever use_cache says (a misbehaving remote-code
@@ -110,10 +114,13 @@ def leaky_model(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> st
 
 
 # ----------------------------------------------------------------------------- helpers
-def _get(url: str, timeout: float = 3.0) -> tuple[int, bytes]:
-    """(status, body); status 0 when nothing answers."""
+def _get(url: str, timeout: float = 3.0, key: str | None = None) -> tuple[int, bytes]:
+    """(status, body); status 0 when nothing answers. ``key``: sent as a bearer token."""
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers=headers), timeout=timeout
+        ) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
@@ -121,9 +128,22 @@ def _get(url: str, timeout: float = 3.0) -> tuple[int, bytes]:
         return 0, b""
 
 
-def scrape(metrics_url: str) -> dict[str, Any]:
+def _post(url: str, body: object, key: str | None = None) -> tuple[int, Any]:
+    """POST ``body`` as JSON (with ``Authorization: Bearer key`` when given): (status, JSON)."""
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"null")
+
+
+def scrape(metrics_url: str, key: str | None = None) -> dict[str, Any]:
     """family name -> Metric, parsed by prometheus-client's own parser."""
-    status, body = _get(metrics_url)
+    status, body = _get(metrics_url, key=key)
     assert status == 200
     return {f.name: f for f in text_string_to_metric_families(body.decode())}
 
@@ -156,18 +176,95 @@ def _worker_args(redis_url: str, queue: str, model: str, *extra: str) -> list[st
 
 
 @pytest.fixture
-def workers(tmp_path: Path) -> Iterator[list[WorkerProc]]:
-    started: list[WorkerProc] = []
+def workers(tmp_path: Path) -> Iterator[list[LocalWorker]]:
+    started: list[LocalWorker] = []
     yield started
     for w in started:
         w.stop()
 
 
-def _start(workers: list[WorkerProc], tmp_path: Path, args: list[str], **env: str) -> WorkerProc:
+def _start(workers: list[LocalWorker], tmp_path: Path, args: list[str], **env: str) -> WorkerProc:
     env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", **env}
     w = WorkerProc(args, tmp_path / f"worker{len(workers)}.log", env=env)
     workers.append(w)
     return w
+
+
+def _start_gateway(workers: list[LocalWorker], tmp_path: Path, redis_url: str, queue: str) -> str:
+    """``scoring-worker gateway`` for ``queue`` behind ``GATEWAY_KEY``: its base URL once its
+    ``/health`` answers."""
+    port = free_port()
+    args = [
+        "--redis-url", redis_url, "--queue", queue, "--port", str(port),
+        "--api-key", GATEWAY_KEY, "--window-ms", "20",
+    ]  # fmt: skip
+    gateway = LocalWorker(
+        args,
+        command="gateway",
+        log_path=tmp_path / "gateway.log",
+        env={"PYTHONUNBUFFERED": "1"},
+        cwd=ROOT,
+    )
+    workers.append(gateway)
+    base = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        if gateway.poll() is not None:
+            raise AssertionError(f"the gateway exited ({gateway.poll()}):\n{gateway.log()}")
+        return _status(base + "/health") == 200
+
+    wait_until(up, 60, 0.1, "gateway /health 200")
+    return base
+
+
+def _gateway_traffic(base: str, wave: int) -> int:
+    """Concurrent scoring requests (coalesced into jobs for the worker), a 400 and a 401 for a
+    missing and a wrong key; returns how many sequences were scored."""
+    requests = [
+        [
+            [(11 * wave + 5 * i + 3 * j + k) % (VOCAB - 1) + 1 for k in range(5 + i)]
+            for j in range(2)
+        ]
+        for i in range(4)
+    ]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        answers = list(
+            pool.map(
+                lambda prompt: _post(
+                    base + "/v1/completions",
+                    {"prompt": prompt, "prompt_logprobs": 0},
+                    GATEWAY_KEY,
+                ),
+                requests,
+            )
+        )
+    for (status, body), prompt in zip(answers, requests, strict=True):
+        assert status == 200, body
+        assert len(body["choices"]) == len(prompt)
+    status, body = _post(
+        base + "/v1/completions", {"prompt": "text", "prompt_logprobs": 0}, GATEWAY_KEY
+    )
+    assert status == 400 and body["error"]["code"] == "bad_request", body
+    for key in (None, "wrong"):
+        status, body = _post(
+            base + "/v1/completions", {"prompt": [[1, 2]], "prompt_logprobs": 0}, key
+        )
+        assert status == 401 and body["error"]["code"] == "unauthorized", body
+    return sum(len(p) for p in requests)
+
+
+SHARED_PROMPT = 40  # over the worker's min_shared_tokens (32)
+
+
+def _group_job(wave: int, g: int = 4) -> list[dict[str, Any]]:
+    """A GRPO group: ``g`` completions (first ids all different) of one ``SHARED_PROMPT``-token
+    prompt, which a worker with prefix sharing on computes once."""
+    prompt = [(13 * wave + 7 * k) % (VOCAB - 1) + 1 for k in range(SHARED_PROMPT)]
+    return [
+        {"tokens": prompt + [i + 1] + [(5 * i + k) % (VOCAB - 1) + 1 for k in range(2 + i)],
+         "prompt_len": SHARED_PROMPT}
+        for i in range(g)
+    ]  # fmt: skip
 
 
 def _good_jobs(n: int) -> list[tuple[str, list[dict[str, Any]]]]:
@@ -215,7 +312,7 @@ def test_live_metrics_move_after_jobs_fallback_and_bad_job(
     cleanup_keys: None,
     tiny_model: str,
     tmp_path: Path,
-    workers: list[WorkerProc],
+    workers: list[LocalWorker],
 ) -> None:
     stream = keys.job_streams(key_prefix)[0]
     reply = keys.reply_stream(stream, "ops")
@@ -295,7 +392,7 @@ def test_live_kv_cache_rejection_is_counted(
     cleanup_keys: None,
     leaky_model: str,
     tmp_path: Path,
-    workers: list[WorkerProc],
+    workers: list[LocalWorker],
 ) -> None:
     stream = keys.job_streams(key_prefix)[0]
     reply = keys.reply_stream(stream, "ops")
@@ -372,7 +469,7 @@ def _status(url: str) -> int:
 
 @pytest.mark.timeout(120)
 def test_health_during_start_and_redis_loss(
-    own_redis: OwnRedis, tiny_model: str, tmp_path: Path, workers: list[WorkerProc]
+    own_redis: OwnRedis, tiny_model: str, tmp_path: Path, workers: list[LocalWorker]
 ) -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -423,7 +520,7 @@ def test_drain_flips_readiness_and_finishes_the_batch(
     key_prefix: str,
     cleanup_keys: None,
     tmp_path: Path,
-    workers: list[WorkerProc],
+    workers: list[LocalWorker],
 ) -> None:
     """SIGTERM during a slow batch: /readyz goes 503 (draining) while the batch finishes, the
     result is written, and the worker exits 0. ``--no-handback``: the job is seen in flight once
@@ -473,7 +570,7 @@ def test_real_prometheus_scrapes_worker_and_every_dashboard_query_has_data(
     cleanup_keys: None,
     tiny_model: str,
     tmp_path: Path,
-    workers: list[WorkerProc],
+    workers: list[LocalWorker],
 ) -> None:
     assert PROMETHEUS is not None
     stream = keys.job_streams(key_prefix)[0]
@@ -484,6 +581,9 @@ def test_real_prometheus_scrapes_worker_and_every_dashboard_query_has_data(
     )
     w = _start(workers, tmp_path, args).wait_ready()
     target = urllib.parse.urlsplit(w.metrics_url).netloc
+    # the gateway in front of the worker's queue, its /metrics behind its key like ops/prometheus
+    gateway = _start_gateway(workers, tmp_path, redis_url, key_prefix)
+    gateway_target = urllib.parse.urlsplit(gateway).netloc
     prom_port = free_port()
     shutil.copy(ALERTS, tmp_path / "alerts.yml")
     (tmp_path / "prometheus.yml").write_text(
@@ -492,7 +592,12 @@ def test_real_prometheus_scrapes_worker_and_every_dashboard_query_has_data(
                 "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
                 "rule_files": ["alerts.yml"],
                 "scrape_configs": [
-                    {"job_name": "scoring-worker", "static_configs": [{"targets": [target]}]}
+                    {"job_name": "scoring-worker", "static_configs": [{"targets": [target]}]},
+                    {
+                        "job_name": "scoring-gateway",
+                        "authorization": {"credentials": GATEWAY_KEY},
+                        "static_configs": [{"targets": [gateway_target]}],
+                    },
                 ],
             }
         )
@@ -520,15 +625,26 @@ def test_real_prometheus_scrapes_worker_and_every_dashboard_query_has_data(
             0.2,
             "prometheus ready",
         )
+        for up in ('up{job="scoring-worker"} == 1', 'up{job="scoring-gateway"} == 1'):
+            wait_until(lambda up=up: query(up), 20, 0.5, up)
         client = redis.Redis.from_url(redis_url)
+        gateway_sequences = 0
         for wave in range(2):  # two waves so rates see increases between scrapes
             ids = []
-            for job_id, seqs in _good_jobs(4):
+            for job_id, seqs in [*_good_jobs(4), ("group", _group_job(wave))]:
                 ids.append(f"{job_id}-{wave}")
                 enqueue(client, stream, ids[-1], reply, seqs)
-            collect(client, reply, ids, timeout=60)
+            got, _ = collect(client, reply, ids, timeout=60)
+            # the group's prompt ran once for its 4 completions (the prefix-sharing panels)
+            assert got[f"group-{wave}"].info["shared_tokens"] == SHARED_PROMPT * 4
+            gateway_sequences += _gateway_traffic(gateway, wave)
             time.sleep(2)
-        wait_until(lambda: query('up{job="scoring-worker"} == 1'), 20, 0.5, "target up")
+        fams = scrape(gateway + "/metrics", key=GATEWAY_KEY)
+        assert value(fams, "scoring_gateway_sequences_total") == gateway_sequences
+        assert 1 <= value(fams, "scoring_gateway_jobs_total") <= gateway_sequences  # type: ignore[operator]
+        assert value(fams, "scoring_gateway_unauthorized_total", reason="missing") == 2
+        assert value(fams, "scoring_gateway_unauthorized_total", reason="wrong") == 2
+        assert total(fams, "scoring_gateway_errors_total", code="bad_request") == 2
         # gauges sampled every few seconds, rates need two scrapes after the jobs
         wait_until(lambda: query("scoring_stream_lag"), 20, 0.5, "stream gauges scraped")
         time.sleep(2)
@@ -539,6 +655,12 @@ def test_real_prometheus_scrapes_worker_and_every_dashboard_query_has_data(
             if not query(promql):
                 empty.append((title, promql))
         assert not empty, f"dashboard queries without data: {empty}"
+        # the prefix-sharing panel shows the saving of the groups' prompts
+        (saving,) = [
+            e for t, e in dashboard_queries() if t == "Prefix sharing: backbone tokens saved"
+        ]
+        (sample,) = query(substitute_grafana(saving, window="1m"))
+        assert float(sample["value"][1]) > 0, sample
 
         _, body = _get(f"{api}/rules")
         groups = json.loads(body)["data"]["groups"]

@@ -86,7 +86,8 @@ def _results(
         scores = out.scores[i : i + len(p.prepared)]
         i += len(p.prepared)
         queue_ms = round(max(p.read_at_s * 1000.0 - p.entry.enqueued_ms, 0.0), 3)
-        info = ctx.info(queue_ms=queue_ms, **common)
+        shared = sum(s.shared_tokens for s in scores)  # tokens computed once for several
+        info = ctx.info(queue_ms=queue_ms, shared_tokens=shared, **common)
         bad = [(k, s.error) for k, s in enumerate(scores) if s.error is not None]
         if bad:
             k, err = bad[0]

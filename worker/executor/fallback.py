@@ -261,6 +261,9 @@ class BatchRunner:
                 torch.cuda.synchronize(self.forward.device)
             elapsed = time.perf_counter() - t0
         self._check_kv(kv.tensors, kv.nbytes)
+        for row in rows:  # each member's shared nodes, computed once for the row
+            for k, i in enumerate(row.members):
+                computed.scores[i].shared_tokens = row.depth(k)
         lengths = [len(s.ids) for s in seqs]
         unique = sum(r.unique_tokens(lengths) for r in rows)
         return BatchResult(

@@ -47,6 +47,9 @@ class SequenceScore:
     step_scores: np.ndarray | None = None  # [k] float32
     # teacher outputs: entropy, topk_ids, topk_logps, ... float32/int32 [n_scored(, width)]
     arrays: dict[str, np.ndarray] | None = None
+    # tokens of this sequence computed once for several (the shared prefix of its tree row; 0
+    # when it ran alone)
+    shared_tokens: int = 0
 
 
 @dataclass(frozen=True)

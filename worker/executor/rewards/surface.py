@@ -219,6 +219,7 @@ def merge_outputs(outputs: list[ScoreOutput]) -> ScoreOutput:
                 logps=a.logps,
                 arrays=getattr(a, "arrays", None),
                 error=a.error if a.error is not None else b.error,
+                shared_tokens=a.shared_tokens + b.shared_tokens,
             )
         )
     m, n = ref.metrics, rew.metrics
