@@ -9,17 +9,15 @@ real worker over Redis.
 
 from __future__ import annotations
 
-import threading
-import uuid
 from itertools import pairwise
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from prometheus_client import CollectorRegistry
 
-from tests.support.models import tiny_causal, tiny_model, tiny_reward
+from tests.support.models import tiny_model, tiny_reward
+from tests.support.models import tiny_variant as tiny
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
 from worker.executor.tree.trie import SharedGroup, naive_tree_tokens, plan_trees, shared_groups
 from worker.request import ScoreOptions
@@ -28,52 +26,6 @@ from worker.scorer.teacher import Sampling, TokenOutputs
 VOCAB = 96
 ATOL = 2e-5
 PROMPT = 40  # above the default min_shared_tokens (32)
-
-
-def _small(cls: Any, **extra: Any) -> Any:
-    common = {
-        "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-        "max_position_embeddings": 256, "initializer_range": 0.3,
-    }  # fmt: skip
-    return cls(**{**common, **extra})
-
-
-def tiny(arch: str, seed: int = 0) -> torch.nn.Module:
-    """A tiny float32 causal LM of ``arch`` with its attention variant made to bite."""
-    import transformers as tf
-
-    torch.manual_seed(seed)
-    if arch == "llama":
-        return tiny_causal("llama", seed=seed).float().eval()
-    if arch == "gpt2":  # learned absolute positions
-        return tiny_causal("gpt2", seed=seed).float().eval()
-    if arch == "mistral":
-        return tiny_causal("mistral", seed=seed, sliding_window=5).float().eval()
-    if arch == "qwen3":
-        return tf.Qwen3ForCausalLM(_small(tf.Qwen3Config)).eval()
-    if arch == "gemma2":  # softcap + window on every other layer
-        cfg = _small(tf.Gemma2Config, attn_logit_softcapping=1.5, sliding_window=5,
-                     attn_implementation="eager")  # fmt: skip
-        return tf.Gemma2ForCausalLM(cfg).eval()
-    if arch == "gpt_oss":  # sinks, window, MoE
-        cfg = _small(tf.GptOssConfig, num_local_experts=4, num_experts_per_tok=2,
-                     sliding_window=5, layer_types=["sliding_attention", "full_attention"],
-                     attn_implementation="eager")  # fmt: skip
-        model = tf.GptOssForCausalLM(cfg).eval()
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.self_attn.sinks.normal_(0.0, 1.0)  # zero sinks would not bite
-        return model
-    if arch == "qwen3_next":
-        cfg = _small(
-            tf.Qwen3NextConfig, layer_types=["linear_attention", "full_attention"],
-            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-            shared_expert_intermediate_size=16, linear_num_value_heads=2,
-            linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
-        )  # fmt: skip
-        return tf.Qwen3NextForCausalLM(cfg).eval()
-    raise ValueError(arch)
 
 
 def group_seqs(seed: int = 0, g: int = 4) -> list[list[int]]:
@@ -339,12 +291,8 @@ def test_a_failing_tree_forward_falls_back_per_sequence(monkeypatch: pytest.Monk
 def test_grpo_batch_through_redis_equal_on_and_off(
     redis_url: str, key_prefix: str, cleanup_keys: None
 ) -> None:
+    from tests.support.daemon import thread_worker
     from worker.client import ScoringClient
-    from worker.config import RedisSettings
-    from worker.daemon import Worker
-    from worker.daemon.config import WorkerConfig
-    from worker.keys import job_streams
-    from worker.observability.metrics import WorkerMetrics
 
     model = tiny("llama")
     seqs = group_seqs(9, g=6)[:-1]  # one prompt, six completions
@@ -352,26 +300,12 @@ def test_grpo_batch_through_redis_equal_on_and_off(
     results: dict[str, Any] = {}
     for sharing in ("auto", "off"):
         executor = StatelessExecutor(ExecutorConfig(prefix_sharing=sharing), model)
-        registry = CollectorRegistry()
-        config = WorkerConfig(
-            streams=tuple(job_streams(f"{key_prefix}{sharing}", 1)),
-            consumer=f"c{uuid.uuid4().hex[:6]}", metrics_port=None, block_ms=50,
-            claim_idle_ms=5000, max_wait_ms=50,
-        )  # fmt: skip
-        worker = Worker(
-            config, RedisSettings(url=redis_url), executor,
-            metrics=WorkerMetrics(registry),
-        )  # fmt: skip
-        thread = threading.Thread(target=worker.run, daemon=True)
-        thread.start()
-        try:
-            with ScoringClient(
-                redis_url, queue=f"{key_prefix}{sharing}", wait_for_unknown_queue=True
-            ) as client:
-                results[sharing] = client.result(client.submit(job), timeout=60).seqs
-        finally:
-            worker.request_stop()
-            thread.join(30)
+        queue = f"{key_prefix}{sharing}"
+        with (
+            thread_worker(redis_url, queue, executor) as (_, registry),
+            ScoringClient(redis_url, queue=queue, wait_for_unknown_queue=True) as client,
+        ):
+            results[sharing] = client.result(client.submit(job), timeout=60).seqs
         for name in ("scoring_forward_tokens_total", "scoring_shared_prefix_tokens_total"):
             results[f"{sharing}:{name}"] = registry.get_sample_value(name)
     for x, y in zip(results["auto"], results["off"], strict=True):

@@ -8,8 +8,11 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Callable, Iterable
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,39 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what or pred}")
         time.sleep(interval)
+
+
+@contextmanager
+def thread_worker(
+    redis_url: str, queue: str, executor: Any, **config: Any
+) -> Iterator[tuple[Any, Any]]:
+    """A ``Worker`` for ``executor`` on ``queue`` in a thread of this process, with its own
+    metrics registry: yields ``(worker, registry)``, stops it after. ``config`` overrides
+    ``WorkerConfig`` fields (short polls by default). Producers should pass
+    ``wait_for_unknown_queue=True``: the worker creates its group as it starts."""
+    from prometheus_client import CollectorRegistry
+
+    from worker.config import RedisSettings
+    from worker.daemon import Worker
+    from worker.daemon.config import WorkerConfig
+    from worker.observability.metrics import WorkerMetrics
+
+    settings: dict[str, Any] = {
+        "streams": tuple(keys.job_streams(queue, 1)), "consumer": f"c{uuid.uuid4().hex[:6]}",
+        "metrics_port": None, "block_ms": 50, "claim_idle_ms": 5000, "max_wait_ms": 50,
+    }  # fmt: skip
+    registry = CollectorRegistry()
+    worker = Worker(
+        WorkerConfig(**{**settings, **config}), RedisSettings(url=redis_url), executor,
+        metrics=WorkerMetrics(registry),
+    )  # fmt: skip
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        yield worker, registry
+    finally:
+        worker.request_stop()
+        thread.join(30)
 
 
 class WorkerProc(LocalWorker):

@@ -9,21 +9,15 @@ same group with sharing off, report 0.
 
 from __future__ import annotations
 
-import threading
-import uuid
 from typing import Any, Literal
 
 import pytest
 from prometheus_client import CollectorRegistry
 
+from tests.support.daemon import thread_worker
 from tests.support.models import random_tokens, tiny_causal
 from worker.client import ScoringClient
-from worker.config import RedisSettings
-from worker.daemon import Worker
-from worker.daemon.config import WorkerConfig
 from worker.executor import ExecutorConfig, StatelessExecutor
-from worker.keys import job_streams
-from worker.observability.metrics import WorkerMetrics
 
 pytestmark = pytest.mark.redis
 
@@ -47,21 +41,12 @@ def _serve(
     )
     want = "on" if sharing == "auto" else "off:"
     assert executor.info["prefix_sharing"].startswith(want), executor.info["prefix_sharing"]
-    registry = CollectorRegistry()
-    config = WorkerConfig(
-        streams=tuple(job_streams(queue, 1)), consumer=f"c{uuid.uuid4().hex[:6]}",
-        metrics_port=None, block_ms=50, claim_idle_ms=5000, max_wait_ms=50,
-    )  # fmt: skip
-    worker = Worker(config, RedisSettings(url=redis_url), executor, metrics=WorkerMetrics(registry))
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    try:
-        with ScoringClient(redis_url, queue=queue, wait_for_unknown_queue=True) as client:
-            handles = {name: client.submit(**kw) for name, kw in jobs.items()}
-            infos = {name: client.result(h, timeout=60).info for name, h in handles.items()}
-    finally:
-        worker.request_stop()
-        thread.join(30)
+    with (
+        thread_worker(redis_url, queue, executor) as (_, registry),
+        ScoringClient(redis_url, queue=queue, wait_for_unknown_queue=True) as client,
+    ):
+        handles = {name: client.submit(**kw) for name, kw in jobs.items()}
+        infos = {name: client.result(h, timeout=60).info for name, h in handles.items()}
     return infos, registry
 
 
