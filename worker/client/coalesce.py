@@ -7,7 +7,13 @@ settings that must be equal within one job: mode, temperature, teacher outputs, 
 batch is submitted ``window_s`` after its first caller joined, or as soon as it holds
 ``max_seqs`` sequences or ``max_tokens`` tokens; a caller never waits for a batch of another
 key. When the job's result arrives, every caller of the batch gets its own ``SeqScore`` slice
-at once. No thread per caller: each batch is one task awaiting one result.
+at once. No thread per caller: each job is one task awaiting one result.
+
+Groups: a caller may name the ``prefix`` its sequences start with (a GRPO group's prompt). When
+the batch is submitted, the callers of one prefix that hold two or more sequences between them
+go as a job of their own that carries the prefix once (protocol ``prefix``); every other caller
+(no prefix, or the only one of its prefix) goes in one plain job, as without groups. Every job
+of the batch decodes to the same whole sequences: only the bytes on the wire change.
 
 Failures: a job that comes back ``bad_request`` or ``too_long`` while it carried several
 callers is split, each caller's sequences submitted again as a job of its own, so one bad input
@@ -23,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +66,7 @@ class _Caller:
     seqs: list[protocol.SeqSpec]
     future: asyncio.Future[list[SeqScore]]
     deadline: float  # monotonic
+    prefix: array | None = None  # token ids every one of ``seqs`` starts with (a group's prompt)
 
     @property
     def tokens(self) -> int:
@@ -110,13 +118,19 @@ class Coalescer:
         """Jobs submitted (or being submitted) whose result has not been handed out yet."""
         return len(self._tasks)
 
-    async def score(self, seqs: Any, key: BatchKey, timeout_s: float) -> list[SeqScore]:
+    async def score(
+        self, seqs: Any, key: BatchKey, timeout_s: float, *, prefix: Any = None
+    ) -> list[SeqScore]:
         """The scores of ``seqs`` (one ``SeqScore`` each, in order), scored in some batch of
-        ``key``. Raises ``BadRequest`` for invalid input (nothing sent), the job's
-        ``JobFailed``, or ``ScoringTimeout`` after ``timeout_s``."""
-        specs = normalize_seqs(seqs)
+        ``key``. With ``prefix`` (token ids), each of ``seqs`` is what follows it, as in
+        ``AsyncScoringClient.score`` (``prompt_len`` defaults to ``len(prefix)``), and the
+        callers of one prefix share a job that carries it once (module docstring). Raises
+        ``BadRequest`` for invalid input (nothing sent), the job's ``JobFailed``, or
+        ``ScoringTimeout`` after ``timeout_s``."""
+        specs = normalize_seqs(seqs, prefix)  # whole sequences
+        head = None if prefix is None else protocol.as_int32_array(prefix)
         loop = asyncio.get_running_loop()
-        caller = _Caller(specs, loop.create_future(), time.monotonic() + timeout_s)
+        caller = _Caller(specs, loop.create_future(), time.monotonic() + timeout_s, head)
         self._join(key, caller)
         try:
             return await asyncio.wait_for(asyncio.shield(caller.future), timeout_s)
@@ -152,12 +166,15 @@ class Coalescer:
         self._start(key, batch.callers)
 
     def _start(self, key: BatchKey, callers: list[_Caller]) -> None:
-        task = asyncio.get_running_loop().create_task(self._run(key, callers))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        """One task per job of ``callers`` (``jobs_of``)."""
+        for head, part in jobs_of(callers):
+            task = asyncio.get_running_loop().create_task(self._run(key, part, head))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
-    async def _run(self, key: BatchKey, callers: list[_Caller]) -> None:
-        """Submit one job for ``callers`` and hand each its scores (or its error)."""
+    async def _run(self, key: BatchKey, callers: list[_Caller], head: array | None) -> None:
+        """Submit one job for ``callers`` (carrying ``head`` once as its ``prefix``, when
+        given) and hand each its scores (or its error)."""
         callers = [c for c in callers if not c.future.done()]
         if not callers:
             return
@@ -177,6 +194,7 @@ class Coalescer:
                     topk=key.topk,
                     adapter=key.adapter,
                     version=key.version,
+                    prefix=head,
                 )
             self.jobs += 1
             if self._on_job is not None:
@@ -212,6 +230,27 @@ class Coalescer:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
 
+def jobs_of(callers: Sequence[_Caller]) -> list[tuple[array | None, list[_Caller]]]:
+    """The jobs ``callers`` go in, as ``(prefix, callers)``: one per prefix whose callers hold
+    two or more sequences between them, then one plain job (``None``) for the rest, each in
+    the callers' order."""
+    held: dict[bytes, int] = {}  # sequences per prefix
+    for c in callers:
+        if c.prefix is not None:
+            held[c.prefix.tobytes()] = held.get(c.prefix.tobytes(), 0) + len(c.seqs)
+    groups: dict[bytes, list[_Caller]] = {}
+    plain: list[_Caller] = []
+    for c in callers:
+        if c.prefix is not None and held[c.prefix.tobytes()] > 1:
+            groups.setdefault(c.prefix.tobytes(), []).append(c)
+        else:
+            plain.append(c)
+    out: list[tuple[array | None, list[_Caller]]] = [(g[0].prefix, g) for g in groups.values()]
+    if plain:
+        out.append((None, plain))
+    return out
+
+
 def _deliver(callers: Sequence[_Caller], result: ScoreResult) -> None:
     at = 0
     for caller in callers:
@@ -227,4 +266,4 @@ def _fail(callers: Sequence[_Caller], exc: BaseException) -> None:
             caller.future.set_exception(exc)
 
 
-__all__ = ["SPLIT_CODES", "BatchKey", "Coalescer"]
+__all__ = ["SPLIT_CODES", "BatchKey", "Coalescer", "jobs_of"]
