@@ -45,6 +45,9 @@ def test_jobs_of_puts_a_prefix_with_two_sequences_in_a_job_of_its_own() -> None:
         (None, [b, none]),  # the only caller of its prefix goes plain, as does no prefix
     ]
     assert jobs_of([b]) == [(None, [b])]
+    # a prefix job keeps len(prefix) * (sequences - 1) ids off the wire, at least min_saved_ids
+    assert [h is None for h, _ in jobs_of([a1, a2, c2], min_saved_ids=2)] == [False, True]
+    assert jobs_of([a1, a2, c2], min_saved_ids=3) == [(None, [a1, a2, c2])]
 
 
 def test_prefix_callers_share_one_job_per_prompt_and_get_their_whole_sequences_scores(
@@ -64,7 +67,7 @@ def test_prefix_callers_share_one_job_per_prompt_and_get_their_whole_sequences_s
 
     async def main() -> list[list[SeqScore]]:
         async with AsyncScoringClient(redis_url, queue=key_prefix) as client:
-            batcher = Coalescer(client, window_s=0.05)
+            batcher = Coalescer(client, window_s=0.05, min_saved_ids=1)
             key = BatchKey(mode="both")
             try:
                 return list(

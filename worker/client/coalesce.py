@@ -10,10 +10,12 @@ key. When the job's result arrives, every caller of the batch gets its own ``Seq
 at once. No thread per caller: each job is one task awaiting one result.
 
 Groups: a caller may name the ``prefix`` its sequences start with (a GRPO group's prompt). When
-the batch is submitted, the callers of one prefix that hold two or more sequences between them
-go as a job of their own that carries the prefix once (protocol ``prefix``); every other caller
-(no prefix, or the only one of its prefix) goes in one plain job, as without groups. Every job
-of the batch decodes to the same whole sequences: only the bytes on the wire change.
+the batch is submitted, the callers of one prefix go as a job of their own that carries the
+prefix once (protocol ``prefix``) when that keeps ``min_saved_ids`` token ids or more off the
+wire (``len(prefix) * (sequences - 1)``: two or more sequences, and more ids than a job's own
+fields weigh); every other caller (no prefix, a prefix alone or too short) goes in one plain
+job, as without groups. Every job of the batch decodes to the same whole sequences: only the
+bytes on the wire change.
 
 Failures: a job that comes back ``bad_request`` or ``too_long`` while it carried several
 callers is split, each caller's sequences submitted again as a job of its own, so one bad input
@@ -44,6 +46,10 @@ log = logging.getLogger(__name__)
 
 #: Jobs being added (``XADD``) at once, at most: each holds a Redis connection meanwhile.
 MAX_CONCURRENT_SUBMITS = 16
+#: Token ids a prefix job keeps off the wire, at least (``Coalescer``): 192 bytes, more than a
+#: job's own fields weigh (id, reply stream, mode, temperature, deadline: 170 bytes on queue
+#: ``default``, 2026-12-04, ``len(encode_job(...))`` of one sequence less its second one's).
+MIN_SAVED_IDS = 48
 #: Error codes after which a batch of several callers is split and each resubmitted alone.
 SPLIT_CODES = frozenset({"bad_request", "too_long"})
 
@@ -87,7 +93,8 @@ class Coalescer:
     ``window_s``: how long a batch stays open after its first caller (0: submit at the next
     turn of the event loop, still gathering what arrived meanwhile); ``max_seqs`` /
     ``max_tokens``: a batch is submitted when it reaches either (a caller larger than that goes
-    alone). Counters: ``jobs`` submitted, ``splits`` (failed batches split per caller);
+    alone); ``min_saved_ids``: the fewest ids a prefix job must keep off the wire (module
+    docstring). Counters: ``jobs`` submitted, ``splits`` (failed batches split per caller);
     ``on_job`` is called once per job submitted (a metric's ``inc``).
     """
 
@@ -98,6 +105,7 @@ class Coalescer:
         window_s: float = 0.005,
         max_seqs: int = 256,
         max_tokens: int = 1 << 20,
+        min_saved_ids: int = MIN_SAVED_IDS,
         on_job: Callable[[], object] | None = None,
     ) -> None:
         if window_s < 0 or max_seqs < 1 or max_tokens < 1:
@@ -106,6 +114,7 @@ class Coalescer:
         self.window_s = window_s
         self.max_seqs = max_seqs
         self.max_tokens = max_tokens
+        self.min_saved_ids = min_saved_ids
         self._open: dict[BatchKey, _Batch] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._submits: asyncio.Semaphore | None = None  # made in the loop, on first use
@@ -167,7 +176,7 @@ class Coalescer:
 
     def _start(self, key: BatchKey, callers: list[_Caller]) -> None:
         """One task per job of ``callers`` (``jobs_of``)."""
-        for head, part in jobs_of(callers):
+        for head, part in jobs_of(callers, self.min_saved_ids):
             task = asyncio.get_running_loop().create_task(self._run(key, part, head))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -230,18 +239,25 @@ class Coalescer:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
 
-def jobs_of(callers: Sequence[_Caller]) -> list[tuple[array | None, list[_Caller]]]:
+def jobs_of(
+    callers: Sequence[_Caller], min_saved_ids: int = 1
+) -> list[tuple[array | None, list[_Caller]]]:
     """The jobs ``callers`` go in, as ``(prefix, callers)``: one per prefix whose callers hold
-    two or more sequences between them, then one plain job (``None``) for the rest, each in
-    the callers' order."""
+    ``n`` sequences between them with ``len(prefix) * (n - 1) >= min_saved_ids`` (and
+    ``n >= 2``), then one plain job (``None``) for the rest, each in the callers' order."""
     held: dict[bytes, int] = {}  # sequences per prefix
     for c in callers:
         if c.prefix is not None:
             held[c.prefix.tobytes()] = held.get(c.prefix.tobytes(), 0) + len(c.seqs)
+
+    def grouped(head: array) -> bool:
+        n = held[head.tobytes()]
+        return n >= 2 and len(head) * (n - 1) >= min_saved_ids
+
     groups: dict[bytes, list[_Caller]] = {}
     plain: list[_Caller] = []
     for c in callers:
-        if c.prefix is not None and held[c.prefix.tobytes()] > 1:
+        if c.prefix is not None and grouped(c.prefix):
             groups.setdefault(c.prefix.tobytes(), []).append(c)
         else:
             plain.append(c)
@@ -266,4 +282,4 @@ def _fail(callers: Sequence[_Caller], exc: BaseException) -> None:
             caller.future.set_exception(exc)
 
 
-__all__ = ["SPLIT_CODES", "BatchKey", "Coalescer", "jobs_of"]
+__all__ = ["MIN_SAVED_IDS", "SPLIT_CODES", "BatchKey", "Coalescer", "jobs_of"]
