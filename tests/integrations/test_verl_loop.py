@@ -211,7 +211,7 @@ def test_the_manager_sends_each_grpo_prompt_once_with_the_per_sequence_rewards(
     )
     with JobTap(url, keys.job_streams(queue)) as tap:
         out = _run_loop(config, GROUPS)
-        bodies = tap.bodies()
+        bodies, sent = tap.bodies(), tap.payloads()
     tokenizer = _tokenizer_of(paths)
     ids = [tokenizer.encode(p, add_special_tokens=False) for p in (LONG, "Name a colour:", "Hi")]
     by_prefix = {b.get("prefix"): b for b in bodies}
@@ -241,9 +241,18 @@ def test_the_manager_sends_each_grpo_prompt_once_with_the_per_sequence_rewards(
     with JobTap(url, keys.job_streams(queue)) as tap:
         want = asyncio.run(per_sequence())
         assert _token_bytes(tap.bodies()) == 4 * sum(whole)  # one job, every sequence whole
+        # what the worker decodes is the same either way: the whole sequences, prompt_len 1
+        assert _decoded(sent) == _decoded(tap.payloads())
     got = [o["reward_score"] for o in out]
-    assert got == want  # exactly
+    assert got == want  # exactly: the group's tree row and the rest are the same forwards
     assert got == pytest.approx(_ids_rewards(paths, GROUPS), abs=1e-4)
+
+
+def _decoded(payloads: list[bytes]) -> list[tuple[tuple[int, ...], int | None]]:
+    """The sequences the worker decodes from ``payloads``, sorted: ``(ids, prompt_len)``."""
+    from worker.protocol import decode_job
+
+    return sorted((tuple(s.tokens), s.prompt_len) for p in payloads for s in decode_job(p).seqs)
 
 
 def _token_bytes(bodies: list[dict[str, Any]]) -> int:
