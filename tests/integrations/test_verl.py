@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -168,3 +169,62 @@ def test_modules_import_without_verl_or_torch(tmp_path: Path) -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_reward_manager_sends_each_prompt_once_per_group(noop: tuple[str, str]) -> None:
+    """GRPO's n rollouts per prompt: the samples of one prompt go as one job that carries the
+    prompt once (``prefix``), each response after it, ``prompt_len`` 1 as ever; a prompt of
+    one sample, or too short to pay for a job of its own (``MIN_SAVED_IDS``), goes plain. The
+    rewards, in order, are those of the per-sequence path."""
+    from tests.support.client import JobTap
+    from worker import keys
+    from worker.client.coalesce import MIN_SAVED_IDS
+    from worker.protocol.seqs import le_bytes
+
+    url, queue = noop
+    manager = verl_manager.ScoringRewardManager({}, None, None, redis_url=url, queue=queue)
+    p1, p2, p3 = list(range(100, 130)), [21, 22, 23], [31, 32]
+    assert len(p1) * 2 >= MIN_SAVED_IDS > len(p2)
+    items = [(p1, [8, 9]), (p2, [24]), (p1, [10]), (p3, [33, 34]), (p2, [25, 26]), (p1, [11, 12])]
+
+    def item(p: list[int], r: list[int]) -> _Item:
+        return _Item(p, r, width=32)
+
+    async def grouped() -> list[dict[str, Any]]:
+        try:
+            return list(
+                await asyncio.gather(*(manager.run_single(_Data([item(p, r)])) for p, r in items))
+            )
+        finally:
+            await close_all()
+
+    async def per_sequence() -> list[float]:  # the manager's path before groups
+        try:
+            batcher = coalescer(url, queue)
+            scores = await asyncio.gather(
+                *(
+                    batcher.score([verl_manager.sequence_of(item(p, r))], manager.key, 60)
+                    for p, r in items
+                )
+            )
+            return [float(s[0].reward) for s in scores]
+        finally:
+            await close_all()
+
+    with JobTap(url, keys.job_streams(queue)) as tap:
+        out = asyncio.run(grouped())
+        bodies = tap.bodies()
+    by_prefix = {b.get("prefix"): b for b in bodies}
+    assert len(bodies) == len(by_prefix) == 2
+
+    def ids(xs: list[int]) -> bytes:
+        return le_bytes(array("i", xs))
+
+    group = by_prefix[ids(p1)]
+    assert [s["tokens"] for s in group["seqs"]] == [ids([8, 9]), ids([10]), ids([11, 12])]
+    assert {s["prompt_len"] for s in group["seqs"]} == {1}
+    plain = by_prefix[None]["seqs"]
+    assert [s["tokens"] for s in plain] == [ids([*p2, 24]), ids([*p3, 33, 34]), ids([*p2, 25, 26])]
+    got = [o["reward_score"] for o in out]
+    assert got == [(sum(p + r) % 1000) / 1000 for p, r in items]
+    assert got == asyncio.run(per_sequence())

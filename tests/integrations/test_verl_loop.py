@@ -9,6 +9,7 @@ the checkpoint the worker serves (``serve --reward-model``)."""
 from __future__ import annotations
 
 import asyncio
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(300)]
 
 #: (prompt, response) texts of the batch.
 SAMPLES = [("Q: 2+2? A:", " 4"), ("Name a colour:", " blue, or red"), ("Hi", "!")]
+#: A GRPO-shaped batch, verl's order (each prompt's rollouts together): three rollouts of a
+#: prompt longer than the worker's min_shared_tokens (32; one token per byte), two of a short
+#: one, one prompt alone.
+LONG = "Answer in one word. Which planet is the largest of the solar system? A:"
+GROUPS = [
+    (LONG, " Jupiter"),
+    (LONG, " Saturn, I think"),
+    (LONG, " J"),
+    ("Name a colour:", " blue"),
+    ("Name a colour:", " red, or green"),
+    ("Hi", "!"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +66,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, 
         worker.stop()
 
 
-def _batch(tokenizer: Any) -> Any:
+def _batch(tokenizer: Any, samples: list[tuple[str, str]] = SAMPLES) -> Any:
     """verl's batch: left-padded ``prompts``, right-padded ``responses``, ``attention_mask``
     over both, and the non-tensor fields its managers read."""
-    prompts = [tokenizer.encode(p, add_special_tokens=False) for p, _ in SAMPLES]
-    responses = [tokenizer.encode(r, add_special_tokens=False) for _, r in SAMPLES]
+    prompts = [tokenizer.encode(p, add_special_tokens=False) for p, _ in samples]
+    responses = [tokenizer.encode(r, add_special_tokens=False) for _, r in samples]
     width_p, width_r = max(map(len, prompts)), max(map(len, responses))
     pad = tokenizer.pad_token_id
     rows_p = [[pad] * (width_p - len(p)) + p for p in prompts]
@@ -73,9 +86,9 @@ def _batch(tokenizer: Any) -> Any:
             "attention_mask": torch.tensor(mask),
         },
         non_tensors={
-            "data_source": np.array(["test"] * len(SAMPLES), dtype=object),
-            "reward_model": np.array([{"ground_truth": None}] * len(SAMPLES), dtype=object),
-            "extra_info": np.array([{"prompt": p} for p, _ in SAMPLES], dtype=object),
+            "data_source": np.array(["test"] * len(samples), dtype=object),
+            "reward_model": np.array([{"ground_truth": None}] * len(samples), dtype=object),
+            "extra_info": np.array([{"prompt": p} for p, _ in samples], dtype=object),
         },
     )
 
@@ -99,13 +112,13 @@ def _config(policy: Path, reward: dict[str, Any]) -> Any:
     )  # fmt: skip
 
 
-def _run_loop(config: Any) -> list[dict[str, Any]]:
+def _run_loop(config: Any, samples: list[tuple[str, str]] = SAMPLES) -> list[dict[str, Any]]:
     """verl's ``RewardLoopWorker.compute_score_batch`` on the batch, in one event loop."""
 
     async def run() -> list[dict[str, Any]]:
         try:
             worker = verl_loop.RewardLoopWorker(config)
-            return list(await worker.compute_score_batch(_batch(worker.input_tokenizer)))
+            return list(await worker.compute_score_batch(_batch(worker.input_tokenizer, samples)))
         finally:
             await close_all()
 
@@ -127,7 +140,7 @@ def _own_rewards(paths: dict[str, Path]) -> list[float]:
     return out
 
 
-def _ids_rewards(paths: dict[str, Path]) -> list[float]:
+def _ids_rewards(paths: dict[str, Path], samples: list[tuple[str, str]] = SAMPLES) -> list[float]:
     """The reward model's own score of exactly the policy's prompt + response ids."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -135,7 +148,7 @@ def _ids_rewards(paths: dict[str, Path]) -> list[float]:
     model = AutoModelForSequenceClassification.from_pretrained(paths["tiny-reward"]).eval()
     out = []
     with torch.inference_mode():
-        for p, r in SAMPLES:
+        for p, r in samples:
             ids = tokenizer.encode(p, add_special_tokens=False) + tokenizer.encode(
                 r, add_special_tokens=False
             )
@@ -169,6 +182,82 @@ def test_the_manager_through_load_reward_manager_scores_the_policys_ids(
     assert got == pytest.approx(_ids_rewards(paths), abs=1e-4)
     assert all(o["reward_extra_info"] == {"rm_score": o["reward_score"]} for o in out)
     assert len(set(got)) == len(got)  # three different samples, three different rewards
+
+
+def test_the_manager_sends_each_grpo_prompt_once_with_the_per_sequence_rewards(
+    fleet: tuple[str, str, dict[str, Path]],
+) -> None:
+    """verl's loop on a GRPO batch: one job per prompt of several rollouts, the prompt's ids
+    once (``prefix``), each response after it; the prompt alone goes plain. The rewards equal,
+    bit for bit, those of the same sequences sent whole in one job (the path before groups),
+    and the reward model's own."""
+    from tests.support.client import JobTap
+    from worker import keys
+    from worker.integrations.shared import coalescer
+    from worker.integrations.verl_manager import ScoringRewardManager, sequence_of
+    from worker.protocol.seqs import le_bytes
+
+    url, queue, paths = fleet
+    config = _config(
+        paths["tiny-llama"],
+        {
+            "reward_manager": {
+                "source": "importlib",
+                "name": "ScoringRewardManager",
+                "module": {"path": "pkg://worker.integrations.verl_manager"},
+            },
+            "reward_kwargs": {"redis_url": url, "queue": queue, "timeout_s": 120},
+        },
+    )
+    with JobTap(url, keys.job_streams(queue)) as tap:
+        out = _run_loop(config, GROUPS)
+        bodies, sent = tap.bodies(), tap.payloads()
+    tokenizer = _tokenizer_of(paths)
+    ids = [tokenizer.encode(p, add_special_tokens=False) for p in (LONG, "Name a colour:", "Hi")]
+    by_prefix = {b.get("prefix"): b for b in bodies}
+    assert len(bodies) == len(by_prefix) == 2
+    assert len(by_prefix[le_bytes(array("i", ids[0]))]["seqs"]) == 3
+    # a 14-token prompt of two rollouts keeps 14 ids off the wire: not worth a job of its own
+    assert len(by_prefix[None]["seqs"]) == 3
+    whole = [len(tokenizer.encode(p + r, add_special_tokens=False)) for p, r in GROUPS]
+    assert _token_bytes(bodies) == 4 * (sum(whole) - 2 * len(ids[0]))  # the long prompt once
+
+    data = _batch(tokenizer, GROUPS)
+    manager = ScoringRewardManager(config, None, None)
+
+    async def per_sequence() -> list[float]:
+        try:
+            batcher = coalescer(manager.redis_url, manager.queue)
+            scores = await asyncio.gather(
+                *(
+                    batcher.score([sequence_of(data[i])], manager.key, 120)
+                    for i in range(len(GROUPS))
+                )
+            )
+            return [float(s[0].reward) for s in scores]
+        finally:
+            await close_all()
+
+    with JobTap(url, keys.job_streams(queue)) as tap:
+        want = asyncio.run(per_sequence())
+        assert _token_bytes(tap.bodies()) == 4 * sum(whole)  # one job, every sequence whole
+        # what the worker decodes is the same either way: the whole sequences, prompt_len 1
+        assert _decoded(sent) == _decoded(tap.payloads())
+    got = [o["reward_score"] for o in out]
+    assert got == want  # exactly: the group's tree row and the rest are the same forwards
+    assert got == pytest.approx(_ids_rewards(paths, GROUPS), abs=1e-4)
+
+
+def _decoded(payloads: list[bytes]) -> list[tuple[tuple[int, ...], int | None]]:
+    """The sequences the worker decodes from ``payloads``, sorted: ``(ids, prompt_len)``."""
+    from worker.protocol import decode_job
+
+    return sorted((tuple(s.tokens), s.prompt_len) for p in payloads for s in decode_job(p).seqs)
+
+
+def _token_bytes(bodies: list[dict[str, Any]]) -> int:
+    """The bytes of token ids in job bodies: each ``prefix`` and each sequence's ``tokens``."""
+    return sum(len(b.get("prefix", b"")) + sum(len(s["tokens"]) for s in b["seqs"]) for b in bodies)
 
 
 def test_compute_score_through_the_custom_reward_function_scores_the_text(

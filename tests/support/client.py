@@ -5,6 +5,7 @@ with XREADGROUP, answers with ``protocol.encode_result`` (log-prob of token t = 
 scored token) and acks. Per-job behaviour comes from the job's ``meta``: ``{"fail": code}`` answers
 an error result, ``{"dup": n}`` writes the result n extra times, ``{"drop": true}`` never answers.
 ``OutstandingSampler`` measures jobs in flight from the stream side (group lag + pending).
+``JobTap`` reads back the job payloads added to a queue's streams (what went on the wire).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from array import array
 from typing import Any
 
+import msgpack
 import redis
 
 from worker import keys, protocol
@@ -153,3 +155,50 @@ class OutstandingSampler:
         self._stop.set()
         self._thread.join(5)
         self.client.close()
+
+
+class JobTap:
+    """The job payloads added to ``streams`` from now on, as sent (``payloads``: XRANGE).
+
+    A consumer group of its own, made at the streams' end and never read, holds the workers'
+    trimming (``streams.trim_acked``: entries every group has read) off the new entries until
+    ``close``. Only for a queue that has a worker or its group already: the tap's group would
+    make an unknown queue look served.
+    """
+
+    NAME = "tap"
+
+    def __init__(self, url: str, streams: list[str]) -> None:
+        self.client = redis.Redis.from_url(url)
+        self.streams = streams
+        self.start: dict[str, bytes] = {}
+        for s in streams:
+            self.client.xgroup_create(s, self.NAME, id="$", mkstream=True)
+            for g in self.client.xinfo_groups(s):
+                if g["name"] in (self.NAME, self.NAME.encode()):
+                    self.start[s] = g["last-delivered-id"]
+
+    def payloads(self) -> list[bytes]:
+        """The payloads added since the tap was made, stream by stream, in order."""
+        out = []
+        for s in self.streams:
+            start = self.start[s]
+            start = start.decode() if isinstance(start, bytes) else start
+            for _, fields in self.client.xrange(s, min=f"({start}"):
+                out.append(fields[protocol.PAYLOAD_FIELD])
+        return out
+
+    def bodies(self) -> list[dict[str, Any]]:
+        """The payloads as their msgpack maps (``prefix`` and ``tokens`` as bytes)."""
+        return [msgpack.unpackb(p, raw=False) for p in self.payloads()]
+
+    def close(self) -> None:
+        for s in self.streams:
+            self.client.xgroup_destroy(s, self.NAME)
+        self.client.close()
+
+    def __enter__(self) -> JobTap:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -7,7 +7,15 @@ settings that must be equal within one job: mode, temperature, teacher outputs, 
 batch is submitted ``window_s`` after its first caller joined, or as soon as it holds
 ``max_seqs`` sequences or ``max_tokens`` tokens; a caller never waits for a batch of another
 key. When the job's result arrives, every caller of the batch gets its own ``SeqScore`` slice
-at once. No thread per caller: each batch is one task awaiting one result.
+at once. No thread per caller: each job is one task awaiting one result.
+
+Groups: a caller may name the ``prefix`` its sequences start with (a GRPO group's prompt). When
+the batch is submitted, the callers of one prefix go as a job of their own that carries the
+prefix once (protocol ``prefix``) when that keeps ``min_saved_ids`` token ids or more off the
+wire (``len(prefix) * (sequences - 1)``: two or more sequences, and more ids than a job's own
+fields weigh); every other caller (no prefix, a prefix alone or too short) goes in one plain
+job, as without groups. Every job of the batch decodes to the same whole sequences: only the
+bytes on the wire change.
 
 Failures: a job that comes back ``bad_request`` or ``too_long`` while it carried several
 callers is split, each caller's sequences submitted again as a job of its own, so one bad input
@@ -23,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +46,10 @@ log = logging.getLogger(__name__)
 
 #: Jobs being added (``XADD``) at once, at most: each holds a Redis connection meanwhile.
 MAX_CONCURRENT_SUBMITS = 16
+#: Token ids a prefix job keeps off the wire, at least (``Coalescer``): 192 bytes, more than a
+#: job's own fields weigh (id, reply stream, mode, temperature, deadline: 170 bytes on queue
+#: ``default``, 2026-12-04, ``len(encode_job(...))`` of one sequence less its second one's).
+MIN_SAVED_IDS = 48
 #: Error codes after which a batch of several callers is split and each resubmitted alone.
 SPLIT_CODES = frozenset({"bad_request", "too_long"})
 
@@ -59,6 +72,7 @@ class _Caller:
     seqs: list[protocol.SeqSpec]
     future: asyncio.Future[list[SeqScore]]
     deadline: float  # monotonic
+    prefix: array | None = None  # token ids every one of ``seqs`` starts with (a group's prompt)
 
     @property
     def tokens(self) -> int:
@@ -79,7 +93,8 @@ class Coalescer:
     ``window_s``: how long a batch stays open after its first caller (0: submit at the next
     turn of the event loop, still gathering what arrived meanwhile); ``max_seqs`` /
     ``max_tokens``: a batch is submitted when it reaches either (a caller larger than that goes
-    alone). Counters: ``jobs`` submitted, ``splits`` (failed batches split per caller);
+    alone); ``min_saved_ids``: the fewest ids a prefix job must keep off the wire (module
+    docstring). Counters: ``jobs`` submitted, ``splits`` (failed batches split per caller);
     ``on_job`` is called once per job submitted (a metric's ``inc``).
     """
 
@@ -90,6 +105,7 @@ class Coalescer:
         window_s: float = 0.005,
         max_seqs: int = 256,
         max_tokens: int = 1 << 20,
+        min_saved_ids: int = MIN_SAVED_IDS,
         on_job: Callable[[], object] | None = None,
     ) -> None:
         if window_s < 0 or max_seqs < 1 or max_tokens < 1:
@@ -98,6 +114,7 @@ class Coalescer:
         self.window_s = window_s
         self.max_seqs = max_seqs
         self.max_tokens = max_tokens
+        self.min_saved_ids = min_saved_ids
         self._open: dict[BatchKey, _Batch] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._submits: asyncio.Semaphore | None = None  # made in the loop, on first use
@@ -110,13 +127,19 @@ class Coalescer:
         """Jobs submitted (or being submitted) whose result has not been handed out yet."""
         return len(self._tasks)
 
-    async def score(self, seqs: Any, key: BatchKey, timeout_s: float) -> list[SeqScore]:
+    async def score(
+        self, seqs: Any, key: BatchKey, timeout_s: float, *, prefix: Any = None
+    ) -> list[SeqScore]:
         """The scores of ``seqs`` (one ``SeqScore`` each, in order), scored in some batch of
-        ``key``. Raises ``BadRequest`` for invalid input (nothing sent), the job's
-        ``JobFailed``, or ``ScoringTimeout`` after ``timeout_s``."""
-        specs = normalize_seqs(seqs)
+        ``key``. With ``prefix`` (token ids), each of ``seqs`` is what follows it, as in
+        ``AsyncScoringClient.score`` (``prompt_len`` defaults to ``len(prefix)``), and the
+        callers of one prefix share a job that carries it once (module docstring). Raises
+        ``BadRequest`` for invalid input (nothing sent), the job's ``JobFailed``, or
+        ``ScoringTimeout`` after ``timeout_s``."""
+        specs = normalize_seqs(seqs, prefix)  # whole sequences
+        head = None if prefix is None else protocol.as_int32_array(prefix)
         loop = asyncio.get_running_loop()
-        caller = _Caller(specs, loop.create_future(), time.monotonic() + timeout_s)
+        caller = _Caller(specs, loop.create_future(), time.monotonic() + timeout_s, head)
         self._join(key, caller)
         try:
             return await asyncio.wait_for(asyncio.shield(caller.future), timeout_s)
@@ -152,12 +175,15 @@ class Coalescer:
         self._start(key, batch.callers)
 
     def _start(self, key: BatchKey, callers: list[_Caller]) -> None:
-        task = asyncio.get_running_loop().create_task(self._run(key, callers))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        """One task per job of ``callers`` (``jobs_of``)."""
+        for head, part in jobs_of(callers, self.min_saved_ids):
+            task = asyncio.get_running_loop().create_task(self._run(key, part, head))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
-    async def _run(self, key: BatchKey, callers: list[_Caller]) -> None:
-        """Submit one job for ``callers`` and hand each its scores (or its error)."""
+    async def _run(self, key: BatchKey, callers: list[_Caller], head: array | None) -> None:
+        """Submit one job for ``callers`` (carrying ``head`` once as its ``prefix``, when
+        given) and hand each its scores (or its error)."""
         callers = [c for c in callers if not c.future.done()]
         if not callers:
             return
@@ -177,6 +203,7 @@ class Coalescer:
                     topk=key.topk,
                     adapter=key.adapter,
                     version=key.version,
+                    prefix=head,
                 )
             self.jobs += 1
             if self._on_job is not None:
@@ -212,6 +239,34 @@ class Coalescer:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
 
+def jobs_of(
+    callers: Sequence[_Caller], min_saved_ids: int = 1
+) -> list[tuple[array | None, list[_Caller]]]:
+    """The jobs ``callers`` go in, as ``(prefix, callers)``: one per prefix whose callers hold
+    ``n`` sequences between them with ``len(prefix) * (n - 1) >= min_saved_ids`` (and
+    ``n >= 2``), then one plain job (``None``) for the rest, each in the callers' order."""
+    held: dict[bytes, int] = {}  # sequences per prefix
+    for c in callers:
+        if c.prefix is not None:
+            held[c.prefix.tobytes()] = held.get(c.prefix.tobytes(), 0) + len(c.seqs)
+
+    def grouped(head: array) -> bool:
+        n = held[head.tobytes()]
+        return n >= 2 and len(head) * (n - 1) >= min_saved_ids
+
+    groups: dict[bytes, list[_Caller]] = {}
+    plain: list[_Caller] = []
+    for c in callers:
+        if c.prefix is not None and grouped(c.prefix):
+            groups.setdefault(c.prefix.tobytes(), []).append(c)
+        else:
+            plain.append(c)
+    out: list[tuple[array | None, list[_Caller]]] = [(g[0].prefix, g) for g in groups.values()]
+    if plain:
+        out.append((None, plain))
+    return out
+
+
 def _deliver(callers: Sequence[_Caller], result: ScoreResult) -> None:
     at = 0
     for caller in callers:
@@ -227,4 +282,4 @@ def _fail(callers: Sequence[_Caller], exc: BaseException) -> None:
             caller.future.set_exception(exc)
 
 
-__all__ = ["SPLIT_CODES", "BatchKey", "Coalescer"]
+__all__ = ["MIN_SAVED_IDS", "SPLIT_CODES", "BatchKey", "Coalescer", "jobs_of"]

@@ -90,16 +90,21 @@ def normalize_seqs(seqs: Any, prefix: Any = None) -> list[protocol.SeqSpec]:
     return out
 
 
-def with_prefix(seqs: Any, prefix: Any) -> list[dict[str, Any]]:
+def with_prefix(seqs: Any, prefix: Any) -> list[Any]:
     """Sequence maps of ``prefix`` followed by each of ``seqs`` (maps with ``tokens`` or bare
-    token ids), each scored after the prefix unless it says otherwise."""
+    token ids), each scored after the prefix unless it says otherwise. A ``SeqSpec`` is a whole
+    sequence already (what ``normalize_seqs`` returns) and stays as it is: ``encode_job``
+    refuses one that does not start with the prefix."""
     head = protocol.as_int32_array(prefix)
     if len(head) == 0:
         raise errors.BadRequest("prefix must hold at least one token id")
-    if isinstance(seqs, Mapping):
+    if isinstance(seqs, (Mapping, protocol.SeqSpec)):
         seqs = [seqs]
-    out = []
+    out: list[Any] = []
     for i, seq in enumerate(seqs):
+        if isinstance(seq, protocol.SeqSpec):
+            out.append(seq)
+            continue
         if not isinstance(seq, Mapping):
             seq = {"tokens": seq}
         elif seq.get("tokens") is None:

@@ -12,6 +12,12 @@ the same ids when no ``chat_template_kwargs`` are set), read by the model's own 
 token. TRL calls an async callable per process on its local batch (``asyncio.gather`` on its
 ``async_loop``): one call is one job with every sample of the batch. ``__name__`` is what TRL
 logs the reward under (``rewards/<name>/mean``).
+
+No token ``prefix``: the ids are the worker's to make (the reward model's tokenizer, which this
+process does not hold), and a prompt and its completion tokenized apart are not their
+concatenation tokenized. The prompt's text goes with each completion; since the local batch is
+one job (TRL's ``num_generations`` completions of a prompt together), the worker's own prefix
+detection computes each prompt's common ids once.
 """
 
 from __future__ import annotations

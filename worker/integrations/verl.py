@@ -8,7 +8,9 @@ process share one client and are coalesced into fleet-sized jobs (``worker.integ
 shared``). What is scored: ``solution_str`` (the decoded response, special tokens skipped, as
 verl decodes it), after the prompt when ``extra_info`` carries one under ``prompt_key`` (a string
 is prepended as text, a list of chat messages becomes ``messages`` with the response as the
-assistant's turn); re-tokenized by the reward model's own tokenizer. For token-exact rewards use
+assistant's turn); re-tokenized by the reward model's own tokenizer, so no token ``prefix``
+(the worker's own detection shares a prompt's ids among the samples of one coalesced job). For
+token-exact rewards, and the prompt's ids sent once per group, use
 ``worker.integrations.verl_manager``.
 
 Settings: the keyword arguments, which verl fills from

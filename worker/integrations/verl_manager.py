@@ -9,8 +9,10 @@ verl's reward loop builds one manager per worker as ``cls(config, tokenizer, com
 ids) and ``["attention_mask"]`` over both. The manager sends the unpadded prompt + response ids
 as they are (no decode, no re-tokenization: the policy's ids, so the reward model must share the
 policy's tokenizer, which the worker checks) and returns ``{"reward_score": r,
-"reward_extra_info": {"rm_score": r}}``. Calls of one process are coalesced into fleet-sized
-jobs.
+"reward_extra_info": {"rm_score": r}}``. Calls of one process are coalesced, and the samples
+of one prompt (GRPO's n rollouts: identical prompt ids) go as one job that carries the prompt
+once (protocol ``prefix``) with each response after it; the rest go together in one job, as
+before. The worker sees the same sequences either way: the rewards are the same.
 
 The base class is verl's when verl is installed (imported at import time: a subclass needs it),
 else a stand-in with the same constructor, so this module imports without verl or torch.
@@ -77,15 +79,20 @@ def _ids(value: Any) -> list[int]:
     return [int(x) for x in (value.tolist() if hasattr(value, "tolist") else value)]
 
 
-def sequence_of(item: Any) -> dict[str, Any]:
-    """The unpadded prompt + response ids of one verl data item, as a sequence map."""
+def split_of(item: Any) -> tuple[list[int], list[int]]:
+    """The unpadded prompt ids and response ids of one verl data item."""
     prompt = _ids(item.batch["prompts"])
     response = _ids(item.batch["responses"])
     mask = _ids(item.batch["attention_mask"])
     n_prompt = sum(mask[: len(prompt)])
     n_response = sum(mask[len(prompt) : len(prompt) + len(response)])
-    ids = prompt[len(prompt) - n_prompt :] + response[:n_response]
-    return {"tokens": ids, "prompt_len": 1}
+    return prompt[len(prompt) - n_prompt :], response[:n_response]
+
+
+def sequence_of(item: Any) -> dict[str, Any]:
+    """The unpadded prompt + response ids of one verl data item, as a sequence map."""
+    prompt, response = split_of(item)
+    return {"tokens": prompt + response, "prompt_len": 1}
 
 
 class ScoringRewardManager(_Base):
@@ -123,13 +130,18 @@ class ScoringRewardManager(_Base):
         """The reward of the one item in ``data``."""
         if len(data) != 1:
             raise ValueError(f"run_single takes one item, got {len(data)}")
-        seq = sequence_of(data[0])
+        prompt, response = split_of(data[0])
         batcher = coalescer(
             self.redis_url,
             self.queue,
             self.partitions,
             wait_for_unknown_queue=self.wait_for_unknown_queue,
         )
-        (score,) = await batcher.score([seq], self.key, self.timeout_s)
+        # the sequence is prompt + response, prompt_len 1 as ever (the reward head ignores it);
+        # the prompt names the group its sample shares a job with (Coalescer.score)
+        seq = {"tokens": response, "prompt_len": 1}
+        (score,) = await batcher.score(
+            [seq], self.key, self.timeout_s, prefix=prompt if prompt else None
+        )
         reward = float(score.reward) if score.reward is not None else float("nan")
         return {"reward_score": reward, "reward_extra_info": {"rm_score": reward}}
