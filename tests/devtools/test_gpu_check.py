@@ -69,7 +69,10 @@ def test_dry_run_lists_every_step_and_command_and_exits_0(tmp_path: Path) -> Non
     assert "hidden_size=2048, num_hidden_layers=16" in text and "vocab_size=128256" in text
     assert "64 sequences, prompts 64-256, completions 16-1024" in text
     assert "absent: run `make gpu-wheels`" in text
-    assert "steps that need CUDA: pytest, bench, oom, e2e, tp, backends" in text
+    assert "steps that need CUDA: pytest, bench, oom, e2e, tp, tree, backends" in text
+    assert "rows: sdpa float32, sdpa bfloat16, flash_attention_2 bfloat16" in text
+    assert "P1024xG8xC128: 2 groups of 8, prompt 1024, completion 128" in text
+    assert "P256xG8xC512" in text and "no shared prefix" in text
     if not _cuda():
         assert "CUDA is NOT available here" in text and "exits 2" in text
     assert not out.exists()  # nothing was run
@@ -82,7 +85,7 @@ def test_dry_run_works_under_a_python_without_torch(tmp_path: Path) -> None:
     assert "CUDA is NOT available here: torch is not importable" in proc.stdout
     assert "missing for this interpreter: redis" in proc.stdout
     assert "STOPS before any step (exit 3): no usable wheel for redis" in proc.stdout
-    assert "[8] backends" in proc.stdout
+    assert "[8] tree" in proc.stdout and "[9] backends" in proc.stdout
 
 
 def test_missing_wheels_stop_the_run_first_and_loudly(tmp_path: Path) -> None:
@@ -582,6 +585,12 @@ def test_every_step_passes_on_cpu_under_an_interpreter_built_like_the_gpu_machin
     assert e2e["answered"] == e2e["jobs"] > 0 and e2e["worker_exit_code"] == 0
     rows = steps["backends"]["figures"]["rows"]
     assert rows["sdpa"]["status"] == "ok" and rows["flex_attention"]["status"] == "ok"
+    # tree: sdpa in both dtypes, sharing on, the backbone ran each prompt once
+    shared = steps["tree"]["figures"]["rows"]
+    assert list(shared) == ["sdpa/float32", "sdpa/bfloat16"]
+    assert all(row["sharing_enabled"] for row in shared.values())
+    grpo = shared["sdpa/bfloat16"]["sets"]["P128xG8xC16"]
+    assert grpo["forward_tokens"] == {"off": 2304, "auto": 512} and grpo["speedup"] > 0
     # every file under OUT; the model and the scratch folder gone
     assert sorted(p.name for p in out.iterdir()) == [
         "gpu-check.json",
@@ -593,8 +602,10 @@ def test_every_step_passes_on_cpu_under_an_interpreter_built_like_the_gpu_machin
     assert not list(home.iterdir()) and not list(tmp.iterdir())
     assert gpu_box.tree_files() == tree
     md = (out / "gpu-check.md").read_text()
+    print(", ".join(f"{name} {step['seconds']:.1f} s" for name, step in steps.items()))
     assert "result: all steps passed" in md and "## Benchmark" in md
     assert "## Attention backends" in md and "| e2e | ok |" in md
+    assert "## Prefix sharing: tree rows vs per sequence" in md
 
 
 def _gpu_test_count() -> int:

@@ -10,4 +10,6 @@
 * ``adapters``: per-job LoRA adapters on SmolLM2; ``dtype``: float32 vs bfloat16 on the CPU;
   ``gateway``: the HTTP gateway vs ``score_many``; ``tensor_parallel``: per-rank memory of a
   sharded model; ``coldstart``: process start to ready and to the first result.
+* ``group_arith``: no measurement, the FLOPs and K/V bytes of group scoring with and without
+  prefix sharing on GPU-sized model shapes (docs/performance.md).
 """

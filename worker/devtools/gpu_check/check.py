@@ -13,10 +13,10 @@ Steps, each timed and limited (``STEPS``; the limits add up to less than ``DEFAU
 1. ``install``: the missing wheels unpacked into ``OUT/scratch/site``, put on every subprocess's
    ``PYTHONPATH``;
 2. ``env``; 3. ``pytest -m gpu tests/executor/test_gpu.py``; 4. ``bench``; 5. ``oom``; 6. ``e2e``;
-   7. ``tp`` (TP=2 over NCCL; skipped with a note below two GPUs); 8. ``backends`` (last:
-   flex_attention compiles, the slowest and least predictable step). Steps 2 and 4-8 run as
-   ``python -m worker.devtools.gpu_check.steps NAME`` processes, each
-   ending itself at a deadline inside its limit (``runner``).
+   7. ``tp`` (TP=2 over NCCL; skipped with a note below two GPUs); 8. ``tree`` (prefix sharing
+   on against off); 9. ``backends`` (last: flex_attention compiles, the slowest and least
+   predictable step). Steps 2 and 4-9 run as ``python -m worker.devtools.gpu_check.steps NAME``
+   processes, each ending itself at a deadline inside its limit (``runner``).
 
 A failed step is recorded (error and traceback tail) and the run goes on. Every file is under
 ``--out`` (``runner.Layout``): ``gpu-check.json``, ``gpu-check.md``, ``gpu-check.log`` (every
@@ -59,12 +59,13 @@ DEFAULT_BUDGET_S = 360.0
 STEPS: tuple[StepSpec, ...] = (
     StepSpec("install", "unpack missing packages from the wheel folder", 20, False),
     StepSpec("env", "versions, device, capability, memory, bf16 peak", 15, False),
-    StepSpec("pytest", f"pytest -m gpu {PYTEST_TARGET}", 45, True),
+    StepSpec("pytest", f"pytest -m gpu {PYTEST_TARGET}", 40, True),
     StepSpec("bench", "executor vs naive loop: tokens/s, peak memory, MFU", 55, True),
-    StepSpec("oom", "out-of-memory split under a capped allocator", 35, True),
-    StepSpec("e2e", "embedded Valkey + worker subprocess + ScoringClient", 70, True),
+    StepSpec("oom", "out-of-memory split under a capped allocator", 30, True),
+    StepSpec("e2e", "embedded Valkey + worker subprocess + ScoringClient", 60, True),
     StepSpec("tp", "TP=2 over NCCL vs one GPU (skipped below two GPUs)", 35, True),
-    StepSpec("backends", "sdpa vs flex_attention vs flash_attention_2", 80, True),
+    StepSpec("tree", "prefix sharing on vs off: GRPO groups, per backend and dtype", 35, True),
+    StepSpec("backends", "sdpa vs flex_attention vs flash_attention_2", 65, True),
 )
 STEP_NAMES = tuple(s.name for s in STEPS)
 EXIT_NO_CUDA = 2
@@ -153,11 +154,33 @@ def describe(name: str, opts: Options) -> list[str]:
             "within the dtype's tolerance; tokens/s and peak memory per rank. Needs two GPUs: "
             "skipped with a note on a machine with one",
         ]
+    if name == "tree":
+        return _describe_tree(opts)
     return [
         f"model: {shape.describe()} (half the sequences); executor on sdpa, flash_attention_2 "
         "(only if flash_attn imports), flex_attention (model-level padded loop, one shape, when "
         "ExecutorConfig refuses it); tokens/s and max |logp diff| vs sdpa; an optional backend "
         "still compiling at its deadline is recorded as not measured"
+    ]
+
+
+def _describe_tree(opts: Options) -> list[str]:
+    shape = gpu_shapes.shape_for(opts.tiny)
+    sets = "; ".join(
+        f"{s.name}: {s.groups} groups of {s.completions}, prompt {s.prompt_tokens}, completion "
+        f"{s.completion_tokens}" + ("" if s.shared else ", no shared prefix")
+        for s in gpu_shapes.tree_sets(opts.tiny)
+    )
+    rows = ", ".join(f"{b} {d}" for b, d in gpu_shapes.tree_rows(opts.device))
+    limits = ", ".join(f"{d} {m:g} / {n:g}" for d, (m, n) in gpu_shapes.TREE_TOLERANCE.items())
+    return [
+        f"model: {shape.describe_model()}; random weights, seed {gpu_shapes.SEED}",
+        f"rows: {rows} (flash_attention_2 only if flash_attn imports); sets: {sets}",
+        "each set scored by two executors on the same model, prefix_sharing='auto' (tree "
+        "rows) and 'off' (per sequence): max and mean |logp diff| tree vs per-sequence "
+        f"(tolerance max / mean: {limits}), info['prefix_sharing'] (must be 'on'), backbone "
+        "tokens (forward_tokens, shared_prefix_tokens), median seconds of each side in "
+        "bfloat16 (float32: the untimed reference) and the speed-up",
     ]
 
 

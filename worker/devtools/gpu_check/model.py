@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from worker.demo.tiny import llama_config, random_model
-from worker.devtools.gpu_check.shapes import SEED, Shape
+from worker.devtools.gpu_check.shapes import SEED, GroupSet, Shape
 from worker.executor import SequenceInput
 
 
@@ -42,6 +42,23 @@ def ragged_inputs(shape: Shape, n: int | None = None) -> list[SequenceInput]:
         completion = int(rng.integers(shape.completion_tokens[0], shape.completion_tokens[1] + 1))
         tokens = rng.integers(0, shape.vocab_size, prompt + completion)
         out.append(SequenceInput(tokens, prompt_len=prompt))
+    return out
+
+
+def group_inputs(gset: GroupSet, vocab: int, seed: int = SEED) -> list[SequenceInput]:
+    """The sequences of ``gset``, group by group, random ids in ``[0, vocab)``: a group's
+    sequences share its prompt (each its own prompt without ``gset.shared``), and its
+    completions start with distinct ids, so the longest prefix a group shares is its prompt."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(gset.groups):
+        prompt = rng.integers(0, vocab, gset.prompt_tokens)
+        firsts = rng.choice(vocab, size=gset.completions, replace=False)
+        for first in firsts:
+            own = prompt if gset.shared else rng.integers(0, vocab, gset.prompt_tokens)
+            completion = rng.integers(0, vocab, gset.completion_tokens)
+            completion[0] = first
+            out.append(SequenceInput(np.concatenate([own, completion]), prompt_len=len(own)))
     return out
 
 
@@ -96,6 +113,19 @@ def max_abs_diff(a: Sequence[Any], b: Sequence[Any]) -> float:
             return float("inf")
         if x.size:
             worst = max(worst, float(np.max(np.abs(x - y))))
+    return worst
+
+
+def max_mean_abs_diff(a: Sequence[Any], b: Sequence[Any]) -> float:
+    """The largest per-pair mean ``|a - b|`` over paired log-prob arrays (``inf`` when a pair's
+    lengths differ): a small error on every token of a sequence, which a max bound misses."""
+    worst = 0.0
+    for x, y in zip(a, b, strict=True):
+        x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+        if x.shape != y.shape:
+            return float("inf")
+        if x.size:
+            worst = max(worst, float(np.mean(np.abs(x - y))))
     return worst
 
 

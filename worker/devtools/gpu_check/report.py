@@ -96,7 +96,21 @@ def summary(name: str, step: dict[str, Any]) -> str:
     if name == "backends":
         rows = f.get("rows") or {}
         return ", ".join(f"{b}: {r.get('status', 'n/a')}" for b, r in rows.items())
+    if name == "tree":
+        return "; ".join(_tree_summary(k, r) for k, r in (f.get("rows") or {}).items())
     return ""
+
+
+def _tree_summary(key: str, row: dict[str, Any]) -> str:
+    """``sdpa/bfloat16: sharing on, P1024xG8xC128 4.10x, ..., max |Δlogp| 0.03``."""
+    if row.get("status") != "ok":
+        return f"{key}: {row.get('status', 'n/a')}"
+    sets = row.get("sets") or {}
+    sharing = "on" if row.get("sharing_enabled") else "OFF"
+    speed = ", ".join(f"{n} {fmt_num(e['speedup'], 2)}x" for n, e in sets.items() if "speedup" in e)
+    diffs = [e["max_abs_logp_diff"] for e in sets.values() if "max_abs_logp_diff" in e]
+    worst = max(diffs) if diffs else None
+    return f"{key}: sharing {sharing}, {speed + ', ' if speed else ''}max |Δlogp| {fmt_diff(worst)}"
 
 
 def _steps_table(doc: dict[str, Any]) -> list[str]:
@@ -167,6 +181,57 @@ def _backends_table(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _pair(values: Any, digits: int = 0) -> str:
+    """``off / auto`` of a ``{"off": x, "auto": y}`` figure."""
+    v = values if isinstance(values, dict) else {}
+    return f"{fmt_num(v.get('off'), digits)} / {fmt_num(v.get('auto'), digits)}"
+
+
+def _tree_table(doc: dict[str, Any]) -> list[str]:
+    f = _figures(doc, "tree")
+    rows = f.get("rows") or {}
+    if not rows:
+        return []
+    tol = f.get("tolerance") or {}
+    limits = ", ".join(f"{d} {t.get('max')} / {t.get('mean')}" for d, t in tol.items())
+    lines = [
+        "",
+        "## Prefix sharing: tree rows vs per sequence",
+        "",
+        "| row | set | sharing | backbone tokens off / auto | shared prefix tokens | "
+        "seconds off / auto | speed-up | max \\|Δlogp\\| | largest mean | vs float32: tree / "
+        "per sequence |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for key, row in rows.items():
+        sets = row.get("sets") or {}
+        if not sets:
+            why = _cell(str(row.get("reason") or row.get("prefix_sharing") or ""))[:200]
+            lines.append(f"| {key} | {row.get('status', 'n/a')}: {why} |" + " |" * 8)
+            continue
+        sharing = _cell(str((row.get("prefix_sharing") or {}).get("auto", "n/a")))
+        for name, e in sets.items():
+            ref = e.get("vs_float32") or {}
+            vs = f"{fmt_diff(ref.get('tree_max'))} / {fmt_diff(ref.get('per_sequence_max'))}"
+            shared = (e.get("shared_prefix_tokens") or {}).get("auto")
+            lines.append(
+                f"| {key} | {name} | {sharing} | {_pair(e.get('forward_tokens'))} | "
+                f"{fmt_num(shared)} | {_pair(e.get('seconds'), 4)} | "
+                f"{fmt_num(e.get('speedup'), 2)} | {fmt_diff(e.get('max_abs_logp_diff'))} | "
+                f"{fmt_diff(e.get('mean_abs_logp_diff'))} | {vs if ref else 'n/a'} |"
+            )
+    effect = next((r["context_effect"] for r in rows.values() if "context_effect" in r), None)
+    lines += [
+        "",
+        f"Tolerance tree vs per sequence, max / largest per-sequence mean: {limits or 'n/a'}. "
+        f"Seconds: median of {f.get('max_repetitions', 'n/a')} interleaved runs at most "
+        "(bfloat16 rows; float32 is the untimed reference). A new prompt moves the "
+        f"completions' log-probs by up to {fmt_diff(effect)} on this model.",
+        *[f"- note: {n}" for n in f.get("notes") or []],
+    ]
+    return lines
+
+
 def _failures(doc: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     for name, step in doc.get("steps", {}).items():
@@ -204,6 +269,7 @@ def render(doc: dict[str, Any]) -> str:
         "",
         *_steps_table(doc),
         *_bench_table(doc),
+        *_tree_table(doc),
         *_backends_table(doc),
         *_failures(doc),
     ]

@@ -79,14 +79,20 @@ class Shape:
     completion_tokens: tuple[int, int]  # inclusive range
     naive_batch: int = 4
 
-    def describe(self) -> str:
-        """One line for the dry run and the report."""
+    def describe_model(self) -> str:
+        """The model's configuration in one line."""
         return (
             f"LlamaConfig(hidden_size={self.hidden_size}, num_hidden_layers="
             f"{self.num_hidden_layers}, num_attention_heads={self.num_attention_heads}, "
             f"num_key_value_heads={self.num_key_value_heads}, intermediate_size="
             f"{self.intermediate_size}, vocab_size={self.vocab_size}, max_position_embeddings="
-            f"{self.max_position_embeddings}); {self.sequences} sequences, prompts "
+            f"{self.max_position_embeddings})"
+        )
+
+    def describe(self) -> str:
+        """One line for the dry run and the report: the model and its ragged batch."""
+        return (
+            f"{self.describe_model()}; {self.sequences} sequences, prompts "
             f"{self.prompt_tokens[0]}-{self.prompt_tokens[1]}, completions "
             f"{self.completion_tokens[0]}-{self.completion_tokens[1]} tokens, seed {SEED}"
         )
@@ -130,6 +136,95 @@ def dtype_for(device: str) -> str:
 def tolerance(dtype: str) -> float:
     """Largest log-prob difference accepted between two paths on the same weights."""
     return 1e-3 if dtype == "float32" else 0.1
+
+
+@dataclass(frozen=True)
+class GroupSet:
+    """GRPO-shaped sequences for the tree step: ``groups`` groups of ``completions`` sequences,
+    each a prompt of ``prompt_tokens`` and a completion of ``completion_tokens`` (scored). With
+    ``shared`` the sequences of a group share their prompt; without it every prompt is its own
+    (no shared prefix: the cost of looking for one)."""
+
+    name: str
+    prompt_tokens: int
+    completions: int
+    completion_tokens: int
+    groups: int
+    shared: bool = True
+
+    @property
+    def sequences(self) -> int:
+        """Sequences in the set."""
+        return self.groups * self.completions
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of every sequence counted in full: the backbone's tokens per sequence."""
+        return self.sequences * (self.prompt_tokens + self.completion_tokens)
+
+    @property
+    def unique_tokens(self) -> int:
+        """Tokens with each group's shared prompt counted once: the backbone's tokens in tree
+        rows (``tokens`` without a shared prompt)."""
+        if not self.shared:
+            return self.tokens
+        return self.groups * (self.prompt_tokens + self.completions * self.completion_tokens)
+
+    @property
+    def scored_tokens(self) -> int:
+        """Completion tokens: the positions whose log-probs come back."""
+        return self.sequences * self.completion_tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly fields and the token counts."""
+        counts = {
+            "sequences": self.sequences,
+            "tokens": self.tokens,
+            "unique_tokens": self.unique_tokens,
+            "scored_tokens": self.scored_tokens,
+        }
+        return {**asdict(self), **counts}
+
+
+#: The tree step's sets on the benchmark model: a long prompt with short completions, a short
+#: prompt with long ones, and no shared prefix at the token count of the first.
+TREE_SETS = (
+    GroupSet("P1024xG8xC128", 1024, 8, 128, 2),
+    GroupSet("P256xG8xC512", 256, 8, 512, 2),
+    GroupSet("noshare", 1024, 8, 128, 2, shared=False),
+)
+#: The same three on ``TINY`` (each prompt at least ``ExecutorConfig.min_shared_tokens``, 32).
+TREE_SETS_TINY = (
+    GroupSet("P128xG8xC16", 128, 8, 16, 2),
+    GroupSet("P32xG8xC64", 32, 8, 64, 2),
+    GroupSet("noshare", 128, 8, 16, 2, shared=False),
+)
+#: Largest (max, largest per-sequence mean) |logp difference| between tree rows and per-sequence
+#: rows, by dtype. float32: the two are the same math, so only summation order differs
+#: (``tolerance``). bfloat16: the prefix's keys and values come from another forward, of another
+#: shape, whose GEMM tiling and attention reduction order round differently, and every layer
+#: passes that rounding on; the bounds are the ones the executor's own load check accepts for
+#: tree rows (``worker/executor/tree/check.py``, 0.25) and the GPU tests accept for bfloat16
+#: against float32 (``tests/support/models.py``: 0.25 and 0.05, measured 0.109 and 0.018 on the
+#: CPU). The mean catches a small systematic error (a position off by one, a mask that lets a
+#: few keys through) that the max alone would let pass.
+TREE_TOLERANCE: dict[str, tuple[float, float]] = {
+    "float32": (1e-3, 1e-4),
+    "bfloat16": (0.25, 0.05),
+}
+
+
+def tree_sets(tiny: bool) -> tuple[GroupSet, ...]:
+    """``TREE_SETS_TINY`` or ``TREE_SETS``."""
+    return TREE_SETS_TINY if tiny else TREE_SETS
+
+
+def tree_rows(device: str) -> tuple[tuple[str, str], ...]:
+    """``(attention backend, dtype)`` of each row of the tree step, the float32 reference first:
+    on CUDA sdpa in float32 and bfloat16, then flash_attention_2 in bfloat16 (flash attention
+    has no float32 kernels); on the CPU sdpa alone."""
+    rows = (("sdpa", "float32"), ("sdpa", "bfloat16"))
+    return (*rows, ("flash_attention_2", "bfloat16")) if device.startswith("cuda") else rows
 
 
 def useful_flops(params: dict[str, int], shape: Shape, counts: dict[str, int]) -> float:

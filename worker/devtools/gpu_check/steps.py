@@ -10,9 +10,9 @@ says where it was. Steps: ``env`` (versions, device, the bf16 peak of the exact 
 ``oom`` (a capped memory forces the executor's out-of-memory split; results must equal the
 uncapped run), ``backends`` (sdpa vs flex_attention vs flash_attention_2; the last two optional,
 each with its own deadline), ``e2e`` (``gpu_e2e``), ``tp`` (TP=2 over NCCL against one GPU;
-``tp``, skipped below two GPUs). A failed check raises ``CheckFailed`` after
-its figures are written; a step that cannot run here raises ``Skip``. Every file a step writes
-is under ``OUT``.
+``tp``, skipped below two GPUs), ``tree`` (GRPO-shaped groups with prefix sharing on against
+off; ``tree``). A failed check raises ``CheckFailed`` after its figures are written; a step that
+cannot run here raises ``Skip``. Every file a step writes is under ``OUT``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from worker.devtools.gpu_check import shapes as gs
 from worker.devtools.gpu_check.e2e import step_e2e
 from worker.devtools.gpu_check.record import CheckFailed, Setup, Skip, StepReport
 from worker.devtools.gpu_check.tp import step_tp
+from worker.devtools.gpu_check.tree import step_tree
 from worker.errors import ConfigError
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
 
@@ -378,6 +379,7 @@ STEPS: dict[str, Callable[[Setup, StepReport], None]] = {
     "oom": step_oom,
     "e2e": step_e2e,
     "tp": step_tp,
+    "tree": step_tree,
     "backends": step_backends,
 }
 
