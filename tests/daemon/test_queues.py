@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -135,6 +136,21 @@ def _pending(stream: str, job_id: str, tokens: list[int]) -> Pending:
         prepared=prepared,
         read_at_s=0.0,
     )
+
+
+def test_a_job_counts_for_what_its_scorer_computes() -> None:
+    """A GRPO job whose scorer shares its prompt (``Prepared.cost``) takes its unique tokens
+    of the budget: two such jobs of 400 tokens each (cost 120) share a batch of 300."""
+    (a,) = queue_shares([("a", 1)])
+    backlog = Backlog(max_batch_tokens=300, isolate_after_deliveries=2, shares=(a,))
+    for i in range(2):
+        p = _pending(a.streams[0], f"g{i}", [5] * 400)
+        backlog.append(replace(p, prepared=replace(p.prepared, cost=120)))
+    assert [p.tokens for p in backlog.lanes[0].items] == [120, 120]
+    assert len(backlog.take_batch()) == 2
+    for i in range(2):  # no cost: every token counts, one job per batch
+        backlog.append(_pending(a.streams[0], f"w{i}", [5] * 200))
+    assert len(backlog.take_batch()) == 1
 
 
 def test_a_queue_back_from_idle_gets_its_share_and_no_credit_for_the_idle_time() -> None:

@@ -1,6 +1,7 @@
 """The backlog: decoded jobs this worker holds, waiting for a batch, and how a batch is taken.
 
-A batch is jobs of one ``(mode, temperature, options)`` key that fit in ``max_batch_tokens``. A
+A batch is jobs of one ``(mode, temperature, options)`` key that fit in ``max_batch_tokens``,
+each counted by what its scorer computes (``Pending.tokens``: a shared prefix once). A
 *suspect* (an entry delivered more than ``isolate_after_deliveries`` times: its batch never
 finished, so it may crash the worker) always runs alone.
 
@@ -39,7 +40,7 @@ class Lane:
 
     def tokens(self) -> int:
         """Tokens held in this lane."""
-        return sum(p.job.num_tokens for p in self.items)
+        return sum(p.tokens for p in self.items)
 
 
 class Backlog:
@@ -72,7 +73,7 @@ class Backlog:
             busy = [other.vtime for other in self.lanes if other.items]
             lane.vtime = max(lane.vtime, min(busy) if busy else self._floor)
         lane.items.append(pending)
-        n, mean = pending.job.num_tokens, lane.mean_tokens
+        n, mean = pending.tokens, lane.mean_tokens
         lane.mean_tokens = n if mean == 0 else 0.9 * mean + 0.1 * n
 
     def tokens(self) -> int:
@@ -135,7 +136,7 @@ class Backlog:
             # runs alone, so a job that crashes the process cannot take batch-mates with it to
             # the dead-letter stream.
             del lead.items[0]
-            lead.vtime += first.job.num_tokens / lead.weight
+            lead.vtime += first.tokens / lead.weight
             return [first]
         key = first.key
         cursor = {id(lane): 0 for lane in self.lanes}
@@ -148,7 +149,7 @@ class Backlog:
             i = cursor[id(lane)]
             while i < len(lane.items):
                 p = lane.items[i]
-                fits = not batch or tokens + p.job.num_tokens <= self.max_batch_tokens
+                fits = not batch or tokens + p.tokens <= self.max_batch_tokens
                 if fits and p.key == key and not self.is_suspect(p):
                     break
                 i += 1  # another key, a suspect or too big now: never fits this batch
@@ -168,8 +169,8 @@ class Backlog:
             batch.append(p)
             taken[id(lane)].add(i)
             cursor[id(lane)] = i + 1
-            tokens += p.job.num_tokens
-            lane.vtime += p.job.num_tokens / lane.weight
+            tokens += p.tokens
+            lane.vtime += p.tokens / lane.weight
         for lane in self.lanes:
             gone = taken[id(lane)]
             if gone:
@@ -226,5 +227,5 @@ def batch_share(
     for p in batch:
         queue = queue_of(p.entry.stream)
         jobs, tokens = out.get(queue, (0, 0))
-        out[queue] = (jobs + 1, tokens + p.job.num_tokens)
+        out[queue] = (jobs + 1, tokens + p.tokens)
     return out

@@ -35,6 +35,13 @@ class Pending:
         """Jobs sharing ``(mode, temperature, options)`` can share one scorer call."""
         return self.prepared.key
 
+    @property
+    def tokens(self) -> int:
+        """What the job counts for in a batch's token budget: the tokens its scorer computes
+        (``Prepared.cost``: a shared prefix once), else every token of every sequence."""
+        cost = self.prepared.cost
+        return self.job.num_tokens if cost is None else cost
+
 
 class Reply(NamedTuple):
     """A result for the producer; writing it acks the entry."""

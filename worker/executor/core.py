@@ -299,7 +299,8 @@ class StatelessExecutor(DirectScoring):
             self._rewards, seqs, mode, options, vocab=self.vocab_size, limit=self.max_positions
         )
         self._weights.check(options) if self._weights is not None else refuse(options)
-        return Prepared(replace(request, seqs=tuple(seqs)), mode, temp, plan)
+        cost = self._runner.cost(plan[0].seqs) if len(plan) == 1 else None
+        return Prepared(replace(request, seqs=tuple(seqs)), mode, temp, plan, cost)
 
     def run(self, batch: Sequence[Prepared]) -> ScoreOutput:
         """Run prepared requests of one batch key as planned (``Scorer.run``): batched under

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 
@@ -38,6 +38,7 @@ from worker.executor.kvcache import KVGuard
 from worker.executor.memory import free_device_memory
 from worker.executor.tree.check import kernel_for
 from worker.executor.tree.trie import SharedGroup, leftover, plan_trees, shared_groups
+from worker.scorer.inputs import PreparedSequence
 from worker.scorer.outputs import FallbackEvent, SequenceScore
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,20 @@ class BatchRunner:
             trees = [TreeForward(tuple(rows)) for rows in forwards]
             rest = leftover(len(ids), forwards) if trees else None
         return trees + list(self._plan_layout(call, rest))
+
+    def cost(self, seqs: Sequence[PreparedSequence]) -> int | None:
+        """Tokens ``seqs`` take through the backbone when they share prefixes (each shared node
+        once, ``trie.shared_groups``), or ``None`` when sharing is off or they share nothing:
+        what one request counts for in a batch's token budget."""
+        if not self.share_min or len(seqs) < 2:
+            return None
+        groups = shared_groups([s.ids for s in seqs], self.share_min)
+        if not groups:
+            return None
+        lengths = [len(s.ids) for s in seqs]
+        held = {i for g in groups for i in g.members}
+        alone = sum(n for i, n in enumerate(lengths) if i not in held)
+        return alone + sum(g.unique_tokens(lengths) for g in groups)
 
     def _plan_layout(self, call: ScoreCall, subset: list[int] | None) -> list[list[int]]:
         """``call``'s forwards (of ``subset``, default all) in the active backend's layout."""

@@ -30,12 +30,16 @@ class Prepared:
     tokenized into ``rm_ids``); ``mode`` and ``temperature``: resolved (the scorer's defaults
     where the request left them out); ``plan``: the scorer's own plan of the work (the
     executor's: the calls it runs and their checked sequences), read only by that scorer.
+    ``cost``: the tokens its forwards compute when that is fewer than all of its sequences'
+    tokens (prefix sharing: a shared prefix once), what a batcher counts it for; ``None``: every
+    token.
     """
 
     request: ScoreRequest
     mode: Mode
     temperature: float
     plan: Any = None
+    cost: int | None = None
 
     @property
     def options(self) -> ScoreOptions:
