@@ -1,7 +1,8 @@
 """A tensor-parallel group's own behaviour: two gloo ranks against one process (teacher outputs,
-rewards, an OOM on one rank or on both halving the batch on both, a kernel failure falling back
-on both, the per-rank memory of a wide vocabulary with no ``[rows, V]`` block), the watchdog
-that takes a group down, and ``--gpus all --tensor-parallel 2`` handing each group its GPUs."""
+rewards, tree rows of shared prefixes, an OOM on one rank or on both halving the batch on both,
+a kernel failure falling back on both, the per-rank memory of a wide vocabulary with no
+``[rows, V]`` block), the watchdog that takes a group down, and ``--gpus all
+--tensor-parallel 2`` handing each group its GPUs."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def _same(got: Any, want: Any) -> None:
 @pytest.mark.slow
 def test_two_ranks_equal_one_process(ranks: dict[str, Any]) -> None:
     one = _one_process(ranks["root"])
-    for phase in ("outputs", "oom_head", "oom_backbone", "kernel"):
+    for phase in ("tree", "outputs", "oom_head", "oom_backbone", "kernel"):
         for call, got in zip(_calls()[phase], ranks["leader"][phase]["outputs"], strict=True):
             want = one.score(
                 call.seqs, mode=call.mode, temperature=call.temperature, options=call.options
@@ -76,6 +77,19 @@ def test_two_ranks_equal_one_process(ranks: dict[str, Any]) -> None:
     assert report.size == 2 and report.devices == ("cpu", "cpu")
     assert len(report.rank_peak_bytes) == 2 and min(report.rank_peak_bytes) > 0
     assert {"broadcast", "vote", "head", "peaks"} <= set(report.collective_s)
+
+
+@pytest.mark.slow
+def test_both_ranks_share_the_groups_prefixes(ranks: dict[str, Any]) -> None:
+    """The load check agrees on both ranks and both run the same tree rows (the prompt and each
+    turn once): the results equal one process (``test_two_ranks_equal_one_process``)."""
+    assert ranks["leader"]["prefix_sharing"] == ranks["follower"]["prefix_sharing"] == "on"
+    for lead, follow in zip(
+        ranks["leader"]["tree"]["outputs"], ranks["follower"]["tree"]["outputs"], strict=True
+    ):
+        assert lead.metrics.shared_prefix_tokens == 40 + 2 * 36  # the prompt, each turn
+        assert follow.metrics.shared_prefix_tokens == lead.metrics.shared_prefix_tokens
+        assert follow.metrics.forwards == lead.metrics.forwards == 1
 
 
 @pytest.mark.slow

@@ -228,6 +228,21 @@ def test_mode_both_shares_for_both_models() -> None:
         assert abs(x.reward - y.reward) <= ATOL  # type: ignore[operator]
 
 
+def test_a_request_costs_its_unique_tokens_at_intake() -> None:
+    """``prepare`` plans the sharing once: ``Prepared.cost`` is what the batcher counts (the
+    tree's unique tokens), ``None`` with sharing off or nothing shared."""
+    from worker.request import ScoreRequest
+
+    on, off = _pair(tiny("llama"))
+    seqs = agent_seqs(30)
+    inputs = [SequenceInput(s, prompt_len=5) for s in seqs]
+    prompt = AGENT_SYSTEM + AGENT_TURN + AGENT_REPLY
+    unique = AGENT_SHARED + sum(len(s) - prompt for s in seqs[:-1]) + len(seqs[-1])
+    assert on.prepare(ScoreRequest(inputs)).cost == unique
+    assert off.prepare(ScoreRequest(inputs)).cost is None
+    assert on.prepare(ScoreRequest(inputs[-1:])).cost is None
+
+
 def test_linear_attention_is_served_per_sequence_with_its_reason() -> None:
     model = tiny("qwen3_next")
     ex = StatelessExecutor(ExecutorConfig(attention_backend="eager"), model)
@@ -450,12 +465,8 @@ def agent_seqs(seed: int) -> list[list[int]]:
         for _ in range(2):
             reply = rng.integers(0, VOCAB, AGENT_REPLY).tolist()
             for _ in range(2):
-                out.append(
-                    system
-                    + turn
-                    + reply
-                    + rng.integers(0, VOCAB, int(rng.integers(2, 10))).tolist()
-                )
+                tail = [len(out)] + rng.integers(0, VOCAB, int(rng.integers(1, 9))).tolist()
+                out.append(system + turn + reply + tail)  # siblings differ at their first id
     out.append(rng.integers(0, VOCAB, 21).tolist())
     return out
 

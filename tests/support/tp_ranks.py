@@ -11,7 +11,9 @@ rank 1 follows until rank 0 stops it), with faults injected on some ranks only:
 * ``kernel``: sdpa fails on both ranks: both retry on eager;
 * ``kv``: the backbone returns a KV cache on both ranks: the batch is rejected on both (the
   group serves on: the next phase runs);
-* ``memory`` (``DIR/wide``, vocabulary 32,768): each rank's RSS before the call and its peak.
+* ``memory`` (``DIR/wide``, vocabulary 32,768): each rank's RSS before the call and its peak;
+* ``tree``: a group sharing a 40-id prompt and, for four of them, a 36-id turn after it: tree
+  rows on both ranks (teacher outputs and rewards in ``both``, plain log-probs).
 
 Each rank pickles what it saw (rank 0: the outputs) to ``FILE``.
 """
@@ -32,6 +34,15 @@ EQUAL = [[7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53][: 13 - i] + [5] * i
 """Four sequences of one length (13), so they share a bucket on the CPU."""
 
 
+def _tree_ids() -> list[list[int]]:
+    """Six sequences sharing a 40-id prompt, four of them a 36-id turn after it (two levels)."""
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(1, 96, 40).tolist()
+    turns = [rng.integers(1, 96, 36).tolist() for _ in range(2)]
+    out = [prompt + turns[i // 2] + rng.integers(1, 96, 3 + i).tolist() for i in range(4)]
+    return out + [prompt + rng.integers(1, 96, 5 + i).tolist() for i in range(2)]
+
+
 def _calls() -> dict[str, list[Any]]:
     from worker.executor import SequenceInput
     from worker.request import ScoreRequest
@@ -45,7 +56,12 @@ def _calls() -> dict[str, list[Any]]:
     equal = [SequenceInput(ids, prompt_len=5) for ids in EQUAL]
     rng = np.random.default_rng(0)
     wide = [SequenceInput(rng.integers(1, 32768, 256), 1) for _ in range(48)]
+    tree = [SequenceInput(ids, prompt_len=40) for ids in _tree_ids()]
     return {
+        "tree": [
+            ScoreRequest(tree, "both", 0.8, ScoreOptions(outputs=spec)),
+            ScoreRequest(tree, "reference", None, DEFAULT_OPTIONS),
+        ],
         "outputs": [
             ScoreRequest(ragged, "both", 0.7, ScoreOptions(outputs=spec)),
             ScoreRequest(ragged, "reward", None, DEFAULT_OPTIONS),
@@ -143,6 +159,7 @@ def main() -> None:
 
     seen: dict[str, Any] = {"rank": args.rank}
     main_ex = load("ref", reward=True)
+    seen["prefix_sharing"] = main_ex.info["prefix_sharing"]
     for phase, calls in _calls().items():
         ex = load("wide", reward=False) if phase == "memory" else main_ex
         undo = _inject(phase, args.rank, ex.reference_model)

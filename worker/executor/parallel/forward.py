@@ -1,10 +1,11 @@
 """One batch's forward on every rank of a tensor-parallel group: the single-device
 ``BatchForward`` with the vocabulary-parallel LM head and a vote that keeps the ranks in step.
 
-``ParallelForward.compute`` runs the inherited forward (layouts, backbones, rewards, teacher
-outputs) on this rank's shards. Its LM head (``head_outputs``) folds this rank's vocabulary
-shard (``head.fold_shard``), votes, then all-gathers the per-row statistics and finishes them
-(``head.combine``); every forward ends with a second vote. The votes
+``ParallelForward.compute`` (and ``compute_tree``, tree rows) runs the inherited forward
+(layouts, backbones, rewards, teacher outputs) on this rank's shards. Its LM head
+(``head_outputs``) folds this rank's vocabulary shard (``head.fold_shard``), votes, then
+all-gathers the per-row statistics and finishes them (``head.combine``); every forward ends
+with a second vote. The votes
 (``collectives.Comm.agree``) make a failure on any rank a failure on all, of the same kind, so
 ``fallback.BatchRunner`` above takes the same branch on every rank:
 
@@ -26,6 +27,7 @@ intact), a stand-in naming the first rank that failed otherwise. A failure insid
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -107,9 +109,18 @@ class ParallelForward(BatchForward):
 
     def compute(self, *args: Any, **kwargs: Any) -> Computed:
         """``BatchForward.compute``, then a vote: the same outcome on every rank."""
+        return self._voted(super().compute, *args, **kwargs)
+
+    def compute_tree(self, *args: Any, **kwargs: Any) -> Computed:
+        """``BatchForward.compute_tree`` (tree rows: every rank plans the same trees from the
+        broadcast call), then a vote: the same outcome on every rank."""
+        return self._voted(super().compute_tree, *args, **kwargs)
+
+    def _voted(self, run: Callable[..., Computed], *args: Any, **kwargs: Any) -> Computed:
+        """``run(*args, **kwargs)`` on this rank, then the vote (module docstring)."""
         self._failed = False
         try:
-            computed = super().compute(*args, **kwargs)
+            computed = run(*args, **kwargs)
         except Exception as exc:
             if self._failed:  # raised by a vote: every rank raises alike already
                 raise

@@ -2,11 +2,13 @@
 
 ``sharing_check`` runs once at load on the real device, backend and dtype: a refusal first for
 what cannot be exact (``attention.refusal``: linear-attention layers, ALiBi, attention outside
-``AttentionInterface``; a forward type other than ``BatchForward``, e.g. tensor-parallel), then
-three probe sequences sharing a prefix (two of them a second level) go through one tree forward
-and through one forward each (``BatchForward.compute``, masked padded layout), in the served
-mode. Log-probs (and rewards) that disagree beyond the tolerance turn sharing off with the
-reason. Naive equivalent: the sequences alone, which is what it compares with.
+``AttentionInterface``; a forward that is not a ``BatchForward``), then three probe sequences
+sharing a prefix (two of them a second level) go through one tree forward and through one
+forward each (``BatchForward.compute``, masked padded layout), in the served mode. Log-probs
+(and rewards, step scores) that disagree beyond the tolerance turn sharing off with the reason.
+Under tensor parallelism every rank runs the check in step (its forwards vote, its head gathers
+the whole vocabulary), so every rank decides alike. Naive equivalent: the sequences alone, which
+is what it compares with.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def sharing_check(forward: BatchForward, *, modes: tuple[Mode, ...], backend: st
     """``None`` when tree rows may run on ``forward`` (module docstring), else why not."""
     if forward.config.prefix_sharing == "off":
         return "disabled (prefix_sharing=off)"
-    if type(forward) is not BatchForward:
+    if not isinstance(forward, BatchForward):
         return f"{type(forward).__name__} is not checked for tree rows"
     for model in forward.models:
         reason = refusal(model)
