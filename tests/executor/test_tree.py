@@ -465,7 +465,7 @@ def agent_seqs(seed: int) -> list[list[int]]:
         for _ in range(2):
             reply = rng.integers(0, VOCAB, AGENT_REPLY).tolist()
             for _ in range(2):
-                tail = [len(out)] + rng.integers(0, VOCAB, int(rng.integers(1, 9))).tolist()
+                tail = [len(out), *rng.integers(0, VOCAB, int(rng.integers(1, 9))).tolist()]
                 out.append(system + turn + reply + tail)  # siblings differ at their first id
     out.append(rng.integers(0, VOCAB, 21).tolist())
     return out

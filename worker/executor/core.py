@@ -288,10 +288,9 @@ class StatelessExecutor(DirectScoring):
             self._listeners.append(callback)
 
     def prepare(self, request: ScoreRequest) -> Prepared:
-        """Validate ``request`` and plan it once (``Scorer.prepare``): ``messages`` rendered
-        with the reward model's chat template, every sequence checked, the calls decided
-        (``worker.executor.call.plan_calls``), the named adapter or version checked (not
-        loaded). Raises ``BadRequest`` / ``TooLong`` / ``UnsupportedMode`` / ``ModelNotFound``."""
+        """Validate ``request`` and plan it once (``Scorer.prepare``): messages rendered, each
+        sequence checked, the calls decided (``plan_calls``) and costed, an adapter or version
+        checked. Raises BadRequest, TooLong, UnsupportedMode or ModelNotFound."""
         mode, temp = call_args(self.config, self.modes, request)
         options = request.options
         seqs = self._rewards.prepare(request.seqs, mode, options)
@@ -299,7 +298,7 @@ class StatelessExecutor(DirectScoring):
             self._rewards, seqs, mode, options, vocab=self.vocab_size, limit=self.max_positions
         )
         self._weights.check(options) if self._weights is not None else refuse(options)
-        cost = self._runner.cost(plan[0].seqs) if len(plan) == 1 else None
+        cost = self._runner.cost(plan)  # tokens through the backbone: shared prefixes once
         return Prepared(replace(request, seqs=tuple(seqs)), mode, temp, plan, cost)
 
     def run(self, batch: Sequence[Prepared]) -> ScoreOutput:

@@ -31,14 +31,13 @@ from worker.errors import (
     TooLong,
 )
 from worker.executor import backends
-from worker.executor.call import BatchResult, ScoreCall
+from worker.executor.call import BatchResult, CallPlan, ScoreCall
 from worker.executor.config import ExecutorConfig, Layout
 from worker.executor.forward import BatchForward
 from worker.executor.kvcache import KVGuard
 from worker.executor.memory import free_device_memory
 from worker.executor.tree.check import kernel_for
 from worker.executor.tree.trie import SharedGroup, leftover, plan_trees, shared_groups
-from worker.scorer.inputs import PreparedSequence
 from worker.scorer.outputs import FallbackEvent, SequenceScore
 
 log = logging.getLogger(__name__)
@@ -155,10 +154,12 @@ class BatchRunner:
             rest = leftover(len(ids), forwards) if trees else None
         return trees + list(self._plan_layout(call, rest))
 
-    def cost(self, seqs: Sequence[PreparedSequence]) -> int | None:
-        """Tokens ``seqs`` take through the backbone when they share prefixes (each shared node
-        once, ``trie.shared_groups``), or ``None`` when sharing is off or they share nothing:
-        what one request counts for in a batch's token budget."""
+    def cost(self, plan: Sequence[CallPlan]) -> int | None:
+        """Tokens a request's ``plan`` takes through the backbone when its one call's sequences
+        share prefixes (each shared node once, ``trie.shared_groups``), or ``None`` when sharing
+        is off, the plan has two calls or nothing is shared: what the request counts for in a
+        batch's token budget."""
+        seqs = plan[0].seqs if len(plan) == 1 else ()
         if not self.share_min or len(seqs) < 2:
             return None
         groups = shared_groups([s.ids for s in seqs], self.share_min)
