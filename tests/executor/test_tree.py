@@ -665,3 +665,42 @@ def test_flex_tree_attention_equals_the_gathered_math(heads: tuple[int, int]) ->
         assert list(flex.masks) == [window]
         torch.testing.assert_close(got * real, want * real, rtol=0, atol=2e-6)
         assert not got[~real.expand_as(got)].any()  # fill slots: zeros
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_flex_backend_tree_rows_read_the_nodes_in_place(
+    monkeypatch: pytest.MonkeyPatch, arch: str
+) -> None:
+    """On ``flex_attention`` a tree forward is one flex call per layer over a ``BlockMask``
+    (no context K/V gathered per segment), equal to every sequence alone: the agent set (three
+    levels) and a GRPO group, with temperature and masks; mistral's window (5) is far shorter
+    than the rows' positions."""
+    from worker.executor.tree import attention
+
+    on, off = _pair(tiny(arch), attention_backend="flex_attention")
+    assert on.info["attention_backend"] == off.info["attention_backend"] == "flex_attention"
+    windows: list[int | None] = []
+    real_flex = attention._flex
+
+    def flex(*args: Any, **kwargs: Any) -> Any:
+        windows.append(kwargs["window"])
+        return real_flex(*args, **kwargs)
+
+    def gathered(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("context K/V gathered on the flex backend")
+
+    monkeypatch.setattr(attention, "_flex", flex)
+    monkeypatch.setattr(attention, "_gathered", gathered)
+    layers = on._runner.forward.models[0].config.num_hidden_layers
+    for seqs, shared in ((agent_seqs(46), AGENT_SHARED), (group_seqs(47), PROMPT)):
+        inputs = [SequenceInput(s, prompt_len=PROMPT - 3) for s in seqs[:3]]
+        inputs += [
+            SequenceInput(s, mask=[int(i % 3 == 1) for i in range(len(s))]) for s in seqs[3:]
+        ]
+        windows.clear()
+        a, b = on.score(inputs, temperature=0.7), off.score(inputs, temperature=0.7)
+        assert a.metrics.shared_prefix_tokens == shared and a.metrics.backend == "flex_attention"
+        assert windows == [5 if arch == "mistral" else None] * layers  # one tree forward
+        for x, y in zip(a.scores, b.scores, strict=True):
+            _close(x.logps, y.logps)
