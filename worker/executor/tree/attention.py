@@ -278,15 +278,13 @@ def block_mask(layout: TreeLayout, window: int | None) -> Any:
         every.append(tile.all(dim=4).all(dim=2))
     full = torch.cat(every, dim=1)  # [R, P / B, P / B]
     partial = torch.cat(some, dim=1) & ~full
-    maps = torch.stack(_maps(layout, padded)).reshape(-1)  # [3 * R * P]: seg, end, pos
-    at = rows * padded
-    limit = _limit(window, maps.device)
+    seg, end, pos = _maps(layout, padded)  # [R, P] each
+    limit = _limit(window, seg.device)
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> Any:
-        iq, ik = b * padded + q, b * padded + k  # one flat buffer (three [R, P] maps in one)
-        return visible(
-            maps[iq], maps[2 * at + iq], q, maps[ik], maps[at + ik], maps[2 * at + ik], k, limit
-        )
+        # tensors and indices only: a Python int of the shape here would be compiled in as a
+        # constant, and every new width would compile flex again
+        return visible(seg[b, q], pos[b, q], q, seg[b, k], end[b, k], pos[b, k], k, limit)
 
     mask = BlockMask.from_kv_blocks(
         *_ordered(partial), *_ordered(full), BLOCK_SIZE=_BLOCK, mask_mod=mask_mod,
