@@ -558,3 +558,152 @@ def test_identical_and_nested_sequences() -> None:
     assert a.metrics.shared_prefix_tokens == len(base) - 3  # one id short of the shortest
     for x, y in zip(a.scores, b.scores, strict=True):
         _close(x.logps, y.logps)
+
+
+# ---------------------------------------------------------------- flex: a BlockMask of the rows
+
+
+def _tree_layout(sets: list[list[list[int]]]) -> tuple[Any, list[np.ndarray], list[int]]:
+    """One tree forward of each set's shared trees (several rows, rows of unequal widths, so
+    with fill): its layout, the sequences, the batch order."""
+    from worker.executor.tree.layout import tree_batch
+
+    seqs = [np.asarray(s, dtype=np.int64) for group in sets for s in group]
+    rows, first = [], 0
+    for group in sets:
+        found = shared_groups(seqs[first : first + len(group)], 32)
+        rows += [SharedGroup(g.nodes, tuple(first + i for i in g.members), g.attach) for g in found]
+        first += len(group)
+    batch, order = tree_batch(seqs, rows, list(range(len(seqs))))
+    return batch.tree, seqs, order
+
+
+def _alone(layout: Any, seqs: list[np.ndarray], order: list[int], window: int | None) -> Any:
+    """Naive: which row slots each slot sees, ``[R, T, T]``, from every sequence alone: the
+    slot of its position ``p`` sees the slots of its positions ``p - window < j <= p``."""
+    rows, width = layout.seg.shape
+    seen = np.zeros((rows * width, rows * width), dtype=bool)
+    for k, i in enumerate(order):
+        n = len(seqs[i])
+        flat = layout.flat(k, np.arange(n))  # [n] slot of each position
+        p = np.arange(n)
+        ok = (p[None, :] <= p[:, None]) & (p[:, None] - p[None, :] < (window or n + 1))
+        seen[np.ix_(flat, flat)] |= ok
+    out = np.zeros((rows, width, width), dtype=bool)
+    for r in range(rows):
+        part = slice(r * width, (r + 1) * width)
+        out[r] = seen[part, part]
+        assert not seen[part].any(axis=0)[: r * width].any()  # never another row
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 5, 40])
+def test_the_row_maps_see_what_each_sequence_sees_alone(window: int | None) -> None:
+    """``dense_mask`` (what the flex ``mask_mod`` computes) from the layout's ``seg``,
+    ``seg_end`` and ``positions``: exactly the slots of each sequence's own earlier positions
+    within the window; fill slots see nothing and are seen by nothing."""
+    from worker.executor.tree.attention import dense_mask
+
+    layout, seqs, order = _tree_layout([agent_seqs(40)[:-1], group_seqs(41)[:-1]])
+    rows, width = layout.seg.shape
+    assert rows == 2 and (layout.seg == -1).any()  # the narrower row has fill
+    got = dense_mask(layout, window)  # [R, P, P]
+    assert got.shape[1] % 128 == 0 and not got[:, width:].any() and not got[:, :, width:].any()
+    np.testing.assert_array_equal(
+        got[:, :width, :width].numpy(), _alone(layout, seqs, order, window)
+    )
+
+
+@pytest.mark.parametrize("block", [16, 128])
+@pytest.mark.parametrize("window", [None, 5])
+def test_the_block_lists_equal_torchs_own(
+    monkeypatch: pytest.MonkeyPatch, block: int, window: int | None
+) -> None:
+    """``block_mask`` builds the tile lists ``create_block_mask`` would build from the same
+    ``mask_mod`` (skipped tiles, tiles run without the mask), and caches it per window."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from worker.executor.tree import attention
+
+    monkeypatch.setattr(attention, "_BLOCK", block)
+    monkeypatch.setattr(attention, "_MASK_SLOTS", 1)  # one query tile per step
+    layout, _, _ = _tree_layout([agent_seqs(42)[:-1], _two_prompts(43)])
+    mine = attention.block_mask(layout, window)
+    assert attention.block_mask(layout, window) is mine and list(layout.masks) == [window]
+    rows, width = layout.seg.shape
+    theirs = create_block_mask(mine.mask_mod, rows, None, width, width, "cpu", BLOCK_SIZE=block)
+    assert (mine.kv_num_blocks + mine.full_kv_num_blocks < width // block).any()  # some skipped
+    if block == 16 and window is None:  # tiles inside a root node need no mask
+        assert mine.full_kv_num_blocks.sum() > 0
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        torch.testing.assert_close(getattr(mine, name), getattr(theirs, name), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (3, 1)])
+def test_flex_tree_attention_equals_the_gathered_math(heads: tuple[int, int]) -> None:
+    """``tree_attention`` with ``kernel="flex"`` against the eager math of the same layout:
+    windows, softcap, GQA (a head count that is not a power of two repeats K/V instead)."""
+    from dataclasses import replace
+
+    from worker.executor.tree.attention import tree_attention
+
+    layout, _, _ = _tree_layout([agent_seqs(44)[:-1], group_seqs(45)[:-1]])
+    rows, width = layout.seg.shape
+    h, kv = heads
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, h, width, 8, generator=gen)  # [R, H, T, D]
+    k, v = (torch.randn(rows, kv, width, 8, generator=gen) for _ in range(2))
+    real = (layout.seg >= 0)[..., None, None]  # [R, T, 1, 1] slots that are not fill
+    module = torch.nn.Module()
+    for window, softcap in ((None, None), (5, None), (None, 1.5), (7, 2.0)):
+        kw = {"scaling": 0.3, "sliding_window": window, "softcap": softcap}
+        flex = replace(layout, kernel="flex", masks={})
+        got, _ = tree_attention(module, q, k, v, None, scoring_tree=flex, **kw)
+        want, _ = tree_attention(
+            module, q, k, v, None, scoring_tree=replace(layout, kernel="eager"), **kw
+        )
+        assert list(flex.masks) == [window]
+        torch.testing.assert_close(got * real, want * real, rtol=0, atol=2e-6)
+        assert not got[~real.expand_as(got)].any()  # fill slots: zeros
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_flex_backend_tree_rows_read_the_nodes_in_place(
+    monkeypatch: pytest.MonkeyPatch, arch: str
+) -> None:
+    """On ``flex_attention`` a tree forward is one flex call per layer over a ``BlockMask``
+    (no context K/V gathered per segment), equal to every sequence alone: the agent set (three
+    levels) and a GRPO group in one call (two rows of one forward), with temperature and masks;
+    mistral's window (5) is far shorter than the rows' positions. One call of tree members
+    alone keeps the compiles of flex on CPU (the per-sequence side) few."""
+    from worker.executor.tree import attention
+
+    on, off = _pair(tiny(arch), attention_backend="flex_attention", self_check=False)
+    assert on.info["attention_backend"] == off.info["attention_backend"] == "flex_attention"
+    windows: list[int | None] = []
+    real_flex = attention._flex
+
+    def flex(*args: Any, **kwargs: Any) -> Any:
+        windows.append(kwargs["window"])
+        return real_flex(*args, **kwargs)
+
+    def gathered(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("context K/V gathered on the flex backend")
+
+    monkeypatch.setattr(attention, "_flex", flex)
+    monkeypatch.setattr(attention, "_gathered", gathered)
+    seqs = agent_seqs(46)[:-1] + group_seqs(47)[:-1]  # every sequence in a tree
+    inputs = [
+        SequenceInput(s, prompt_len=PROMPT - 3)
+        if n % 2
+        else SequenceInput(s, mask=[int(i % 3 == 1) for i in range(len(s))])
+        for n, s in enumerate(seqs)
+    ]
+    a, b = on.score(inputs, temperature=0.7), off.score(inputs, temperature=0.7)
+    assert a.metrics.shared_prefix_tokens == AGENT_SHARED + PROMPT
+    assert a.metrics.backend == "flex_attention" and a.metrics.forwards == 1
+    layers = on._runner.forward.models[0].config.num_hidden_layers
+    assert windows == [5 if arch == "mistral" else None] * layers  # one tree forward
+    for x, y in zip(a.scores, b.scores, strict=True):
+        _close(x.logps, y.logps)

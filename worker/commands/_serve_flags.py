@@ -138,11 +138,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     m.add_argument(
         "--attention-backend",
-        choices=["auto", "flash_attention_2", "sdpa", "eager"],
+        choices=["auto", "flash_attention_2", "flex_attention", "sdpa", "eager"],
         default=env_get("ATTENTION_BACKEND", "auto"),
         help="first backend of the fallback chain flash_attention_2 -> sdpa -> eager (auto: "
-        "flash_attention_2 where it imports and runs); a batch that fails in one retries on "
-        "the next",
+        "flash_attention_2 where it imports and runs; flex_attention: flex_attention -> sdpa "
+        "-> eager); a batch that fails in one retries on the next",
     )
     m.add_argument(
         "--packing",

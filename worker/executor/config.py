@@ -15,7 +15,7 @@ from worker.errors import ConfigError
 from worker.modes import MODES, Mode
 from worker.scorer.inputs import is_int
 
-BACKENDS = ("auto", "flash_attention_2", "sdpa", "eager")
+BACKENDS = ("auto", "flash_attention_2", "flex_attention", "sdpa", "eager")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 Layout = Literal["packed", "unmasked", "padded"]
 LAYOUTS: tuple[Layout, ...] = get_args(Layout)
@@ -59,7 +59,9 @@ class ExecutorConfig:
     """
 
     mode: Mode = "reference"
-    attention_backend: Literal["auto", "flash_attention_2", "sdpa", "eager"] = "auto"
+    attention_backend: Literal["auto", "flash_attention_2", "flex_attention", "sdpa", "eager"] = (
+        "auto"
+    )
     reject_kv_cache_outputs: bool = True
     temperature: float = 1.0
     output_dtype: Literal["float32", "float64"] = "float32"

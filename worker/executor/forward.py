@@ -149,8 +149,8 @@ class BatchForward:
     ) -> Computed:
         """``compute`` for tree rows (``tree.layout``): ``rows``' members index ``seqs``, each
         row one shared prefix and its continuations, the attention ``tree_attention`` in
-        ``kernel`` math (``sdpa``/``eager``). The models run on the ``scoring_tree`` backend for
-        this forward; the caller holds them alone. ``slot_tokens``: the rows' slots.
+        ``kernel`` math (``sdpa``/``eager``/``flex``). The models run on the ``scoring_tree``
+        backend for this forward; the caller holds them alone. ``slot_tokens``: the rows' slots.
         ``windows``: filled with the sliding window of every attention call (the load check)."""
         batch, order = tree_batch([s.ids for s in seqs], rows, group)
         seen = windows if windows is not None else []

@@ -77,8 +77,11 @@ def probe_step(forward: BatchForward, mode: Mode) -> StepOptions | None:
 
 
 def kernel_for(backend: str) -> str:
-    """The math the tree attention runs on ``backend``: eager math for ``eager``, else SDPA."""
-    return "eager" if backend == "eager" else "sdpa"
+    """The math the tree attention runs on ``backend``: eager math for ``eager``, a flex
+    ``BlockMask`` for ``flex_attention``, else SDPA."""
+    if backend == "eager":
+        return "eager"
+    return "flex" if backend == "flex_attention" else "sdpa"
 
 
 def sharing_check(forward: BatchForward, *, modes: tuple[Mode, ...], backend: str) -> str | None:

@@ -7,7 +7,13 @@ member's depth on), so every token sees the positions it has alone. A *segment* 
 continuation; its queries attend to the segments above it (its *context*: positions ``0 ..
 start - 1``, the nodes on its path) and causally to its own tokens. The structure the attention
 needs (``TreeLayout``: segments bucketed by context and own length into ``Block``s) rides with
-the batch into ``model(..., scoring_tree=layout)``; ``attention.tree_attention`` reads it. Naive
+the batch into ``model(..., scoring_tree=layout)``; ``attention.tree_attention`` reads it. For a
+flex ``BlockMask`` it also holds three ``[R, T]`` maps of the row: ``seg``, each token's segment
+numbered in its tree's pre-order (a continuation is a leaf below the node it attaches to; fill
+``-1``), ``seg_end``, the number after the last segment below the token's own (fill ``-1``), and
+``positions``. Key ``k`` is above or beside query ``q`` when ``seg[k] <= seg[q] < seg_end[k]``
+(its segment is ``q``'s or one of the nodes above it); every such key that is not ``q``'s own
+sits before ``q``'s segment in the row, so ``k <= q`` in the row is the causal part. Naive
 equivalent: every sequence alone in its own row; the tests and the load check (``check``)
 assert the two agree.
 
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,17 +66,23 @@ class TreeLayout:
     ``blocks``: the segments, bucketed by size (``Block``). Host maps of each sequence (batch
     order): ``host_pieces[k]`` = (first position, flat index) of each segment on its path, root
     first, continuation last; ``host_starts[k]``: its virtual start (module docstring).
-    ``width``: ``T``. ``kernel``: ``"sdpa"`` or ``"eager"`` (which math ``tree_attention``
+    ``width``: ``T``. ``seg``, ``seg_end``, ``positions``: the row maps of the module
+    docstring. ``kernel``: ``"sdpa"``, ``"eager"`` or ``"flex"`` (which math ``tree_attention``
     runs). ``windows``: the sliding window of every attention call that read this layout (the
-    load check reads them).
+    load check reads them). ``masks``: the flex ``BlockMask`` of each window, built by the first
+    layer that needs it (``attention.block_mask``), on this layout's device.
     """
 
     blocks: tuple[Block, ...]
     host_pieces: tuple[tuple[np.ndarray, np.ndarray], ...]
     host_starts: np.ndarray  # [B]
     width: int
+    seg: torch.Tensor  # [R, T] int64
+    seg_end: torch.Tensor  # [R, T] int64
+    positions: torch.Tensor  # [R, T] int64
     kernel: str = "sdpa"
     windows: list[int | None] = field(default_factory=list)
+    masks: dict[int | None, Any] = field(default_factory=dict)
 
     def flat(self, k: int, positions: np.ndarray) -> np.ndarray:
         """Flat row indices of sequence ``k``'s ``positions`` (each in the segment of its path
@@ -79,8 +92,15 @@ class TreeLayout:
         return flat[piece] + positions - first[piece]
 
     def to(self, device: torch.device | str) -> TreeLayout:
-        """The same layout with its tensors on ``device``."""
-        return replace(self, blocks=tuple(b.to(device) for b in self.blocks))
+        """The same layout with its tensors on ``device`` (no block masks yet)."""
+        return replace(
+            self,
+            blocks=tuple(b.to(device) for b in self.blocks),
+            seg=self.seg.to(device),
+            seg_end=self.seg_end.to(device),
+            positions=self.positions.to(device),
+            masks={},
+        )
 
 
 def _bucket(ctx: int, own: int) -> tuple[int, int]:
@@ -124,16 +144,20 @@ def tree_batch(
     width = max(g.unique_tokens(lengths) for g in rows)
     ids = np.zeros((len(rows), width), dtype=np.int64)  # [R, T]
     pos = np.zeros((len(rows), width), dtype=np.int64)  # [R, T]
+    seg = np.full((len(rows), width), -1, dtype=np.int64)  # [R, T]
+    seg_end = np.full((len(rows), width), -1, dtype=np.int64)  # [R, T]
     segments: list[tuple[int, int, np.ndarray]] = []
     order, starts, pieces = [], [], []
     for r, group in enumerate(rows):
         paths = [group.path(k) for k in range(len(group.members))]
+        numbers = _preorder(group)
         node_at: list[int] = []  # flat start of each node
         col = 0
         for j, node in enumerate(group.nodes):
             source = seqs[group.members[next(k for k, p in enumerate(paths) if j in p)]]
             ids[r, col : col + len(node)] = source[node.start : node.end]
             pos[r, col : col + len(node)] = np.arange(node.start, node.end)
+            seg[r, col : col + len(node)], seg_end[r, col : col + len(node)] = numbers[j]
             node_at.append(r * width + col)
             segments.append((node_at[j], len(node), _above(group, node.parent, node_at)))
             col += len(node)
@@ -142,6 +166,7 @@ def tree_batch(
             cont = len(seq) - depth
             ids[r, col : col + cont] = seq[depth:]
             pos[r, col : col + cont] = np.arange(depth, len(seq))
+            seg[r, col : col + cont], seg_end[r, col : col + cont] = numbers[len(group.nodes) + k]
             segments.append((r * width + col, cont, _above(group, group.attach[k], node_at)))
             first = [group.nodes[j].start for j in paths[k]] + [depth]
             flat = [node_at[j] for j in paths[k]] + [r * width + col]
@@ -154,6 +179,9 @@ def tree_batch(
         host_pieces=tuple(pieces),
         host_starts=np.array(starts, dtype=np.int64),
         width=width,
+        seg=torch.from_numpy(seg),
+        seg_end=torch.from_numpy(seg_end),
+        positions=torch.from_numpy(pos),
     )
     batch = ForwardBatch(
         input_ids=torch.from_numpy(ids),
@@ -166,6 +194,34 @@ def tree_batch(
         tree=layout,
     )
     return batch, order
+
+
+def _preorder(group: SharedGroup) -> list[tuple[int, int]]:
+    """``(number, end)`` of each segment of ``group``'s row: its nodes, then its members'
+    continuations (a leaf below the node each attaches to), numbered in pre-order; ``end``: the
+    number after the last segment below it. Segment ``a`` is ``b`` or above it exactly when
+    ``number_a <= number_b < end_a``."""
+    below: list[list[int]] = [[] for _ in group.nodes]  # segments right below each node
+    roots = [j for j, node in enumerate(group.nodes) if node.parent < 0]
+    for j, node in enumerate(group.nodes):
+        if node.parent >= 0:
+            below[node.parent].append(j)
+    for k, j in enumerate(group.attach):
+        below[j].append(len(group.nodes) + k)
+    out = [(0, 0)] * (len(group.nodes) + len(group.members))
+    count = 0
+
+    def visit(s: int) -> None:
+        nonlocal count
+        first = count
+        count += 1
+        for t in below[s] if s < len(group.nodes) else ():
+            visit(t)
+        out[s] = (first, count)
+
+    for j in roots:
+        visit(j)
+    return out
 
 
 def _above(group: SharedGroup, node: int, node_at: list[int]) -> np.ndarray:
