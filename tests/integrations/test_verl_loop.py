@@ -162,11 +162,10 @@ def _no_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-def test_the_manager_through_load_reward_manager_scores_the_policys_ids(
-    fleet: tuple[str, str, dict[str, Path]],
-) -> None:
-    url, queue, paths = fleet
-    config = _config(
+def _manager_config(paths: dict[str, Path], url: str, queue: str) -> Any:
+    """verl's config loading ``ScoringRewardManager`` by importlib, its settings in
+    ``reward.reward_kwargs`` (where verl's own managers read theirs)."""
+    return _config(
         paths["tiny-llama"],
         {
             "reward_manager": {
@@ -177,6 +176,13 @@ def test_the_manager_through_load_reward_manager_scores_the_policys_ids(
             "reward_kwargs": {"redis_url": url, "queue": queue, "timeout_s": 120},
         },
     )
+
+
+def test_the_manager_through_load_reward_manager_scores_the_policys_ids(
+    fleet: tuple[str, str, dict[str, Path]],
+) -> None:
+    url, queue, paths = fleet
+    config = _manager_config(paths, url, queue)
     out = _run_loop(config)
     got = [o["reward_score"] for o in out]
     assert got == pytest.approx(_ids_rewards(paths), abs=1e-4)
@@ -198,17 +204,7 @@ def test_the_manager_sends_each_grpo_prompt_once_with_the_per_sequence_rewards(
     from worker.protocol.seqs import le_bytes
 
     url, queue, paths = fleet
-    config = _config(
-        paths["tiny-llama"],
-        {
-            "reward_manager": {
-                "source": "importlib",
-                "name": "ScoringRewardManager",
-                "module": {"path": "pkg://worker.integrations.verl_manager"},
-            },
-            "reward_kwargs": {"redis_url": url, "queue": queue, "timeout_s": 120},
-        },
-    )
+    config = _manager_config(paths, url, queue)
     with JobTap(url, keys.job_streams(queue)) as tap:
         out = _run_loop(config, GROUPS)
         bodies, sent = tap.bodies(), tap.payloads()

@@ -104,29 +104,28 @@ def naive_logps(
     return out
 
 
-def max_abs_diff(a: Sequence[Any], b: Sequence[Any]) -> float:
-    """Largest ``|a - b|`` over paired log-prob arrays (``inf`` when a pair's lengths differ)."""
+def _worst_pair(a: Sequence[Any], b: Sequence[Any], reduce: Any) -> float:
+    """The largest ``reduce(|x - y|)`` over paired log-prob arrays (``inf`` when a pair's
+    lengths differ; empty pairs count 0)."""
     worst = 0.0
     for x, y in zip(a, b, strict=True):
         x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
         if x.shape != y.shape:
             return float("inf")
         if x.size:
-            worst = max(worst, float(np.max(np.abs(x - y))))
+            worst = max(worst, float(reduce(np.abs(x - y))))
     return worst
+
+
+def max_abs_diff(a: Sequence[Any], b: Sequence[Any]) -> float:
+    """Largest ``|a - b|`` over paired log-prob arrays (``inf`` when a pair's lengths differ)."""
+    return _worst_pair(a, b, np.max)
 
 
 def max_mean_abs_diff(a: Sequence[Any], b: Sequence[Any]) -> float:
     """The largest per-pair mean ``|a - b|`` over paired log-prob arrays (``inf`` when a pair's
     lengths differ): a small error on every token of a sequence, which a max bound misses."""
-    worst = 0.0
-    for x, y in zip(a, b, strict=True):
-        x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-        if x.shape != y.shape:
-            return float("inf")
-        if x.size:
-            worst = max(worst, float(np.mean(np.abs(x - y))))
-    return worst
+    return _worst_pair(a, b, np.mean)
 
 
 def param_counts(model: Any) -> dict[str, int]:
