@@ -126,3 +126,40 @@ def test_a_caller_with_a_prefix_may_pass_whole_seq_specs(redis_url: str, key_pre
     assert body["prefix"] == le_bytes(array("i", [1, 2, 3]))
     assert [s["tokens"] for s in body["seqs"]] == [le_bytes(array("i", [4, 5]))] * 2
     assert [list(s.logps) for s in got] == [pytest.approx(expected_logps([1, 2, 3, 4, 5], 3))] * 2
+
+
+def test_a_failed_group_job_is_split_and_each_caller_keeps_its_prefix(
+    redis_url: str, key_prefix: str
+) -> None:
+    """A prompt's job answered ``bad_request`` (one caller's sequence is refused) goes again one
+    caller per job, each with its whole sequences: the good caller gets its scores, the bad one
+    its error, and no caller waits for the other."""
+    from worker.client.errors import BadRequestError
+
+    prompt = [40, 41, 42, 43]
+    streams = keys.job_streams(key_prefix)
+
+    async def main() -> tuple[Any, Any, int]:
+        async with AsyncScoringClient(redis_url, queue=key_prefix) as client:
+            batcher = Coalescer(client, window_s=0.05, min_saved_ids=1)
+            key = BatchKey(mode="both")
+            try:
+                good, bad = await asyncio.gather(
+                    batcher.score([{"tokens": [1, 2]}], key, 10, prefix=prompt),
+                    batcher.score([{"tokens": [999, 3]}], key, 10, prefix=prompt),
+                    return_exceptions=True,
+                )
+            finally:
+                await batcher.close()
+            return good, bad, batcher.splits
+
+    with Responder(redis_url, streams, poison=999) as worker, JobTap(redis_url, streams) as tap:
+        good, bad, splits = asyncio.run(main())
+        bodies = tap.bodies()
+    assert splits == 1
+    assert isinstance(bad, BadRequestError) and "999" in str(bad)
+    assert list(good[0].logps) == pytest.approx(expected_logps([*prompt, 1, 2], len(prompt)))
+    assert bodies[0]["prefix"] == le_bytes(array("i", prompt))  # the group, the prompt once
+    assert len(bodies) == 3 and all("prefix" not in b for b in bodies[1:])  # then one each
+    assert sorted(tuple(s.tokens) for job in worker.seen_jobs[1:] for s in job.seqs) == [
+        (*prompt, 1, 2), (*prompt, 999, 3)]  # fmt: skip

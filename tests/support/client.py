@@ -51,8 +51,17 @@ def outstanding(client: redis.Redis, streams: list[str], group: str = GROUP) -> 
 class Responder:
     """A worker double in a thread (see the module docstring)."""
 
-    def __init__(self, url: str, streams: list[str], *, delay_s: float = 0.0, count: int = 16):
+    def __init__(
+        self,
+        url: str,
+        streams: list[str],
+        *,
+        delay_s: float = 0.0,
+        count: int = 16,
+        poison: int | None = None,
+    ):
         self.client = redis.Redis.from_url(url)
+        self.poison = poison  # a job holding this token id is answered bad_request
         self.streams = streams
         self.delay_s = delay_s
         self.count = count
@@ -88,6 +97,8 @@ class Responder:
             return protocol.error_result(
                 job.id, meta["fail"], f"told to fail with {meta['fail']}", meta=job.meta
             )
+        if self.poison is not None and any(self.poison in s.tokens for s in job.seqs):
+            return protocol.error_result(job.id, "bad_request", f"token {self.poison} refused")
         seqs = []
         for s in job.seqs:
             toks = list(s.tokens)
