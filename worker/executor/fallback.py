@@ -37,7 +37,13 @@ from worker.executor.forward import BatchForward
 from worker.executor.kvcache import KVGuard
 from worker.executor.memory import free_device_memory
 from worker.executor.tree.check import kernel_for
-from worker.executor.tree.trie import SharedGroup, leftover, plan_trees, shared_groups
+from worker.executor.tree.trie import (
+    SharedGroup,
+    leftover,
+    plan_trees,
+    shared_groups,
+    tree_tokens,
+)
 from worker.scorer.outputs import FallbackEvent, SequenceScore
 
 log = logging.getLogger(__name__)
@@ -163,12 +169,7 @@ class BatchRunner:
         if not self.share_min or len(seqs) < 2:
             return None
         groups = shared_groups([s.ids for s in seqs], self.share_min)
-        if not groups:
-            return None
-        lengths = [len(s.ids) for s in seqs]
-        held = {i for g in groups for i in g.members}
-        alone = sum(n for i, n in enumerate(lengths) if i not in held)
-        return alone + sum(g.unique_tokens(lengths) for g in groups)
+        return tree_tokens(groups, [len(s.ids) for s in seqs]) if groups else None
 
     def _plan_layout(self, call: ScoreCall, subset: list[int] | None) -> list[list[int]]:
         """``call``'s forwards (of ``subset``, default all) in the active backend's layout."""
@@ -280,8 +281,7 @@ class BatchRunner:
         for row in rows:  # each member's shared nodes, computed once for the row
             for k, i in enumerate(row.members):
                 computed.scores[i].shared_tokens = row.depth(k)
-        lengths = [len(s.ids) for s in seqs]
-        unique = sum(r.unique_tokens(lengths) for r in rows)
+        unique = tree_tokens(rows, [len(s.ids) for s in seqs])  # every member is in a row
         return BatchResult(
             scores=computed.scores,
             backend=backend,

@@ -226,14 +226,5 @@ def _preorder(group: SharedGroup) -> list[tuple[int, int]]:
 
 def _above(group: SharedGroup, node: int, node_at: list[int]) -> np.ndarray:
     """Flat indices of the tokens of ``node`` and every node above it, positions in order."""
-    chain = []
-    while node >= 0:
-        chain.append(node)
-        node = group.nodes[node].parent
-    parts = [node_at[j] + np.arange(len(group.nodes[j])) for j in reversed(chain)]
+    parts = [node_at[j] + np.arange(len(group.nodes[j])) for j in group.chain(node)]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-
-def unique_tokens(rows: Sequence[SharedGroup], lengths: Sequence[int]) -> int:
-    """Real tokens a tree forward computes: each node once, each continuation once."""
-    return sum(g.unique_tokens(lengths) for g in rows)

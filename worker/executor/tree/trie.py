@@ -59,11 +59,6 @@ class SharedGroup:
     members: tuple[int, ...]
     attach: tuple[int, ...]
 
-    @staticmethod
-    def flat(prefix_len: int, members: Sequence[int]) -> SharedGroup:
-        """One shared prefix of ``prefix_len`` ids and its members below it (one level)."""
-        return SharedGroup((Node(0, prefix_len, -1),), tuple(members), (0,) * len(members))
-
     @property
     def prefix_len(self) -> int:
         """Ids all members share (the root's segment)."""
@@ -78,13 +73,17 @@ class SharedGroup:
         """Ids of member ``k`` (position in ``members``) computed in shared nodes."""
         return self.nodes[self.attach[k]].end
 
-    def path(self, k: int) -> list[int]:
-        """The nodes member ``k`` (position in ``members``) passes through, root first."""
-        out, node = [], self.attach[k]
+    def chain(self, node: int) -> list[int]:
+        """``node`` and the nodes above it, root first (``[]`` for ``-1``)."""
+        out = []
         while node >= 0:
             out.append(node)
             node = self.nodes[node].parent
         return out[::-1]
+
+    def path(self, k: int) -> list[int]:
+        """The nodes member ``k`` (position in ``members``) passes through, root first."""
+        return self.chain(self.attach[k])
 
     def unique_tokens(self, lengths: Sequence[int]) -> int:
         """Ids of the row: every node once, then each member's continuation."""
@@ -241,6 +240,14 @@ def plan_trees(
         rows += [r for r in [group.subset(part)] if r is not None]
     sizes = [r.unique_tokens(lengths) for r in rows]
     return [[rows[k] for k in fwd] for fwd in plan_padded(sizes, max_batch_tokens)]
+
+
+def tree_tokens(groups: Sequence[SharedGroup], lengths: Sequence[int]) -> int:
+    """Ids ``groups`` compute, every sequence of ``lengths`` in none of them included: each
+    node once, each continuation once, each other sequence whole."""
+    held = {i for g in groups for i in g.members}
+    alone = sum(n for i, n in enumerate(lengths) if i not in held)
+    return alone + sum(g.unique_tokens(lengths) for g in groups)
 
 
 def leftover(n: int, forwards: Sequence[Sequence[SharedGroup]]) -> list[int]:
