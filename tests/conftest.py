@@ -51,15 +51,20 @@ if HAVE_HYPOTHESIS:
     settings.load_profile(HYPOTHESIS_PROFILE)
 
 
-def pytest_report_header(config: pytest.Config) -> str:
-    """Which hypothesis profile runs, and how its seed is chosen (printed at session start)."""
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """The machine (CPU model, its instruction sets, torch's CPU kernel level: results differ
+    between AVX2-only and AVX-512 CPUs) and which hypothesis profile runs, and how its seed is
+    chosen (printed at session start, so a failure report says where it came from)."""
+    from worker.devtools.machine import this_machine
+
+    machine = f"machine: {this_machine().describe()}"
     if not HAVE_HYPOTHESIS:
-        return "hypothesis: not installed (the property tests cannot run here)"
+        return [machine, "hypothesis: not installed (the property tests cannot run here)"]
     if settings.default.derandomize:
         seed = "derandomized: each test's seed is a digest of its source, the same every run"
     else:
         seed = "random seed per run (a failure prints how to reproduce it)"
-    return f"hypothesis: profile {HYPOTHESIS_PROFILE!r}, {seed}"
+    return [machine, f"hypothesis: profile {HYPOTHESIS_PROFILE!r}, {seed}"]
 
 
 def _reachable(url: str) -> bool:

@@ -585,6 +585,7 @@ def test_every_step_passes_on_cpu_under_an_interpreter_built_like_the_gpu_machin
     assert e2e["answered"] == e2e["jobs"] > 0 and e2e["worker_exit_code"] == 0
     rows = steps["backends"]["figures"]["rows"]
     assert rows["sdpa"]["status"] == "ok" and rows["flex_attention"]["status"] == "ok"
+    assert rows["flex_attention"]["flex_math"] == "eager reference"  # never the CPU kernel
     # tree: sdpa in both dtypes, sharing on, the backbone ran each prompt once
     shared = steps["tree"]["figures"]["rows"]
     assert list(shared) == ["sdpa/float32", "sdpa/bfloat16"]

@@ -242,8 +242,11 @@ class Fleet:
         timeout_s: float = 120.0,
         seed: int = 0,
     ) -> PhaseReport:
-        """Submit ``producers * jobs_each`` jobs (``pace_s`` apart per producer) while
-        ``faults(fleet, done, log)`` runs; wait for results; check the invariants."""
+        """Submit at least ``producers * jobs_each`` jobs (``pace_s`` apart per producer)
+        while ``faults(fleet, done, log)`` runs; wait for results; check the invariants. The
+        producers go on submitting until the fault schedule has returned (every planned fault
+        done, and whatever it waits for after each), however fast the jobs go, within
+        ``timeout_s``: a phase ends on events, never on a guess of how long its jobs take."""
         t0 = time.monotonic()
         known: set[str] = set()
         accepted: set[str] = set()
@@ -258,6 +261,18 @@ class Fleet:
             for p in range(producers)
             for k in range(jobs_each)
         }
+        faults_over = threading.Event()  # the schedule returned (set at once without one)
+        if faults is None:
+            faults_over.set()
+        submit_until = t0 + timeout_s
+
+        def template_of(job_id: str) -> int:
+            with hist_lock:  # jobs past jobs_each draw from their own seeded generator
+                if job_id not in assign:
+                    assign[job_id] = random.Random(f"{seed}-{job_id}").randrange(
+                        len(self.templates)
+                    )
+                return assign[job_id]
 
         def produce(p: int) -> None:
             client = ScoringClient(self.url, queue=self.queue, block_ms=300)
@@ -271,9 +286,13 @@ class Fleet:
             client._buffer.offer = recording_offer  # type: ignore[method-assign]
             mine = []
             try:
-                for k in range(jobs_each):
+                k = 0
+                while k < jobs_each or (
+                    not faults_over.is_set() and time.monotonic() < submit_until
+                ):
                     job_id = f"{scenario}-p{p}-{k}"
-                    tmpl = self.templates[assign[job_id]]
+                    k += 1
+                    tmpl = self.templates[template_of(job_id)]
                     with hist_lock:
                         known.add(job_id)
                     for _attempt in range(100):  # the producer retries with the same id
@@ -310,11 +329,13 @@ class Fleet:
                     faults(self, done, fault_log)
                 except BaseException as exc:
                     errors.append(exc)
+                finally:
+                    faults_over.set()
 
             fault_thread = threading.Thread(target=run_faults, daemon=True)
             fault_thread.start()
         for t in threads:
-            t.join(timeout_s + jobs_each * pace_s + 120)
+            t.join(2 * timeout_s + jobs_each * pace_s + 120)  # submitting, then the results
         done.set()
         if fault_thread is not None:
             fault_thread.join(120)

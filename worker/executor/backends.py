@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from worker.errors import ConfigError
+from worker.executor import flex
 from worker.executor.config import Layout
 from worker.scorer.outputs import FallbackEvent
 
@@ -88,6 +89,8 @@ def _configs(model: nn.Module) -> list[Any]:
 
 def switch_backend(model: nn.Module, backend: str) -> None:
     """Set ``backend`` on ``model``; on any failure restore every config exactly and re-raise."""
+    if backend == "flex_attention":
+        flex.install()  # CPU calls run the eager math (worker.executor.flex)
     snapshot = [(cfg, cfg._attn_implementation_internal) for cfg in _configs(model)]
     try:
         setter = getattr(model, "set_attn_implementation", None)

@@ -46,6 +46,7 @@ import torch
 from worker.demo.tiny import llama_config, random_model
 from worker.devtools.bench.teacher import format_row as format_teacher_row
 from worker.devtools.bench.teacher import run_teacher
+from worker.devtools.machine import this_machine
 from worker.executor import ExecutorConfig, SequenceInput, StatelessExecutor
 from worker.executor.memory import peak_rss_bytes
 
@@ -237,6 +238,7 @@ def run_all(quick: bool) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
         "load_average": os.getloadavg(),
+        "cpu": this_machine().describe(),
         "dense": DENSE,
         "ragged": {**RAGGED, "sequences": 16 if quick else RAGGED["sequences"]},
         "naive_batch": NAIVE_BATCH,

@@ -44,6 +44,7 @@ import redis
 
 from worker import keys
 from worker.demo.embedded import redis_url_or_embedded
+from worker.devtools.machine import this_machine
 from worker.processes.local import LocalWorker, free_port
 from worker.protocol import decode_result, encode_job
 
@@ -330,6 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{work.name}: done", flush=True)
     print(f"\ngroup scoring, {args.groups} groups per workload, median of {args.rounds} rounds, "
           f"--threads {args.threads}")  # fmt: skip
+    print(f"machine: {this_machine().describe()}")
     print_table(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

@@ -329,6 +329,8 @@ def _backend_row(
     row, out = _timed_backend(setup, lambda: _logps(ex, seqs), tokens)
     ex.close()
     row.update(level="executor", used=ex.attention_backend, status="ok")
+    if backend == "flex_attention":  # worker.executor.flex: never the compiled CPU kernel
+        row["flex_math"] = "compiled" if setup.cuda else "eager reference"
     if ex.attention_backend != backend:
         row.update(status="fell back", reason=[e.message for e in ex.load_fallbacks][:1])
     if not reference:

@@ -316,16 +316,17 @@ def _flex(
 ) -> torch.Tensor:
     """Tree attention as one flex call per layer over the whole rows (``block_mask``): the
     nodes' K/V read in place, tiles nobody sees skipped. Called as transformers'
-    ``flex_attention_forward`` calls it (compiled once, GQA by ``enable_gqa`` unless the local
-    head count is not a power of two, softcap as a ``score_mod``), except on CPU: there torch's
-    uncompiled reference math runs (every score materialised), because torch 2.13's CPU flex
-    template fails to build once shapes turn dynamic (C++ errors after a few shapes, for
-    transformers' own masks too) and a tree call compiled beside the model's own flex calls
-    brings that on sooner. ``query`` ``[R, H, T, D]`` -> ``[R, T, H, D]`` (fill slots: zeros,
-    as a query that sees no key gets in flex)."""
-    from torch.nn.attention.flex_attention import flex_attention
+    ``flex_attention_forward`` calls it (GQA by ``enable_gqa`` unless the local head count is not
+    a power of two, softcap as a ``score_mod``), through the same function: compiled once on
+    CUDA, torch's uncompiled reference math on a CPU (``worker.executor.flex``: the compiled CPU
+    kernel is wrong on AVX2-only CPUs), so a tree row and a sequence alone run the same math.
+    ``query`` ``[R, H, T, D]`` -> ``[R, T, H, D]`` (fill slots: zeros, as a query that sees no
+    key gets in flex)."""
     from transformers.integrations import flex_attention as hf_flex
 
+    from worker.executor import flex
+
+    flex.install()
     heads = query.shape[1]
     gqa = heads & (heads - 1) == 0
     if not gqa:
@@ -338,17 +339,10 @@ def _flex(
         def score_mod(score: torch.Tensor, b: Any, h: Any, q: Any, k: Any) -> torch.Tensor:
             return torch.tanh(score / cap) * cap
 
-    mask = block_mask(layout, window)
-    out: Any
-    if query.device.type == "cpu":  # torch's reference math (see the docstring)
-        out = flex_attention(
-            query, key, value, score_mod=score_mod, block_mask=mask, enable_gqa=gqa, scale=scale
-        )
-    else:
-        out = hf_flex.compile_friendly_flex_attention(
-            query, key, value, score_mod=score_mod, block_mask=mask, enable_gqa=gqa,
-            scale=scale, training=training,
-        )  # fmt: skip
+    out = hf_flex.compile_friendly_flex_attention(
+        query, key, value, score_mod=score_mod, block_mask=block_mask(layout, window),
+        enable_gqa=gqa, scale=scale, training=training,
+    )  # fmt: skip
     assert isinstance(out, torch.Tensor)  # no auxiliary outputs asked for
     return out.transpose(1, 2).contiguous()  # [R, T, H, D]
 
