@@ -675,8 +675,8 @@ def test_flex_backend_tree_rows_read_the_nodes_in_place(
     """On ``flex_attention`` a tree forward is one flex call per layer over a ``BlockMask``
     (no context K/V gathered per segment), equal to every sequence alone: the agent set (three
     levels) and a GRPO group in one call (two rows of one forward), with temperature and masks;
-    mistral's window (5) is far shorter than the rows' positions. One call of tree members
-    alone keeps the compiles of flex on CPU (the per-sequence side) few."""
+    mistral's window (5) is far shorter than the rows' positions. On a CPU both sides run
+    torch's uncompiled flex math (``worker.executor.flex``), the same assertions on every CPU."""
     from worker.executor.tree import attention
 
     on, off = _pair(tiny(arch), attention_backend="flex_attention", self_check=False)
