@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from worker.errors import ERROR_CODES
 from worker.observability.queue_metrics import QueueMetrics
+from worker.observability.redis_metrics import RedisServerMetrics
 
 if TYPE_CHECKING:
     from worker.observability.health import HealthState
@@ -37,7 +38,7 @@ RESULT_BYTES_BUCKETS = tuple(float(2**p) for p in range(10, 31, 2))  # 1 KiB .. 
 
 # The metric definitions: a declarative table (one constructor call per exported metric, with its
 # name, help and labels), followed by a few recording helpers; its length is the catalogue's.
-class WorkerMetrics(QueueMetrics):
+class WorkerMetrics(QueueMetrics, RedisServerMetrics):
     """Every metric a worker exports. Pass a fresh ``CollectorRegistry`` in tests."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -270,6 +271,7 @@ class WorkerMetrics(QueueMetrics):
             "scoring_in_flight_jobs", "Jobs this worker holds right now.", registry=r
         )
         self.build_queue_metrics(r)  # per queue (serve --queue a:3 --queue b:1)
+        self.build_redis_metrics(r)  # what Redis keeps (worker.connections.ServerWatch)
         # --- per-job weights (adapters, versions): docs/models.md
         self.weights_loads = Counter(
             "scoring_weights_loads_total",
