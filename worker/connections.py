@@ -404,6 +404,10 @@ class ServerWatch:
         if now < self._next:
             return None
         self._next = now + self.interval_s
+        return self.read(client)
+
+    def read(self, client: Any) -> list[ServerState]:
+        """The states now (a policy changed since the last read is logged as an error)."""
         before = {s.node: s.policy for s in self.states}
         states = server_states(client)
         for state in states:
