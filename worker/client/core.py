@@ -207,7 +207,8 @@ class ClientCore:
             if is_out_of_memory(exc):
                 raise QueueFullError(
                     job.job_id,
-                    f"Redis refused it for memory ({exc}): nothing of it was written; submit it "
+                    f"Redis refused it for memory (OOM {str(exc).removeprefix('OOM ')}): nothing "
+                    "of it was written; submit it "
                     "again once memory frees (docs/guarantees.md)",
                 ) from exc
             raise
