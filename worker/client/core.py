@@ -205,12 +205,7 @@ class ClientCore:
         except BaseException as exc:
             self.outstanding.pop(job.job_id, None)
             if is_out_of_memory(exc):
-                raise QueueFullError(
-                    job.job_id,
-                    f"Redis refused it for memory (OOM {str(exc).removeprefix('OOM ')}): nothing "
-                    "of it was written; submit it "
-                    "again once memory frees (docs/guarantees.md)",
-                ) from exc
+                raise QueueFullError.refused(job.job_id, exc) from exc
             raise
         self.resubmitter.track(job.job_id, job, time.monotonic())
         eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)

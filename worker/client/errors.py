@@ -89,7 +89,8 @@ class QueueFullError(JobFailed):
     'maxmemory'``: a full server under ``noeviction``); nothing of it was written (``sent``
     False): submit it again once memory frees. From ``score_many``: ``written`` jobs of the
     call went in before it (the workers score each), ``in_flight`` the ids of those whose
-    results had not been handed out when it stopped (forgotten with it)."""
+    results had not been handed out when it stopped (forgotten with it). Its code is the one
+    producer-side code (``worker.errors.PRODUCER_CODES``), never in a result."""
 
     code = "queue_full"
 
@@ -105,6 +106,15 @@ class QueueFullError(JobFailed):
         super().__init__(job_id, message, meta=meta, sent=False)
         self.written = written
         self.in_flight = in_flight
+
+    @classmethod
+    def refused(cls, job_id: str, exc: BaseException) -> QueueFullError:
+        """The error of a job whose ``XADD`` Redis refused with ``exc`` (``OOM ...``)."""
+        return cls(
+            job_id,
+            f"Redis refused it for memory (OOM {str(exc).removeprefix('OOM ')}): nothing of it "
+            "was written; submit it again once memory frees (docs/guarantees.md)",
+        )
 
     def counted(self, written: int, in_flight: tuple[str, ...]) -> QueueFullError:
         """This error for a ``score_many`` call that wrote ``written`` jobs before it."""

@@ -306,8 +306,7 @@ class Worker:
 
     def _fill(self, client: Any, outbox: Outbox) -> int:
         """Fill the batch: poll without BLOCK until the backlog holds a batch's token budget or
-        ``max_wait_ms`` passed (a server-side BLOCK timeout only fires on the server's cron tick,
-        ~100 ms at hz 10, far coarser than max_wait_ms)."""
+        ``max_wait_ms`` passed (a BLOCK timeout fires on the server's ~100 ms cron tick)."""
         got = 0
         deadline = time.monotonic() + self.config.max_wait_ms / 1000.0
         while self.backlog and not self.backlog.full() and any(self._rooms().values()):
@@ -329,9 +328,8 @@ class Worker:
         return room
 
     def _rooms(self, *, ahead: bool = False) -> dict[str, int]:
-        """Entries to read per queue (``Backlog.rooms``): while a batch computes (``ahead``)
-        about what fills each queue's share of the backlog to one batch's token budget, so at
-        most one batch is ahead per queue."""
+        """Entries to read per queue (``Backlog.rooms``): while a batch computes (``ahead``) what
+        fills each queue's share of the backlog to one batch's budget (one batch ahead at most)."""
         return self.backlog.rooms(self._room(), ahead=ahead, queued=self.pipeline.queued)
 
     def _prepare(self, entries: list[streams.Entry], outbox: Outbox) -> int:

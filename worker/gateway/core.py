@@ -20,6 +20,7 @@ every ``redis_check_interval_s`` after, on a connection of its own in a thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -152,6 +153,8 @@ class GatewayCore:
         """Answer what is in flight, then close the client (its reply stream goes)."""
         if self._server_task is not None:
             self._server_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._server_task
         if self._server_client is not None:
             self._server_client.close()
         if self.coalescer is not None:

@@ -352,11 +352,9 @@ class WorkerMetrics(QueueMetrics, RedisServerMetrics):
         loaded) and ``scoring_model_loaded`` is ``health.model_ready`` (what ``/startupz``
         answers), with no code path having to remember to set them.
 
-        Uses prometheus-client's ``Gauge.set_function``: after binding, the gauges' ``set``,
-        ``inc`` and ``dec`` still run without error but no longer change what is exported (the
-        exported sample comes from the function only). So a leftover ``metrics.ready.set(0)`` is
-        harmless, but it is dead code: change ``health`` instead. Calling this again rebinds the
-        gauges to the new ``health``.
+        Uses prometheus-client's ``Gauge.set_function``: after binding, ``set``/``inc``/``dec``
+        still run but no longer change what is exported (a leftover ``metrics.ready.set(0)`` is
+        dead code: change ``health`` instead). Calling this again rebinds to the new ``health``.
         """
 
         def ready() -> float:
