@@ -292,7 +292,7 @@ def _primaries(client: Any) -> list[tuple[str, Any]]:
     return [(f"{kw.get('host', kw.get('path', '?'))}:{kw.get('port', '')}".rstrip(":"), client)]
 
 
-def _read_state(node: str, conn: Any) -> ServerState:
+def _read_state(node: str, conn: Any, use_config: bool) -> ServerState:
     mem = conn.info("memory")
     persistence = conn.info("persistence")
     policy = mem.get("maxmemory_policy")
@@ -300,6 +300,8 @@ def _read_state(node: str, conn: Any) -> ServerState:
     rdb: bool | None = None
     via = "info"
     try:  # CONFIG GET where the ACL (or the managed service) allows it
+        if not use_config:
+            raise redis.ResponseError("CONFIG GET refused before")
         config = conn.config_get("maxmemory-policy")
         config.update(conn.config_get("save"))
         config.update(conn.config_get("appendonly"))
@@ -318,15 +320,15 @@ def _read_state(node: str, conn: Any) -> ServerState:
     )  # fmt: skip
 
 
-def server_states(client: Any) -> list[ServerState]:
+def server_states(client: Any, *, use_config: bool = True) -> list[ServerState]:
     """Each primary's eviction policy, persistence and memory: ``CONFIG GET maxmemory-policy``,
-    ``save`` and ``appendonly`` where allowed, ``INFO memory`` and ``INFO persistence``
-    otherwise (managed servers often refuse ``CONFIG``). A node that refuses ``INFO`` too
-    reports nothing (every field None)."""
+    ``save`` and ``appendonly`` where allowed (``use_config``), ``INFO memory`` and ``INFO
+    persistence`` otherwise (managed servers often refuse ``CONFIG``). A node that refuses
+    ``INFO`` too reports nothing (every field None)."""
     states = []
     for node, conn in _primaries(client):
         try:
-            states.append(_read_state(node, conn))
+            states.append(_read_state(node, conn, use_config))
         except redis.ResponseError:
             states.append(ServerState(node, None, None, None, None, None, "none"))
     return states
@@ -386,11 +388,13 @@ def check_server(client: Any, *, allow_eviction: bool) -> list[ServerState]:
 
 class ServerWatch:
     """Reads :func:`server_states` again every ``interval_s`` (:meth:`poll`, when due) and logs
-    a policy that changed since the last read; ``states`` holds the last read."""
+    a policy that changed since the last read; ``states`` holds the last read. Once a read
+    found ``CONFIG GET`` refused it asks ``INFO`` only (one ACL denial, not one a minute)."""
 
     def __init__(self, interval_s: float = 60.0, states: list[ServerState] | None = None) -> None:
         self.interval_s = interval_s
         self.states: list[ServerState] = list(states or [])
+        self.use_config = all(s.via == "config" for s in self.states)
         self._next = time.monotonic() + interval_s if states is not None else 0.0
 
     @property
@@ -409,7 +413,8 @@ class ServerWatch:
     def read(self, client: Any) -> list[ServerState]:
         """The states now (a policy changed since the last read is logged as an error)."""
         before = {s.node: s.policy for s in self.states}
-        states = server_states(client)
+        states = server_states(client, use_config=self.use_config)
+        self.use_config = all(s.via == "config" for s in states)
         for state in states:
             old = before.get(state.node, state.policy)
             if state.policy != old:

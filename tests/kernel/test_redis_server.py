@@ -165,3 +165,17 @@ def test_every_primary_of_a_cluster_is_read(redis_cluster: ClusterInfo) -> None:
             check_server(client, allow_eviction=False)
     finally:
         admin.config_set("maxmemory-policy", "noeviction")
+
+
+def test_the_watch_asks_config_once_then_info_only(server: RedisServer, admin: redis.Redis) -> None:
+    admin.acl_setuser(
+        "once", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-config"]
+    )
+    admin.acl_log_reset()
+    client = _client(server.user_url("once", "pw"))
+    watch = ServerWatch(interval_s=0.01)
+    for _ in range(3):
+        (state,) = watch.read(client)
+        assert state.via == "info" and state.policy == "noeviction"
+    denied = [e for e in admin.acl_log() if e["username"] == "once"]
+    assert [(e["object"], e["count"]) for e in denied] == [("config|get", 1)]
