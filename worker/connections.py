@@ -240,7 +240,8 @@ class ServerState:
     rdb: bool | None  # a save schedule (CONFIG GET save; INFO cannot say)
     used_memory_bytes: int | None
     maxmemory_bytes: int | None  # 0: no limit
-    via: str  # "config" (CONFIG GET) or "info" (CONFIG refused: INFO only)
+    via: str  # "config" (CONFIG GET), "info" (CONFIG refused: INFO only), "none" (both refused)
+    system_memory_bytes: int | None = None  # the host's (INFO total_system_memory)
 
     @property
     def evicts(self) -> bool:
@@ -253,8 +254,6 @@ class ServerState:
         if self.aof or self.rdb:
             return True
         return False if self.aof is False and self.rdb is False else None
-
-    system_memory_bytes: int | None = None  # the host's (INFO total_system_memory)
 
     @property
     def memory_limit(self) -> str | None:
@@ -292,26 +291,31 @@ def _primaries(client: Any) -> list[tuple[str, Any]]:
     return [(f"{kw.get('host', kw.get('path', '?'))}:{kw.get('port', '')}".rstrip(":"), client)]
 
 
+def _config(conn: Any) -> dict[str, Any] | None:
+    """``CONFIG GET`` of the policy, ``save`` and ``appendonly``; None where it is refused (an
+    ACL without it, a managed service, CONFIG renamed away)."""
+    try:
+        config = dict(conn.config_get("maxmemory-policy"))
+        for name in ("save", "appendonly"):
+            config.update(conn.config_get(name))
+    except redis.ResponseError:
+        return None
+    return config
+
+
 def _read_state(node: str, conn: Any, use_config: bool) -> ServerState:
     mem = conn.info("memory")
     persistence = conn.info("persistence")
     policy = mem.get("maxmemory_policy")
     aof = bool(int(persistence["aof_enabled"])) if "aof_enabled" in persistence else None
-    rdb: bool | None = None
-    via = "info"
-    try:  # CONFIG GET where the ACL (or the managed service) allows it
-        if not use_config:
-            raise redis.ResponseError("CONFIG GET refused before")
-        config = conn.config_get("maxmemory-policy")
-        config.update(conn.config_get("save"))
-        config.update(conn.config_get("appendonly"))
+    rdb: bool | None = None  # INFO cannot say whether a save schedule is set
+    config = _config(conn) if use_config else None
+    if config is not None:
         policy = config.get("maxmemory-policy", policy)
         rdb = bool(str(config.get("save", "")).strip()) if "save" in config else None
         if "appendonly" in config:
             aof = str(config["appendonly"]).lower() == "yes"
-        via = "config"
-    except redis.ResponseError:  # NOPERM, or CONFIG renamed away: INFO is the answer
-        pass
+    via = "info" if config is None else "config"
     used, limit, host = (mem.get(k) for k in ("used_memory", "maxmemory", "total_system_memory"))
     return ServerState(
         node, None if policy is None else str(policy), aof, rdb,
@@ -389,7 +393,8 @@ def check_server(client: Any, *, allow_eviction: bool) -> list[ServerState]:
 class ServerWatch:
     """Reads :func:`server_states` again every ``interval_s`` (:meth:`poll`, when due) and logs
     a policy that changed since the last read; ``states`` holds the last read. Once a read
-    found ``CONFIG GET`` refused it asks ``INFO`` only (one ACL denial, not one a minute)."""
+    found ``CONFIG GET`` refused it asks ``INFO`` only, and once ``INFO`` is refused too it asks
+    nothing more (one ACL denial each, not one a minute)."""
 
     def __init__(self, interval_s: float = 60.0, states: list[ServerState] | None = None) -> None:
         self.interval_s = interval_s
@@ -412,6 +417,8 @@ class ServerWatch:
 
     def read(self, client: Any) -> list[ServerState]:
         """The states now (a policy changed since the last read is logged as an error)."""
+        if self.states and all(s.via == "none" for s in self.states):
+            return self.states  # INFO refused: the server cannot say, and will not
         before = {s.node: s.policy for s in self.states}
         states = server_states(client, use_config=self.use_config)
         self.use_config = all(s.via == "config" for s in states)

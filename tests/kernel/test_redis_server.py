@@ -130,8 +130,14 @@ def test_a_user_without_info_cannot_say_and_is_not_refused(
         "blind", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-config", "-info"]
     )
     admin.config_set("maxmemory-policy", "allkeys-lru")
-    (state,) = check_server(_client(server.user_url("blind", "pw")), allow_eviction=False)
+    admin.acl_log_reset()
+    client = _client(server.user_url("blind", "pw"))
+    (state,) = check_server(client, allow_eviction=False)
     assert state.policy is None and not state.evicts and state.via == "none"
+    watch = ServerWatch(interval_s=0.01, states=[state])
+    assert watch.read(client) == [state]  # asked no more: one denial, not one a minute
+    denied = [e for e in admin.acl_log() if e["username"] == "blind"]
+    assert [(e["object"], e["count"]) for e in denied] == [("info", 1)]
 
 
 def test_the_watch_notices_a_policy_changed_while_serving(
