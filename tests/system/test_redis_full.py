@@ -144,6 +144,12 @@ def test_the_asyncio_client_gets_queue_full_too(server: RedisServer) -> None:
             except QueueFullError as exc:
                 with pytest.raises(QueueFullError):
                     await client.score(SEQS, timeout=60)
+                with pytest.raises(QueueFullError):
+                    await client.score_groups([1, 2, 3], [TOKENS], timeout=60)
+                with pytest.raises(QueueFullError) as many:
+                    async for _ in client.score_many([SEQS] * 3, max_in_flight=3):
+                        pass
+                assert many.value.written == 0
                 return written, exc
         raise AssertionError("never refused")
 
