@@ -7,14 +7,22 @@ nodes a client knew, so a fresh connect after a failover tries the promoted repl
 only a seed that may be the dead primary. :data:`CONNECT_ERRORS` are the errors a caller
 retries with backoff while connecting (a cluster with no reachable node raises
 ``RedisClusterException``, which is not a ``ConnectionError``).
+
+What the server keeps (docs/operations.md): :func:`server_states` reads each primary's
+``maxmemory-policy``, persistence and memory (``CONFIG GET`` where allowed, else ``INFO memory``
+and ``INFO persistence``); :func:`check_server` is the start-up check of workers and gateways (a
+policy other than ``noeviction`` is refused unless allowed, no persistence is a warning), and
+:class:`ServerWatch` reads them again every minute and logs a policy changed at run time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -23,6 +31,9 @@ from redis.cluster import ClusterNode
 from redis.retry import Retry
 
 from worker.config import RedisSettings
+from worker.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 RETRY_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 #: Errors that mean "Redis (or the cluster's topology) is not reachable right now": retried.
@@ -211,3 +222,224 @@ def server_version(client: Any) -> tuple[int, int, int]:
     raw = str(info.get("valkey_version") or info.get("redis_version") or "0.0.0")
     parts = [*raw.split("."), "0", "0"][:3]
     return tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in parts)  # type: ignore[return-value]
+
+
+# -- what the server keeps: eviction policy, persistence, memory (docs/operations.md)
+
+#: The one ``maxmemory-policy`` under which Redis never deletes a key to make room.
+SAFE_POLICY = "noeviction"
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """What one primary says about keeping what it is given (None: it would not say)."""
+
+    node: str  # "host:port"
+    policy: str | None  # maxmemory-policy
+    aof: bool | None  # appendonly
+    rdb: bool | None  # a save schedule (CONFIG GET save; INFO cannot say)
+    used_memory_bytes: int | None
+    maxmemory_bytes: int | None  # 0: no limit
+    via: str  # "config" (CONFIG GET), "info" (CONFIG refused: INFO only), "none" (both refused)
+    system_memory_bytes: int | None = None  # the host's (INFO total_system_memory)
+
+    @property
+    def evicts(self) -> bool:
+        """Whether the policy deletes keys under memory pressure."""
+        return self.policy is not None and self.policy != SAFE_POLICY
+
+    @property
+    def persistent(self) -> bool | None:
+        """True with AOF or RDB on, False with both off, None when it cannot be told."""
+        if self.aof or self.rdb:
+            return True
+        return False if self.aof is False and self.rdb is False else None
+
+    @property
+    def memory_limit(self) -> str | None:
+        """What the memory is counted against: ``maxmemory``, else ``system`` (no limit set:
+        the host's memory is the limit), None when neither is known."""
+        if self.maxmemory_bytes:
+            return "maxmemory"
+        return "system" if self.system_memory_bytes else None
+
+    @property
+    def memory_used_ratio(self) -> float | None:
+        """``used_memory`` over :attr:`memory_limit`'s bytes (None when unknown)."""
+        limit = self.maxmemory_bytes or self.system_memory_bytes
+        if not limit or self.used_memory_bytes is None:
+            return None
+        return self.used_memory_bytes / limit
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields and the derived ``evicts``, ``persistent``, ``memory_used_ratio``."""
+        out = dict(self.__dict__)
+        out.update(evicts=self.evicts, persistent=self.persistent)
+        out.update(memory_limit=self.memory_limit, memory_used_ratio=self.memory_used_ratio)
+        return out
+
+
+def _primaries(client: Any) -> list[tuple[str, Any]]:
+    """``(host:port, client of that node)`` of every primary (the client itself standalone)."""
+    if isinstance(client, redis.RedisCluster):
+        out = []
+        for node in client.get_primaries():
+            conn = node.redis_connection or client.get_redis_connection(node)
+            out.append((f"{node.host}:{node.port}", conn))
+        return out
+    kw = client.connection_pool.connection_kwargs
+    return [(f"{kw.get('host', kw.get('path', '?'))}:{kw.get('port', '')}".rstrip(":"), client)]
+
+
+def _config(conn: Any) -> dict[str, Any] | None:
+    """``CONFIG GET`` of the policy, ``save`` and ``appendonly``; None where it is refused (an
+    ACL without it, a managed service, CONFIG renamed away)."""
+    try:
+        config = dict(conn.config_get("maxmemory-policy"))
+        for name in ("save", "appendonly"):
+            config.update(conn.config_get(name))
+    except redis.ResponseError:
+        return None
+    return config
+
+
+def _read_state(node: str, conn: Any, use_config: bool) -> ServerState:
+    mem = conn.info("memory")
+    persistence = conn.info("persistence")
+    policy = mem.get("maxmemory_policy")
+    aof = bool(int(persistence["aof_enabled"])) if "aof_enabled" in persistence else None
+    rdb: bool | None = None  # INFO cannot say whether a save schedule is set
+    config = _config(conn) if use_config else None
+    if config is not None:
+        policy = config.get("maxmemory-policy", policy)
+        rdb = bool(str(config.get("save", "")).strip()) if "save" in config else None
+        if "appendonly" in config:
+            aof = str(config["appendonly"]).lower() == "yes"
+    via = "info" if config is None else "config"
+    used, limit, host = (mem.get(k) for k in ("used_memory", "maxmemory", "total_system_memory"))
+    return ServerState(
+        node, None if policy is None else str(policy), aof, rdb,
+        None if used is None else int(used), None if limit is None else int(limit), via,
+        None if host is None else int(host),
+    )  # fmt: skip
+
+
+def server_states(client: Any, *, use_config: bool = True) -> list[ServerState]:
+    """Each primary's eviction policy, persistence and memory: ``CONFIG GET maxmemory-policy``,
+    ``save`` and ``appendonly`` where allowed (``use_config``), ``INFO memory`` and ``INFO
+    persistence`` otherwise (managed servers often refuse ``CONFIG``). A node that refuses
+    ``INFO`` too reports nothing (every field None)."""
+    states = []
+    for node, conn in _primaries(client):
+        try:
+            states.append(_read_state(node, conn, use_config))
+        except redis.ResponseError:
+            states.append(ServerState(node, None, None, None, None, None, "none"))
+    return states
+
+
+def _losses(policy: str) -> str:
+    if policy.startswith("volatile"):
+        return "keys with a TTL (reply streams: results the producers wait for; worker heartbeats)"
+    return "any key (job streams with their pending entries, reply and dead-letter streams)"
+
+
+def eviction_problem(states: list[ServerState]) -> str | None:
+    """The one line that says a primary evicts (its policy, what it loses, the two ways out);
+    None when every readable policy is ``noeviction``."""
+    evicting = [s for s in states if s.evicts]
+    if not evicting:
+        return None
+    policy = str(evicting[0].policy)
+    nodes = ", ".join(s.node for s in evicting)
+    return (
+        f"Redis maxmemory-policy is {policy} on {nodes}: under memory pressure it deletes "
+        f"{_losses(policy)}, and those jobs are lost without an error; set maxmemory-policy "
+        f"{SAFE_POLICY} (CONFIG SET, redis.conf or the managed service's parameters), or run "
+        "anyway with --allow-redis-eviction"
+    )
+
+
+def persistence_problem(states: list[ServerState]) -> str | None:
+    """The warning for primaries with neither AOF nor RDB (a restart empties every queue)."""
+    off = [s.node for s in states if s.persistent is False]
+    if not off:
+        return None
+    return (
+        f"Redis persistence is off on {', '.join(off)} (appendonly no, no save schedule): a "
+        "restart of Redis empties every queue; set appendonly yes (docs/operations.md)"
+    )
+
+
+def check_server(client: Any, *, allow_eviction: bool) -> list[ServerState]:
+    """The start-up check of a worker or gateway: ``ConfigError`` (its message the one line of
+    :func:`eviction_problem`) when a primary evicts and ``allow_eviction`` is off; logged when
+    allowed, as is missing persistence (a warning, never a refusal). The states read."""
+    states = server_states(client)
+    problem = eviction_problem(states)
+    if problem and not allow_eviction:
+        raise ConfigError(problem)
+    if problem:
+        log.warning("%s (serving anyway: --allow-redis-eviction)", problem)
+    for state in states:
+        if state.policy is None:
+            log.warning("cannot read the maxmemory-policy of %s (INFO refused)", state.node)
+    warning = persistence_problem(states)
+    if warning:
+        log.warning("%s", warning)
+    return states
+
+
+class ServerWatch:
+    """Reads :func:`server_states` again every ``interval_s`` (:meth:`poll`, when due) and logs
+    a policy that changed since the last read; ``states`` holds the last read. Once a read
+    found ``CONFIG GET`` refused it asks ``INFO`` only, and once ``INFO`` is refused too it asks
+    nothing more (one ACL denial each, not one a minute)."""
+
+    def __init__(self, interval_s: float = 60.0, states: list[ServerState] | None = None) -> None:
+        self.interval_s = interval_s
+        self.states: list[ServerState] = list(states or [])
+        self.use_config = all(s.via == "config" for s in self.states)
+        self._next = time.monotonic() + interval_s if states is not None else 0.0
+
+    @property
+    def evicting(self) -> bool:
+        """Whether a primary evicted at the last read."""
+        return any(s.evicts for s in self.states)
+
+    def poll(self, client: Any, now: float | None = None) -> list[ServerState] | None:
+        """The states, read again when due (None when not due); errors propagate."""
+        now = time.monotonic() if now is None else now
+        if now < self._next:
+            return None
+        self._next = now + self.interval_s
+        return self.read(client)
+
+    def read(self, client: Any) -> list[ServerState]:
+        """The states now (a policy changed since the last read is logged as an error)."""
+        if self.states and all(s.via == "none" for s in self.states):
+            return self.states  # INFO refused: the server cannot say, and will not
+        before = {s.node: s.policy for s in self.states}
+        states = server_states(client, use_config=self.use_config)
+        self.use_config = all(s.via == "config" for s in states)
+        for state in states:
+            old = before.get(state.node, state.policy)
+            if state.policy != old:
+                log.error(
+                    "Redis maxmemory-policy of %s changed from %s to %s while serving%s",
+                    state.node, old, state.policy,
+                    ": " + (eviction_problem([state]) or "") if state.evicts else "",
+                )  # fmt: skip
+        self.states = states
+        return states
+
+
+def server_summary(states: list[ServerState], *, allowed: bool) -> dict[str, Any]:
+    """What health and ``info`` show: ``evicting`` (a primary evicts), ``eviction_allowed``,
+    ``persistent`` (False: a primary has neither AOF nor RDB) and each primary's state."""
+    return {
+        "evicting": any(s.evicts for s in states),
+        "eviction_allowed": allowed,
+        "persistent": all(s.persistent is not False for s in states),
+        "primaries": [s.to_json() for s in states],
+    }

@@ -146,6 +146,9 @@ ERROR_TABLE: tuple[ErrorKind, ...] = (
 )
 #: Every wire error code; codes never change meaning.
 ERROR_CODES: tuple[str, ...] = tuple(kind.code for kind in ERROR_TABLE)
+#: Codes a producer raises itself, never carried by a result: ``queue_full`` (Redis refused the
+#: job for memory, ``worker.client.QueueFullError``; the gateway answers it 503).
+PRODUCER_CODES: tuple[str, ...] = ("queue_full",)
 _BY_CODE: dict[str, type[ScoringError]] = {kind.code: kind.error for kind in ERROR_TABLE}
 if len(_BY_CODE) != len(ERROR_TABLE):
     raise RuntimeError(f"ERROR_TABLE has a code twice: {ERROR_CODES}")

@@ -59,10 +59,11 @@ def test_every_scoring_error_carries_a_table_code() -> None:
         return [s for c in cls.__subclasses__() for s in (c, *subclasses(c))]
 
     for cls in subclasses(errors.ScoringError):
-        assert cls.code in errors.ERROR_CODES, cls
+        assert cls.code in errors.ERROR_CODES + errors.PRODUCER_CODES, cls
     assert {cls.__name__ for cls in subclasses(client.JobFailed)} == {
         kind.job_failed for kind in errors.ERROR_TABLE
-    }
+    } | {"QueueFullError"}  # the one producer-side code (errors.PRODUCER_CODES)
+    assert not set(errors.PRODUCER_CODES) & set(errors.ERROR_CODES)
 
 
 def test_unknown_codes_become_internal() -> None:

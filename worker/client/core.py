@@ -35,7 +35,13 @@ from worker.client.effects import (
     Pause,
     Steps,
 )
-from worker.client.errors import ClientClosed, ScoringTimeout, client_checks
+from worker.client.errors import (
+    ClientClosed,
+    QueueFullError,
+    ScoringTimeout,
+    client_checks,
+    is_out_of_memory,
+)
 from worker.client.inputs import normalize_seqs, output_request
 from worker.client.resubmit import Resubmitter
 from worker.client.results import JobHandle, SeqScore, unwrap
@@ -187,7 +193,8 @@ class ClientCore:
     def submit(self, job: PreparedJob) -> Steps[JobHandle]:
         """Add ``job`` to its stream; it counts as outstanding from before the ``XADD``. Until
         the queue is known, each submit applies the queue rule first (``WorkerCheck.admit``):
-        an unknown queue raises ``UnknownQueueError`` and nothing is written."""
+        an unknown queue raises ``UnknownQueueError`` and nothing is written. A job Redis
+        refuses for memory raises ``QueueFullError`` (one ``XADD``: nothing of it is written)."""
         if self.closed:
             raise ClientClosed("the client is closed")
         yield from self.workers.admit()
@@ -195,8 +202,10 @@ class ClientCore:
         self.outstanding[job.job_id] = now
         try:
             entry_id = yield from self._add(job)
-        except BaseException:
+        except BaseException as exc:
             self.outstanding.pop(job.job_id, None)
+            if is_out_of_memory(exc):
+                raise QueueFullError.refused(job.job_id, exc) from exc
             raise
         self.resubmitter.track(job.job_id, job, time.monotonic())
         eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)

@@ -1,5 +1,6 @@
-"""What a producer catches: ``JobFailed`` and its subclass per wire error code, ``ScoringTimeout``,
-``UnknownQueueError`` and ``ClientClosed``.
+"""What a producer catches: ``JobFailed`` and its subclass per wire error code, ``QueueFullError``
+(Redis refused the job for memory), ``ScoringTimeout``, ``UnknownQueueError`` and
+``ClientClosed``.
 
 Each ``JobFailed`` subclass is also the ``worker.errors`` class of its code, so
 ``except worker.errors.TooLong`` catches ``TooLongError``. The code -> class map is built from
@@ -12,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
+
+import redis
 
 from worker import errors
 from worker.protocol import Result
@@ -79,6 +82,59 @@ class DeadLetterError(JobFailed, errors.DeadLetter):
 
 class InternalJobError(JobFailed, errors.InternalError):
     """The worker failed unexpectedly on this job (``internal`` or an unknown code)."""
+
+
+class QueueFullError(JobFailed):
+    """Redis refused the job for memory (``OOM command not allowed when used memory >
+    'maxmemory'``: a full server under ``noeviction``); nothing of it was written (``sent``
+    False): submit it again once memory frees. From ``score_many``: ``written`` jobs of the
+    call went in before it (the workers score each), ``in_flight`` the ids of those whose
+    results had not been handed out when it stopped (forgotten with it). Its code is the one
+    producer-side code (``worker.errors.PRODUCER_CODES``), never in a result."""
+
+    code = "queue_full"
+
+    def __init__(
+        self,
+        job_id: str,
+        message: str,
+        *,
+        meta: Any = None,
+        written: int = 0,
+        in_flight: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__(job_id, message, meta=meta, sent=False)
+        self.written = written
+        self.in_flight = in_flight
+
+    @classmethod
+    def refused(cls, job_id: str, exc: BaseException) -> QueueFullError:
+        """The error of a job whose ``XADD`` Redis refused with ``exc`` (``OOM ...``)."""
+        return cls(
+            job_id,
+            f"Redis refused it for memory (OOM {str(exc).removeprefix('OOM ')}): nothing of it "
+            "was written; submit it again once memory frees (docs/guarantees.md)",
+        )
+
+    def counted(self, written: int, in_flight: tuple[str, ...]) -> QueueFullError:
+        """This error for a ``score_many`` call that wrote ``written`` jobs before it."""
+        out = QueueFullError(
+            self.job_id,
+            f"{self.reason}; score_many stopped: {written} of its jobs were written before it "
+            f"({len(in_flight)} not answered yet)",
+            meta=self.meta,
+            written=written,
+            in_flight=in_flight,
+        )
+        out.__cause__ = self.__cause__
+        return out
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is Redis refusing a write for memory (``OOM ...``)."""
+    return isinstance(exc, redis.exceptions.OutOfMemoryError) or (
+        isinstance(exc, redis.ResponseError) and str(exc).startswith("OOM")
+    )
 
 
 def _failed_class(kind: errors.ErrorKind) -> type[JobFailed]:

@@ -117,9 +117,12 @@ class ScoringClient(ClientBase):
         self._closing.set()
         try:
             if self._reader is not None:
-                self.redis.xadd(self.reply_stream, {WAKE_FIELD: b"1"})
+                try:
+                    self.redis.xadd(self.reply_stream, {WAKE_FIELD: b"1"})
+                except redis.ResponseError as exc:  # a full Redis (OOM): the reader's block ends
+                    log.debug("no wake-up entry on %s: %s", self.reply_stream, exc)
                 self._reader.join(timeout=self.block_ms / 1000 + 5)
-            self._run(self._core.close_reply_stream())
+            self._run(self._core.close_reply_stream())  # DEL / EXPIRE: allowed when full
         except redis.RedisError as exc:
             log.warning("could not clean up reply stream %s: %s", self.reply_stream, exc)
         finally:

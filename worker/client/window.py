@@ -3,7 +3,9 @@ answered, each with its own deadline counted from its submission.
 
 ``ScoreWindow.next`` is an operation of the core (it yields effects, see ``worker.client.core``):
 it tops the window up from the job source, then waits for the head job (``ordered``) or any job,
-in slices of at most ``_WAIT_SLICE_S`` so that no wait is ever given an unbounded timeout.
+in slices of at most ``_WAIT_SLICE_S`` so that no wait is ever given an unbounded timeout. A job
+Redis refuses for memory stops the call at once: ``QueueFullError`` says how many of its jobs
+were written before it (whatever ``raise_errors``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from worker.client.effects import END, NextItem, Steps
 from worker.client.errors import (
     BadRequestError,
     JobFailed,
+    QueueFullError,
     client_checks,
     job_failed,
 )
@@ -63,6 +66,7 @@ class ScoreWindow:
         self.pending: OrderedDict[str, tuple[float, float]] = OrderedDict()
         # jobs refused before sending (raise_errors off): answered in their turn
         self.refused: dict[str, JobFailed] = {}
+        self.written = 0  # jobs of this call added to their stream
 
     def next(self) -> Steps[ScoreResult | JobFailed | None]:
         """The next result (None when every job is answered). Raises ``ScoringTimeout`` when the
@@ -127,7 +131,14 @@ class ScoreWindow:
                 self.pending[job_id] = (now, now)
                 self.refused[job_id] = exc
                 continue
-            handle = yield from self.core.submit(job)
+            try:
+                handle = yield from self.core.submit(job)
+            except QueueFullError as exc:  # Redis is full: stop here, say what went in
+                in_flight = tuple(j for j in self.pending if j not in self.refused)
+                full = exc.counted(self.written, in_flight)
+                full.meta = spec.meta
+                raise full from exc.__cause__
+            self.written += 1
             start = handle.submitted_at
             limit = math.inf if self.timeout is None else start + self.timeout
             self.pending[handle.job_id] = (start, limit)

@@ -364,6 +364,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="score each batch in the main loop instead of on a compute thread that overlaps "
         "Redis reads and writes (env SCORING_PIPELINE=0; for comparison)",
     )
+    r = parser.add_argument_group("what Redis keeps (docs/operations.md)")
+    r.add_argument(
+        "--allow-redis-eviction",
+        action="store_true",
+        default=env_bool(env_get("ALLOW_REDIS_EVICTION")),
+        help="serve even when Redis's maxmemory-policy is not noeviction (it may then delete "
+        "jobs and results under memory pressure); logged, and 1 in scoring_redis_evicting",
+    )
+    r.add_argument(
+        "--redis-check-interval-s",
+        type=float,
+        default=env_float("REDIS_CHECK_INTERVAL_S", 60.0),
+        help="seconds between reads of Redis's eviction policy, persistence and memory "
+        "(default 60)",
+    )
     o = parser.add_argument_group("metrics")
     o.add_argument(
         "--metrics-host",

@@ -12,7 +12,9 @@ per input line as results complete: ``{"id", "ok": true, "logps": [...], "reward
 ``topk_logps``, ``topk_tail_logp``, ``gather_logps``, ``processed_logps``, ``rewards``,
 ``step_positions``, ``step_scores``; ``"seqs": [...]`` for multi-sequence jobs) or ``{"id",
 "ok": false, "error": {"code", "message"}}``. Ids already in the output file are skipped, so
-re-running resumes.
+re-running resumes. When Redis refuses a job for memory (``QueueFullError``: a full server under
+``noeviction``) the run stops there, says how many jobs it wrote and exits 3; re-running the
+same command once Redis has room resumes from the first line not in the output.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import IO, Any
 from worker.client import (
     JobFailed,
     JobSpec,
+    QueueFullError,
     ScoreResult,
     ScoringClient,
     ScoringTimeout,
@@ -289,7 +292,8 @@ def _wait_for_queue(client: ScoringClient, wait_s: float) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Score every line of ``--file`` not yet in ``--out``. Exit 0 when every line of the output
-    is a result; 1 when any is an error (earlier ones included) or a line could not be read; 2
+    is a result; 1 when any is an error (earlier ones included) or a line could not be read; 3
+    when Redis refused a job for memory (the run stopped there; re-run to resume); 2
     when the queue is unknown (no worker serves it and none ever did; ``--wait-for-workers``
     waits that long for one first). A queue with a consumer group waits for a worker within
     ``--timeout`` (scale from zero)."""
@@ -299,6 +303,7 @@ def run(args: argparse.Namespace) -> int:
     bar = None
     bad_lines: list[dict[str, Any]] = []
     ok = failed = 0
+    full: QueueFullError | None = None
     settings = redis_settings(args)
     client = ScoringClient.from_settings(
         settings, queue=args.queue, partitions=args.partitions, mode=args.mode
@@ -337,6 +342,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc} on {settings.redacted_url}{waited}", file=sys.stderr)
         print(f"  {exc.hint}", file=sys.stderr)
         return 2
+    except QueueFullError as exc:  # Redis is full: stop here; the summary says what went in
+        full = exc
     except ScoringTimeout as exc:
         print(f"error: {exc}; re-run the same command to resume", file=sys.stderr)
         return 1
@@ -350,6 +357,8 @@ def run(args: argparse.Namespace) -> int:
                 bar.close()
     for bad in bad_lines:
         print(f"skipped line {bad['line']}: {bad['message']}", file=sys.stderr)
+    if full is not None:
+        _report_full(full, settings.redacted_url, args.out)
     errors = failed + len(earlier.failed)
     summary = f"{ok} scored, {failed} failed"
     if earlier.done:
@@ -359,4 +368,29 @@ def run(args: argparse.Namespace) -> int:
     if earlier.failed:
         print(f"  {len(earlier.failed)} earlier error lines kept in {args.out}; "
               "--retry-errors runs them again", file=sys.stderr)  # fmt: skip
+    if full is not None:
+        return FULL_EXIT
     return 0 if not errors and not bad_lines else 1
+
+
+#: Exit code of a run stopped by a full Redis (re-run the same command once it has room).
+FULL_EXIT = 3
+
+
+def _report_full(exc: QueueFullError, url: str, out: str) -> None:
+    """What a run stopped by a full Redis wrote, and how to go on."""
+    wrapped = exc.meta if isinstance(exc.meta, dict) else {}
+    line = f" (line {wrapped['line']})" if "line" in wrapped else ""
+    print(
+        f"error: Redis at {url} is full: it refused job {exc.job_id}{line} for memory, nothing "
+        f"of it was written; this run wrote {exc.written} jobs before it, "
+        f"{exc.written - len(exc.in_flight)} answered in {out}, {len(exc.in_flight)} in flight "
+        f"(the workers score them; their results are not in {out}, so a re-run submits them "
+        "again)",
+        file=sys.stderr,
+    )
+    print(
+        "  re-run the same command once Redis has room: it resumes from the first line not in "
+        f"{out} (docs/operations.md: maxmemory and noeviction)",
+        file=sys.stderr,
+    )

@@ -147,6 +147,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=float,
     )
     flag(
+        "--allow-redis-eviction",
+        "ALLOW_REDIS_EVICTION",
+        False,
+        "serve even when Redis's maxmemory-policy is not noeviction (it may then delete jobs "
+        "and results under memory pressure); logged, and 1 in scoring_redis_evicting",
+        action="store_true",
+    )
+    flag(
+        "--redis-check-interval-s",
+        "REDIS_CHECK_INTERVAL_S",
+        60.0,
+        "seconds between reads of Redis's eviction policy, persistence and memory",
+        type=float,
+    )
+    flag(
         "--server-log-level",
         "GATEWAY_SERVER_LOG_LEVEL",
         "warning",
@@ -188,12 +203,14 @@ def run(args: argparse.Namespace) -> int:
             allow_unknown_queue=_truthy(args.allow_unknown_queue),
             tinker_max_pending=int(args.tinker_max_pending),
             tinker_result_ttl_s=float(args.tinker_result_ttl_s),
+            allow_redis_eviction=_truthy(args.allow_redis_eviction),
+            redis_check_interval_s=float(args.redis_check_interval_s),
         )
         settings = redis_settings(args, client_name="scoring-gateway")
         port = int(args.port)
     except (TypeError, ValueError) as exc:
         return _fail(f"bad gateway setting: {exc}")
-    problem = _check_redis(settings)
+    problem = _check_redis(settings, config.allow_redis_eviction)
     if problem:
         return _fail(problem)
     try:
@@ -237,13 +254,22 @@ def _truthy(value: object) -> bool:
     return value is True or str(value).strip().lower() in ("1", "true", "yes", "on")
 
 
-def _check_redis(settings: object) -> str | None:
-    """None when Redis answers ``PING``, else the one-line reason."""
-    from worker.connections import connect
+def _check_redis(settings: object, allow_eviction: bool) -> str | None:
+    """None when Redis answers ``PING`` and keeps what it is given (``check_server``: an
+    evicting policy is refused unless ``allow_eviction``), else the one-line reason."""
+    from worker.connections import check_server, connect
+    from worker.errors import ConfigError
 
     try:
-        connect(settings).ping()  # type: ignore[arg-type]
+        client = connect(settings)  # type: ignore[arg-type]
+        client.ping()
     except Exception as exc:  # any connection or auth error is a start-up error here
         url = getattr(settings, "url", "?")
         return f"cannot reach Redis at {url}: {exc}"
+    try:
+        check_server(client, allow_eviction=allow_eviction)
+    except ConfigError as exc:
+        return str(exc)
+    finally:
+        client.close()
     return None

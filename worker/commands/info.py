@@ -2,7 +2,10 @@
 time and dead-letter depth of a queue (all partitions), and the live workers with what each
 holds (model, resident adapters/versions with bytes and fingerprints, from their heartbeats; a
 worker of several queues with its weight on each), as a table or ``--json``; ``--queue``
-repeated: one block per queue (``--json``: a list)."""
+repeated: one block per queue (``--json``: a list). Above the tables, what Redis keeps (each
+primary's eviction policy, persistence and memory; ``--json``: ``redis``) with a warning for a
+policy that evicts (and the workers that serve anyway, ``--allow-redis-eviction``) or no
+persistence."""
 
 from __future__ import annotations
 
@@ -19,7 +22,13 @@ from worker.commands._options import (
     parse_queue_specs,
     redis_settings,
 )
-from worker.connections import connect
+from worker.connections import (
+    connect,
+    eviction_problem,
+    persistence_problem,
+    server_states,
+    server_summary,
+)
 from worker.streams.admin import known_queues, queue_exists, queue_info
 
 
@@ -93,6 +102,26 @@ def render(info: dict[str, Any]) -> str:
     return "\n".join(out + _workers(info.get("workers") or []))
 
 
+def render_redis(summary: dict[str, Any]) -> str:
+    """The lines about what Redis keeps (``server_summary``), warnings included."""
+    out = []
+    for p in summary["primaries"]:
+        aof, rdb = ("-" if v is None else ("on" if v else "off") for v in (p["aof"], p["rdb"]))
+        memory = "-"
+        if p["used_memory_bytes"] is not None:
+            memory = _mib(p["used_memory_bytes"])
+            if p["memory_used_ratio"] is not None:
+                memory += f" ({100 * p['memory_used_ratio']:.1f}% of {p['memory_limit']})"
+        out.append(
+            f"redis {p['node']}  maxmemory-policy {p['policy'] or '-'}  aof {aof}  rdb {rdb}  "
+            f"memory {memory}" + ("" if p["via"] == "config" else "  (CONFIG refused: INFO)")
+        )
+    for warning in (summary.get("eviction_warning"), summary.get("persistence_warning")):
+        if warning:
+            out.append(f"  warning: {warning}")
+    return "\n".join(out)
+
+
 def _mib(nbytes: Any) -> str:
     return f"{int(nbytes) / (1 << 20):.1f} MiB"
 
@@ -111,6 +140,8 @@ def _workers(workers: list[dict[str, Any]]) -> list[str]:
         if w.get("tensor_parallel"):  # a tensor-parallel group: its size and devices
             devices = ", ".join(map(str, w.get("tensor_parallel_devices") or []))
             summary += f"  tensor parallel {w['tensor_parallel']}: {devices}"
+        if w.get("redis_eviction_allowed"):
+            summary += "  --allow-redis-eviction"
         if held:
             summary += (
                 f"  {len(adapters)} adapters, {len(versions)} versions, "
@@ -141,6 +172,9 @@ def run(args: argparse.Namespace) -> int:
             return 0
         for name in names:
             infos.append(queue_info(client, name, args.partitions, args.group))
+        redis_server = _redis_server(client, infos)
+        for info in infos:
+            info["redis"] = redis_server
         missing = [i["queue"] for i in infos if not queue_exists(i)]
         queues = known_queues(client) if missing else []
     except redis.RedisError as exc:
@@ -162,5 +196,26 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(infos[0] if len(infos) == 1 else infos, indent=2))
     else:
+        print(render_redis(redis_server) + "\n")
         print("\n\n".join(render(i) for i in infos))
     return 0
+
+
+def _redis_server(client: Any, infos: list[dict[str, Any]]) -> dict[str, Any]:
+    """``server_summary`` of the server, with ``eviction_allowed`` the consumers that serve with
+    ``--allow-redis-eviction`` and the warnings (None when all is well)."""
+    states = server_states(client)
+    allowed = sorted(
+        str(w.get("consumer"))
+        for i in infos
+        for w in i.get("workers") or []
+        if w.get("redis_eviction_allowed")
+    )
+    summary = server_summary(states, allowed=bool(allowed))
+    summary["eviction_allowed_by"] = allowed
+    problem = eviction_problem(states)
+    if problem and allowed:
+        problem += f" (serving anyway: {', '.join(allowed)})"
+    summary["eviction_warning"] = problem
+    summary["persistence_warning"] = persistence_problem(states)
+    return summary

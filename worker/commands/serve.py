@@ -82,6 +82,8 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         limits=limits_from_args(args),
         max_result_bytes=args.max_result_bytes,
         max_topk=args.max_topk,
+        allow_redis_eviction=args.allow_redis_eviction,
+        redis_check_interval_s=args.redis_check_interval_s,
     )
 
 
@@ -299,6 +301,23 @@ def import_executor(args: argparse.Namespace) -> None:
             importlib.import_module(name)
 
 
+def check_redis(settings: Any, config: WorkerConfig) -> Any:
+    """The start-up check of what Redis keeps (``worker.connections.check_server``): a
+    ``ConfigError`` in one line for a policy that evicts, unless ``--allow-redis-eviction``;
+    the states read, or None when Redis cannot be reached yet (the worker checks on connect)."""
+    from worker.connections import CONNECT_ERRORS, check_server, connect
+
+    try:
+        client = connect(settings)
+        try:
+            return check_server(client, allow_eviction=config.allow_redis_eviction)
+        finally:
+            client.close()
+    except CONNECT_ERRORS as exc:
+        log.warning("cannot read Redis's eviction policy yet (%s): checked on connect", exc)
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Load the model once, then serve until drained/stopped."""
     from worker.observability.startup import StartupClock, process_age_s
@@ -318,6 +337,7 @@ def run(args: argparse.Namespace) -> int:
     client_name = f"scoring-worker:{config.consumer}"[:100].replace(" ", "_")
     settings = redis_settings(args, client_name=client_name)
     check_models(args)  # a typo fails here, in a second, not after the endpoint is up
+    redis_states = check_redis(settings, config)  # an evicting Redis: refused before the load
     tp_leader = tp_group.start_leader(args, flag_defaults()) if tp_group.tp_size(args) > 1 else None
     try:
         metrics = WorkerMetrics()
@@ -335,6 +355,8 @@ def run(args: argparse.Namespace) -> int:
             clock.add("warmup", run_warmup(scorer, max_batch_tokens=config.max_batch_tokens))
         metrics.set_build_info(build_info(scorer))
         worker = Worker(config, settings, scorer, metrics=metrics, health=health)
+        if redis_states is not None:
+            worker.server.checked(redis_states)
         worker.http = http
         worker.startup = clock
         worker.install_signal_handlers()

@@ -99,6 +99,10 @@ class WorkerConfig:
     # bad_request at intake (docs/protocol.md, "Teacher outputs")
     max_result_bytes: int = 64 * 1024 * 1024
     max_topk: int = 256
+    # a maxmemory-policy other than noeviction is refused at start unless allowed
+    # (--allow-redis-eviction); the policy, persistence and memory are read again this often
+    allow_redis_eviction: bool = False
+    redis_check_interval_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.streams:
@@ -127,6 +131,8 @@ class WorkerConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.durable_replicas < 0 or self.durable_timeout_ms <= 0:
             raise ConfigError("durable_replicas must be >= 0 and durable_timeout_ms > 0")
+        if self.redis_check_interval_s <= 0:
+            raise ConfigError(f"redis_check_interval_s must be > 0: {self.redis_check_interval_s}")
         if self.drain_timeout_s <= 0 or self.batch_timeout_s <= 0:
             raise ConfigError("drain_timeout_s and batch_timeout_s must be > 0")
         if self.max_topk > MAX_TOPK:

@@ -48,6 +48,7 @@ class Heartbeat:
         scorer: Scorer,
         ttl_s: float,
         weights: dict[str, int] | None = None,
+        eviction_allowed: bool = False,
     ) -> None:
         queues = (keys.queue_of(s) for s in job_streams)
         #: The logical queues (streams outside the ``scoring:{q}:jobs`` layout get none).
@@ -59,6 +60,7 @@ class Heartbeat:
         #: each queue's heartbeat: ``info`` shows how a worker shares itself)
         self.weights = dict(weights or {})
         self._scorer = scorer
+        self.eviction_allowed = eviction_allowed  # serve --allow-redis-eviction: info shows it
         self._host = socket.gethostname()
 
     def fields(self) -> dict[str, Any]:
@@ -68,6 +70,8 @@ class Heartbeat:
         out.update(group=self.group, host=self._host, pid=os.getpid())
         out["modes"] = list(info.get("modes") or [])
         out["resident"] = self._scorer.resident()
+        if self.eviction_allowed:
+            out["redis_eviction_allowed"] = True
         return out
 
     def beat(self, client: Any) -> None:

@@ -37,6 +37,7 @@ from worker.daemon.leases import InFlight, LeaseKeeper
 from worker.daemon.link import REDIS_DOWN, RedisLink
 from worker.daemon.pipeline import BatchPipeline
 from worker.daemon.reader import EntryReader
+from worker.daemon.server_check import ServerCheck
 from worker.daemon.stats import StatsSampler
 from worker.daemon.writer import OutboxWriter
 from worker.observability.health import HealthServer, HealthState
@@ -93,13 +94,15 @@ class Worker:
         self.writer = OutboxWriter(self.jobs)
         heartbeat = Heartbeat(config.streams, group=config.group, consumer=config.consumer,
                               scorer=scorer, ttl_s=heartbeat_ttl_s(config.stats_interval_s),
-                              weights={q.name: q.weight for q in config.shares})  # fmt: skip
+                              weights={q.name: q.weight for q in config.shares},
+                              eviction_allowed=config.allow_redis_eviction)  # fmt: skip
         self.stats = StatsSampler(config.streams, config.group, metrics=self.metrics,
                                   dead_stream_of=self.jobs.dead_stream_of,
                                   interval_s=config.stats_interval_s,
                                   heartbeat=heartbeat,
                                   acked_upto=self.in_flight.done_upto,
                                   queue_of=config.queue_of)  # fmt: skip
+        self.server = ServerCheck(config, metrics=self.metrics, health=self.health)
         self.jobs_done = 0
         self.pipeline = BatchPipeline(partial(score_batch, self.jobs), threaded=config.pipeline)
         self._poll_s = POLL_MIN_S
@@ -208,6 +211,7 @@ class Worker:
         version = self.link.connect()
         if version is None:
             return False
+        self.server.first(self.link.client)  # a policy that evicts: ConfigError, unless allowed
         self.reader.use_autoclaim = streams.supports_autoclaim(version)
         log.info("redis %s, XAUTOCLAIM %s", ".".join(map(str, version)),
                  "on" if self.reader.use_autoclaim else "off (XPENDING+XCLAIM)")  # fmt: skip
@@ -233,6 +237,7 @@ class Worker:
             self.health.beat("loop")
         self.handback.give(client, stage, self.backlog, stopping=self.drain.stopping)
         self.stats.maybe_sample(client)
+        self.server.maybe(client)
         outbox = Outbox()
         got = 0
         # Read ahead while a batch computes, but never next to a suspect running alone.
@@ -301,8 +306,7 @@ class Worker:
 
     def _fill(self, client: Any, outbox: Outbox) -> int:
         """Fill the batch: poll without BLOCK until the backlog holds a batch's token budget or
-        ``max_wait_ms`` passed (a server-side BLOCK timeout only fires on the server's cron tick,
-        ~100 ms at hz 10, far coarser than max_wait_ms)."""
+        ``max_wait_ms`` passed (a BLOCK timeout fires on the server's ~100 ms cron tick)."""
         got = 0
         deadline = time.monotonic() + self.config.max_wait_ms / 1000.0
         while self.backlog and not self.backlog.full() and any(self._rooms().values()):
@@ -324,9 +328,8 @@ class Worker:
         return room
 
     def _rooms(self, *, ahead: bool = False) -> dict[str, int]:
-        """Entries to read per queue (``Backlog.rooms``): while a batch computes (``ahead``)
-        about what fills each queue's share of the backlog to one batch's token budget, so at
-        most one batch is ahead per queue."""
+        """Entries to read per queue (``Backlog.rooms``): while a batch computes (``ahead``) what
+        fills each queue's share of the backlog to one batch's budget (one batch ahead at most)."""
         return self.backlog.rooms(self._room(), ahead=ahead, queued=self.pipeline.queued)
 
     def _prepare(self, entries: list[streams.Entry], outbox: Outbox) -> int:

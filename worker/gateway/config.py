@@ -30,6 +30,9 @@ class GatewayConfig:
     ``tinker_max_pending``: Tinker samples submitted and not yet retrieved, at most (more get
     429, which the SDK backs off from); ``tinker_result_ttl_s``: how long an answer waits to be
     retrieved before it is dropped.
+    ``allow_redis_eviction``: serve even when a Redis primary's ``maxmemory-policy`` is not
+    ``noeviction`` (refused at start otherwise); ``redis_check_interval_s``: how often the
+    policy, persistence and memory are read again (``scoring_redis_*``, ``/health``).
     """
 
     api_key: str | None = None
@@ -46,6 +49,8 @@ class GatewayConfig:
     allow_unknown_queue: bool = False
     tinker_max_pending: int = 4096
     tinker_result_ttl_s: float = 600.0
+    allow_redis_eviction: bool = False
+    redis_check_interval_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
@@ -58,5 +63,7 @@ class GatewayConfig:
             raise ValueError("max_body_bytes and max_concurrent must be >= 1")
         if self.tinker_max_pending < 1 or self.tinker_result_ttl_s <= 0:
             raise ValueError("tinker_max_pending must be >= 1 and tinker_result_ttl_s > 0")
+        if self.redis_check_interval_s <= 0:
+            raise ValueError(f"redis_check_interval_s must be > 0: {self.redis_check_interval_s}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset for no key)")

@@ -11,23 +11,29 @@ Redis commands of its own (read only), each answer reused for ``worker_check_s``
 ``ZRANGEBYSCORE scoring:{q}:workers <now> +inf LIMIT 0 1`` (a live worker's heartbeat,
 ``worker.streams.heartbeat``) and ``HGET scoring:{q}:worker:<c> model`` (the model it serves),
 then the client's ``ZCOUNT`` and, while no worker is live, ``XINFO GROUPS`` (the queue's
-state); ``SCAN`` for the queues a refusal names; ``PING`` for health.
+state); ``SCAN`` for the queues a refusal names; ``PING`` for health. What Redis keeps (its
+eviction policy, persistence and memory: ``worker.connections.ServerWatch``) is read at start,
+where a policy other than ``noeviction`` fails the start unless ``allow_redis_eviction``, and
+every ``redis_check_interval_s`` after, on a connection of its own in a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from worker import keys
+from worker import connections, keys
 from worker.client.aio import AsyncScoringClient
 from worker.client.coalesce import BatchKey, Coalescer
 from worker.client.errors import UnknownQueueError
 from worker.client.results import SeqScore
 from worker.client.workers import QueueState
+from worker.connections import ServerState, ServerWatch
+from worker.errors import ConfigError
 from worker.gateway.config import GatewayConfig
 from worker.gateway.metrics import GatewayMetrics
 
@@ -58,6 +64,11 @@ class GatewayCore:
         self._checking: asyncio.Future[str | None] | None = None  # the one check under way
         self._served: str | None = None  # the model a live worker reported last
         self._refusal: tuple[float, UnknownQueueError] | None = None  # the last, with its time
+        self.server_watch = ServerWatch(config.redis_check_interval_s)
+        #: What Redis keeps (``worker.connections.server_summary``), shown by ``/health``.
+        self.redis_server: dict[str, Any] = {}
+        self._server_client: Any = None  # a sync client, used from a thread
+        self._server_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Create the client and the coalescer (in the running loop); warn when the queue is
@@ -70,6 +81,8 @@ class GatewayCore:
             max_tokens=self.config.max_batch_tokens,
             on_job=self.metrics.jobs.inc,
         )
+        await self._check_server()
+        self._server_task = asyncio.create_task(self._watch_server())
         if not self.config.check_queue:
             return
         try:
@@ -92,8 +105,58 @@ class GatewayCore:
         elif state.live == 0:
             log.info("no worker serves queue %r yet: requests wait for one", self.queue)
 
+    async def _check_server(self) -> None:
+        """The start-up read of what Redis keeps: ``ConfigError`` when a primary evicts and
+        ``allow_redis_eviction`` is off (``scoring-worker gateway`` says so before, in one line)."""
+        try:
+            states = await asyncio.to_thread(self._read_server)
+        except connections.CONNECT_ERRORS as exc:  # Redis away at start: requests will say so
+            log.warning("cannot read Redis's eviction policy: %s", exc)
+            return
+        problem = connections.eviction_problem(states)
+        if problem and not self.config.allow_redis_eviction:
+            raise ConfigError(problem)
+        self._publish(states)
+
+    async def _watch_server(self) -> None:
+        """Read the server again every ``redis_check_interval_s`` (a policy changed while
+        serving is logged by the watch and turns ``scoring_redis_evicting`` on)."""
+        while True:
+            await asyncio.sleep(self.config.redis_check_interval_s)
+            try:
+                self._publish(await asyncio.to_thread(self._read_server))
+            except Exception as exc:  # Redis away: the next round tries again
+                log.warning("cannot read Redis's eviction policy: %s", exc)
+
+    def _read_server(self) -> list[ServerState]:
+        if self._server_client is None:
+            assert self.client is not None
+            self._server_client = connections.connect(self.client.settings)
+        return self.server_watch.read(self._server_client)
+
+    def _publish(self, states: list[ServerState]) -> None:
+        allowed = self.config.allow_redis_eviction
+        summary = connections.server_summary(states, allowed=allowed)
+        self.metrics.set_redis_server(
+            evicting=summary["evicting"],
+            allowed=allowed,
+            persistent=summary["persistent"],
+            memory_used_ratio={
+                (s.node, str(s.memory_limit)): ratio
+                for s in states
+                if (ratio := s.memory_used_ratio) is not None
+            },
+        )
+        self.redis_server = summary
+
     async def close(self) -> None:
         """Answer what is in flight, then close the client (its reply stream goes)."""
+        if self._server_task is not None:
+            self._server_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._server_task
+        if self._server_client is not None:
+            self._server_client.close()
         if self.coalescer is not None:
             await self.coalescer.close()
         if self.client is not None:

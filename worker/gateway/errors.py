@@ -5,7 +5,8 @@ raised on the producer side as ``JobFailed`` subclasses or, for input the client
 sending, as ``worker.errors.BadRequest``: both carry ``code``) plus the gateway's own
 (``unauthorized``, ``payload_too_large``, ``overloaded``, ``timeout``, ``unavailable``; the
 Tinker routes' ``rate_limited`` and ``result_gone``) and the client's refusal of a queue nobody
-serves (``unknown_queue``, ``UnknownQueueError``). The body, whatever the route::
+serves (``unknown_queue``, ``UnknownQueueError``) or of a job Redis has no memory for
+(``queue_full``, ``QueueFullError``: answered with ``Retry-After``). The body, whatever the route::
 
     {"error": {"code": "<code>", "message": "<why>", "status": <http status>}}
 
@@ -32,11 +33,14 @@ HTTP_STATUS: dict[str, int] = {
     "dead_letter": 500,  # workers died on the job max_deliveries times
     "unknown_queue": 503,  # no worker serves the queue and none ever did (no consumer group)
     "overloaded": 503,  # more requests in flight than --max-concurrent
+    "queue_full": 503,  # Redis refused the job for memory (noeviction at maxmemory): retry later
     "unavailable": 503,  # Redis cannot be reached
     "expired": 504,  # still queued at its deadline
     "timeout": 504,  # no result within --timeout-s
 }
 ERROR_HEADER = "x-scoring-error"
+#: Seconds a client is told to wait (``Retry-After``) before sending again, by error code.
+RETRY_AFTER_S: dict[str, int] = {"queue_full": 10}
 
 
 class GatewayError(Exception):
@@ -79,8 +83,12 @@ def error_body(code: str, message: str) -> tuple[int, bytes]:
 
 
 def error_headers(code: str) -> dict[str, str]:
-    """The headers of an error response (content type and the code)."""
-    return {"content-type": "application/json", ERROR_HEADER: code}
+    """The headers of an error response (content type, the code, ``Retry-After`` where the
+    code has one)."""
+    headers = {"content-type": "application/json", ERROR_HEADER: code}
+    if code in RETRY_AFTER_S:
+        headers["retry-after"] = str(RETRY_AFTER_S[code])
+    return headers
 
 
 def describe(exc: BaseException) -> dict[str, Any]:

@@ -6,12 +6,17 @@
 * ``scoring_gateway_errors_total{route, code}``: error answers by error code;
 * ``scoring_gateway_jobs_total``: jobs submitted (requests are coalesced into them);
 * ``scoring_gateway_sequences_total{route}``: sequences sent for scoring;
-* ``scoring_gateway_unauthorized_total{reason}``: 401s, by ``missing`` or ``wrong`` key.
+* ``scoring_gateway_unauthorized_total{reason}``: 401s, by ``missing`` or ``wrong`` key;
+* what Redis keeps, as the worker exports it (``worker.observability.redis_metrics``; a test
+  keeps the two equal): ``scoring_redis_evicting``, ``scoring_redis_eviction_allowed``,
+  ``scoring_redis_persistent``, ``scoring_redis_memory_used_ratio{primary, limit}``.
 
 ``route`` is the route's path (a few fixed values; ``other`` for anything else).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -71,3 +76,40 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        self.redis_evicting = Gauge(
+            "scoring_redis_evicting",
+            "1 while a Redis primary's maxmemory-policy is not noeviction (jobs may be deleted).",
+            registry=r,
+        )
+        self.redis_eviction_allowed = Gauge(
+            "scoring_redis_eviction_allowed",
+            "1 when this process runs with --allow-redis-eviction.",
+            registry=r,
+        )
+        self.redis_persistent = Gauge(
+            "scoring_redis_persistent",
+            "0 while a Redis primary has neither AOF nor RDB (a restart empties the queues).",
+            registry=r,
+        )
+        self.redis_memory_used_ratio = Gauge(
+            "scoring_redis_memory_used_ratio",
+            "used_memory / maxmemory of each Redis primary (limit=system: over the host's memory, "
+            "no maxmemory set).",
+            ["primary", "limit"],
+            registry=r,
+        )
+
+    def set_redis_server(
+        self,
+        *,
+        evicting: bool,
+        allowed: bool,
+        persistent: bool,
+        memory_used_ratio: Mapping[tuple[str, str], float],
+    ) -> None:
+        """Export one read of the server (``memory_used_ratio``: (primary, limit) -> ratio)."""
+        self.redis_evicting.set(int(evicting))
+        self.redis_eviction_allowed.set(int(allowed))
+        self.redis_persistent.set(int(persistent))
+        for (primary, limit), ratio in memory_used_ratio.items():
+            self.redis_memory_used_ratio.labels(primary=primary, limit=limit).set(ratio)

@@ -6,7 +6,9 @@ TRL's ``VLLMClient.check_server`` (``trl/generation/vllm_client.py``) and prime-
 ``check_health`` poll it, and a Kubernetes readiness probe (no live worker is still ready: the
 gateway's requests are what scales the workers from zero). Its body reports the queue:
 ``{"status": "ok", "queue": q, "worker": bool, "queue_state": {"known", "live_workers",
-"consumer_group"}}`` (``known`` false: requests are refused as ``unknown_queue``).
+"consumer_group"}}`` (``known`` false: requests are refused as ``unknown_queue``) and
+``redis_server``, what Redis keeps (``{"evicting", "eviction_allowed", "persistent",
+"primaries": [...]}``, read every ``redis_check_interval_s``).
 ``/v1/models`` lists the served model first (TRL reads
 ``data[0].id`` and sends it back as ``model``; vLLM's ``ModelList``). ``/metrics`` is the
 Prometheus text of ``worker.gateway.metrics``.
@@ -41,6 +43,7 @@ async def health(request: Request) -> Json:
             "queue": core.queue,
             "worker": worker is not None,
             "queue_state": state.to_json(),
+            "redis_server": core.redis_server,
         }
     )
 

@@ -39,6 +39,8 @@ class HealthState:
         self.redis_ok = False
         self.draining = False
         self.started = False
+        #: What Redis keeps (``worker.connections.server_summary``), shown beside readiness.
+        self.redis_server: dict[str, Any] = {}
 
     def beat(self, name: str) -> None:
         """Record progress of a component (``loop`` or ``lease``)."""
@@ -72,6 +74,7 @@ class HealthState:
             "redis_ok": self.redis_ok,
             "draining": self.draining,
             "started": self.started,
+            "redis_server": self.redis_server,
         }
         ok = self.model_ready and self.redis_ok and self.started and not self.draining
         return ok, details

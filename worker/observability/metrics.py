@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from worker.errors import ERROR_CODES
 from worker.observability.queue_metrics import QueueMetrics
+from worker.observability.redis_metrics import RedisServerMetrics
 
 if TYPE_CHECKING:
     from worker.observability.health import HealthState
@@ -37,7 +38,7 @@ RESULT_BYTES_BUCKETS = tuple(float(2**p) for p in range(10, 31, 2))  # 1 KiB .. 
 
 # The metric definitions: a declarative table (one constructor call per exported metric, with its
 # name, help and labels), followed by a few recording helpers; its length is the catalogue's.
-class WorkerMetrics(QueueMetrics):
+class WorkerMetrics(QueueMetrics, RedisServerMetrics):
     """Every metric a worker exports. Pass a fresh ``CollectorRegistry`` in tests."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -270,6 +271,7 @@ class WorkerMetrics(QueueMetrics):
             "scoring_in_flight_jobs", "Jobs this worker holds right now.", registry=r
         )
         self.build_queue_metrics(r)  # per queue (serve --queue a:3 --queue b:1)
+        self.build_redis_metrics(r)  # what Redis keeps (worker.connections.ServerWatch)
         # --- per-job weights (adapters, versions): docs/models.md
         self.weights_loads = Counter(
             "scoring_weights_loads_total",
@@ -350,11 +352,9 @@ class WorkerMetrics(QueueMetrics):
         loaded) and ``scoring_model_loaded`` is ``health.model_ready`` (what ``/startupz``
         answers), with no code path having to remember to set them.
 
-        Uses prometheus-client's ``Gauge.set_function``: after binding, the gauges' ``set``,
-        ``inc`` and ``dec`` still run without error but no longer change what is exported (the
-        exported sample comes from the function only). So a leftover ``metrics.ready.set(0)`` is
-        harmless, but it is dead code: change ``health`` instead. Calling this again rebinds the
-        gauges to the new ``health``.
+        Uses prometheus-client's ``Gauge.set_function``: after binding, ``set``/``inc``/``dec``
+        still run but no longer change what is exported (a leftover ``metrics.ready.set(0)`` is
+        dead code: change ``health`` instead). Calling this again rebinds to the new ``health``.
         """
 
         def ready() -> float:
