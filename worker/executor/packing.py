@@ -25,13 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from worker.executor.tree.layout import TreeLayout
+from worker.executor.tree.rows import TreeLayout
 
 
 @dataclass(frozen=True)
