@@ -34,6 +34,9 @@ from worker.executor.rewards.pooling import RewardAdapter, backbone_of
 from worker.executor.rewards.surface import merge_outputs, resolve_head, reward_surface
 from worker.executor.selfcheck import allowed_layouts
 from worker.executor.tree.check import sharing_check
+from worker.executor.vision.arch import has_vision
+from worker.executor.vision.intake import refuse_images, vision_intake
+from worker.executor.vision.processor import load_image_processor
 from worker.executor.weights.loading import (
     load_models,
     load_tokenizers,
@@ -77,6 +80,7 @@ class StatelessExecutor(DirectScoring):
         weights: WeightsConfig | None = None,
         tokenizers: tuple[Any, Any] | None = None,
         startup_seconds: dict[str, float] | None = None,
+        image_processor: Any = None,
     ) -> None:
         if reference_model is None and reward_model is None:
             raise ConfigError("StatelessExecutor needs a reference_model or a reward_model")
@@ -130,6 +134,7 @@ class StatelessExecutor(DirectScoring):
             notify=self._on_fallback, share_min=config.min_shared_tokens if why_not is None else 0,
         )  # fmt: skip
         self._rewards = reward_surface(self.reward_model, head, tokenizers, forward)
+        self._vision = vision_intake(self.reference_model, image_processor, config)
         # per-job adapters and versions (docs/models.md); None: base weights only
         self._weights = (
             WeightsRouter(
@@ -183,6 +188,7 @@ class StatelessExecutor(DirectScoring):
             timings=timings,
         )  # fmt: skip
         tokenizers = load_tokenizers(reference_model, reward_model, gguf_file, reward_gguf_file)
+        vlm = reference_model if has_vision(getattr(ref, "config", None)) else None
         return cls(
             config,
             ref,
@@ -193,6 +199,7 @@ class StatelessExecutor(DirectScoring):
             weights=weights,
             tokenizers=tokenizers,
             startup_seconds=timings,
+            image_processor=load_image_processor(vlm) if vlm is not None else None,
         )
 
     def _on_load_fallback(self, event: FallbackEvent) -> None:
@@ -274,6 +281,7 @@ class StatelessExecutor(DirectScoring):
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             **(self._rewards.info() if self.reward_model is not None else {}),
+            **({"vision": self._vision.info} if self._vision is not None else {}),
         }
 
     def close(self) -> None:
@@ -298,6 +306,10 @@ class StatelessExecutor(DirectScoring):
             self._rewards, seqs, mode, options, vocab=self.vocab_size, limit=self.max_positions
         )
         self._weights.check(options) if self._weights is not None else refuse(options)
+        if self._vision is not None:  # images: decoded, processed, checked, positioned
+            plan = self._vision.plan(request, plan)
+        else:
+            refuse_images(request)
         cost = self._runner.cost(plan)  # tokens through the backbone: shared prefixes once
         return Prepared(replace(request, seqs=tuple(seqs)), mode, temp, plan, cost)
 
@@ -332,7 +344,15 @@ class StatelessExecutor(DirectScoring):
         ran: list[tuple[list[int], list[ScoreCall]]] = []
         for indices, plan in merge_plans(batch):
             calls = [
-                ScoreCall(c.mode, first.temperature, list(c.seqs), started, options=first.options)
+                ScoreCall(
+                    c.mode,
+                    first.temperature,
+                    list(c.seqs),
+                    started,
+                    options=first.options,
+                    images_decoded=c.images_decoded,
+                    cache_hits=c.cache_hits,
+                )
                 for c in plan
             ]
             for call in calls:
