@@ -22,7 +22,7 @@ which is what docs, tests and first tries need.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 BYTE_OFFSET = 3
 """Token id of byte 0 (ids 0-2 are ``<unk>``, ``<s>``, ``</s>``), as ``samples.ByteTokenizer``."""
@@ -193,10 +193,10 @@ def tiny_vlm(arch: str = "qwen2_vl", seed: int = 0) -> tuple[Any, Any]:
     vision: dict[str, Any] = {"depth": 1, "hidden_size": 32, "num_heads": 2, "patch_size": 14,
                               "spatial_merge_size": 2, "temporal_patch_size": 2}  # fmt: skip
     if arch == "qwen2_vl":
-        cls, config = "Qwen2VLForConditionalGeneration", Qwen2VLConfig
+        cls, config = "Qwen2VLForConditionalGeneration", cast(Any, Qwen2VLConfig)
         vision.update(embed_dim=32, mlp_ratio=2)
     elif arch == "qwen2_5_vl":
-        cls, config = "Qwen2_5_VLForConditionalGeneration", Qwen2_5_VLConfig
+        cls, config = "Qwen2_5_VLForConditionalGeneration", cast(Any, Qwen2_5_VLConfig)
         vision.update(intermediate_size=64, out_hidden_size=32, window_size=56,
                       fullatt_block_indexes=[0])  # fmt: skip
     else:
