@@ -188,6 +188,16 @@ class ScoreCall:
     def __post_init__(self) -> None:
         self.results = [None] * len(self.prepared)
 
+    @classmethod
+    def of(
+        cls, plan: CallPlan, temperature: float, options: ScoreOptions, started: float
+    ) -> ScoreCall:
+        """The call that runs ``plan`` (its intake's image counts carried over)."""
+        return cls(
+            plan.mode, temperature, list(plan.seqs), started, options=options,
+            images_decoded=plan.images_decoded, cache_hits=plan.cache_hits,
+        )  # fmt: skip
+
     @property
     def lengths(self) -> list[int]:
         """Token count of every sequence, input order."""

@@ -34,9 +34,8 @@ from worker.executor.rewards.pooling import RewardAdapter, backbone_of
 from worker.executor.rewards.surface import merge_outputs, resolve_head, reward_surface
 from worker.executor.selfcheck import allowed_layouts
 from worker.executor.tree.check import sharing_check
-from worker.executor.vision.arch import has_vision
-from worker.executor.vision.intake import refuse_images, vision_intake
-from worker.executor.vision.processor import load_image_processor
+from worker.executor.vision.intake import plan_images, vision_intake
+from worker.executor.vision.processor import image_processor_for
 from worker.executor.weights.loading import (
     load_models,
     load_tokenizers,
@@ -64,6 +63,7 @@ class StatelessExecutor(DirectScoring):
     through ``reward_adapter``; with an adapter and no reward model, the reference model is used
     (one model, both surfaces). Implements ``worker.scorer.Scorer``. ``forward_type`` builds
     what runs the batches (a tensor-parallel executor, ``worker.executor.parallel``, sets its own).
+    ``image_processor``: a vision-language reference model's own (``worker.executor.vision``).
     """
 
     forward_type: Callable[..., BatchForward] = BatchForward
@@ -188,19 +188,11 @@ class StatelessExecutor(DirectScoring):
             timings=timings,
         )  # fmt: skip
         tokenizers = load_tokenizers(reference_model, reward_model, gguf_file, reward_gguf_file)
-        vlm = reference_model if has_vision(getattr(ref, "config", None)) else None
         return cls(
-            config,
-            ref,
-            rew,
-            reward_adapter=reward_adapter,
-            model_name=reference_model,
-            reward_model_name=reward_model,
-            weights=weights,
-            tokenizers=tokenizers,
-            startup_seconds=timings,
-            image_processor=load_image_processor(vlm) if vlm is not None else None,
-        )
+            config, ref, rew, reward_adapter=reward_adapter, model_name=reference_model,
+            reward_model_name=reward_model, weights=weights, tokenizers=tokenizers,
+            startup_seconds=timings, image_processor=image_processor_for(ref, reference_model),
+        )  # fmt: skip
 
     def _on_load_fallback(self, event: FallbackEvent) -> None:
         self._load_fallbacks.append(event)
@@ -306,10 +298,7 @@ class StatelessExecutor(DirectScoring):
             self._rewards, seqs, mode, options, vocab=self.vocab_size, limit=self.max_positions
         )
         self._weights.check(options) if self._weights is not None else refuse(options)
-        if self._vision is not None:  # images: decoded, processed, checked, positioned
-            plan = self._vision.plan(request, plan)
-        else:
-            refuse_images(request)
+        plan = plan_images(self._vision, request, plan)  # decoded, checked, positioned
         cost = self._runner.cost(plan)  # tokens through the backbone: shared prefixes once
         return Prepared(replace(request, seqs=tuple(seqs)), mode, temp, plan, cost)
 
@@ -343,18 +332,7 @@ class StatelessExecutor(DirectScoring):
         runner = self._runner
         ran: list[tuple[list[int], list[ScoreCall]]] = []
         for indices, plan in merge_plans(batch):
-            calls = [
-                ScoreCall(
-                    c.mode,
-                    first.temperature,
-                    list(c.seqs),
-                    started,
-                    options=first.options,
-                    images_decoded=c.images_decoded,
-                    cache_hits=c.cache_hits,
-                )
-                for c in plan
-            ]
+            calls = [ScoreCall.of(c, first.temperature, first.options, started) for c in plan]
             for call in calls:
                 for group in runner.plan(call):
                     runner.run_group(group, call)

@@ -175,10 +175,16 @@ class VisionIntake:
         return tuple(out)
 
 
-def refuse_images(request: ScoreRequest) -> None:
-    """A text-only executor's answer to a request with images: ``BadRequest``."""
+def plan_images(
+    vision: VisionIntake | None, request: ScoreRequest, plan: tuple[CallPlan, ...]
+) -> tuple[CallPlan, ...]:
+    """``plan`` through ``vision`` (``VisionIntake.plan``); a text-only executor (``None``)
+    refuses a request with images (``BadRequest``)."""
+    if vision is not None:
+        return vision.plan(request, plan)
     if request.images is not None or any(s.images for s in request.seqs):
         raise BadRequest("this worker serves a text-only model: a job with images is refused")
+    return plan
 
 
 def vision_intake(model: Any, processor: Any, config: Any) -> VisionIntake | None:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from worker.errors import BadRequest, ConfigError
+from worker.executor.vision.arch import has_vision
 from worker.executor.vision.decode import Decoded
 
 # the processor's ``size`` keys each job option sets
@@ -122,6 +123,14 @@ def _size(size: Any, key: str) -> int:
     """``size[key]`` of a processor's ``size`` (a ``SizeDict`` or a dict), 0 when unset."""
     value = size.get(key) if isinstance(size, dict) else getattr(size, key, None)
     return int(value or 0)
+
+
+def image_processor_for(model: Any, name_or_path: str | None) -> Any:
+    """The image processor of a loaded ``model`` with a vision tower (from ``name_or_path``),
+    ``None`` for a text-only model."""
+    if name_or_path is None or not has_vision(getattr(model, "config", None)):
+        return None
+    return load_image_processor(name_or_path)
 
 
 def load_image_processor(name_or_path: str) -> Any:
