@@ -26,14 +26,22 @@ def has_vision(config: Any) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-def served_class(config: Any) -> str | None:
+def served_class(config: Any, loaded: str | None = None) -> str | None:
     """The class to load a checkpoint's ``config`` with: ``None`` for a text-only model, the
-    served class of a Qwen2-VL / Qwen2.5-VL; ``ConfigError`` for any other image-text model."""
+    served class of a Qwen2-VL / Qwen2.5-VL; ``ConfigError`` naming the class (``loaded``, the
+    checkpoint's architecture, or transformers' image-text class of its ``model_type``) for
+    any other image-text model."""
     if not has_vision(config):
         return None
-    name = SERVED.get(str(getattr(config, "model_type", "")))
+    kind = str(getattr(config, "model_type", ""))
+    name = SERVED.get(kind)
     if name is None:
-        arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as IMAGE_TEXT,
+        )
+
+        named = getattr(config, "architectures", None) or [IMAGE_TEXT.get(kind, kind)]
+        arch = loaded or named[0]
         raise ConfigError(
             f"{arch} is an image-text model this worker does not serve yet: images are scored "
             f"exactly only for {sorted(SERVED.values())}"
@@ -64,7 +72,7 @@ def vision_model(model: Any) -> VisionModel | None:
     """The ``VisionModel`` of a served model, ``None`` for a text-only one; ``ConfigError`` for
     an image-text model that is not served (or whose class is not the served one)."""
     config: Any = getattr(model, "config", None)
-    name = served_class(config)
+    name = served_class(config, type(model).__name__)
     if name is None:
         return None
     if type(model).__name__ != name:

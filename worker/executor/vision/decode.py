@@ -46,8 +46,10 @@ def decode_image(data: bytes, index: int, *, max_pixels: int) -> Decoded:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             img = Image.open(io.BytesIO(data), formats=FORMATS)  # the header only
-    except Image.DecompressionBombError as exc:
-        raise BadRequest(f"{where}: {exc}") from None
+    except Image.DecompressionBombError as exc:  # Pillow's own bound, far above ours
+        raise BadRequest(
+            f"{where} is over the worker's limit of {max_pixels} pixels: {exc}"
+        ) from None
     except Exception:
         raise BadRequest(f"{where} is not a PNG, JPEG or WebP image") from None
     width, height = img.size
