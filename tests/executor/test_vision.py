@@ -31,6 +31,7 @@ from worker.executor import forward as forward_module
 from worker.executor.vision import features
 from worker.executor.vision.arch import served_class
 from worker.executor.vision.decode import decode_image
+from worker.executor.vision.processor import ImageProcessing
 from worker.request import Images, ScoreRequest, SequenceInput
 
 A, B = image_file(90, 60, seed=1), image_file(50, 100, seed=2, fmt="WEBP")
@@ -193,6 +194,34 @@ def test_video_and_text_only_refusals(vlm: StatelessExecutor) -> None:
 def test_other_image_text_models_are_refused_naming_the_class(config: Any, name: str) -> None:
     with pytest.raises(ConfigError, match=f"^{name} is an image-text model this worker"):
         served_class(config())
+
+
+def test_the_load_check_refuses_an_image_path_that_disagrees(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model, processor = tiny_vlm("qwen2_5_vl", seed=7)
+    StatelessExecutor(ExecutorConfig(dtype="float32"), model, image_processor=processor).close()
+    laid = features.vision_batch
+
+    def flat(seqs: Any, seq_ids: Any) -> Any:  # the model's 1-D fallback
+        batch = laid(seqs, seq_ids)
+        rows, width = batch.input_ids.shape
+        return replace(batch, position_ids=torch.arange(width).expand(3, rows, width))
+
+    monkeypatch.setattr(forward_module, "vision_batch", flat)
+    with pytest.raises(ConfigError, match="the image path disagrees with the model's own"):
+        StatelessExecutor(ExecutorConfig(dtype="float32"), model, image_processor=processor)
+
+
+def test_the_processor_cache_is_bounded_in_bytes() -> None:
+    _, processor = tiny_vlm("qwen2_vl")
+    processing = ImageProcessing(processor, 2, cache_bytes=1)
+    one = decode_image(A, 0, max_pixels=10**6)
+    other = decode_image(B, 1, max_pixels=10**6)
+    assert processing.process(one, ())[1] is False
+    assert processing.process(one, ())[1] is True
+    processing.process(other, ())  # over the byte budget: the older image goes
+    assert processing.process(one, ())[1] is False
 
 
 def test_a_served_checkpoint_without_its_processor_is_refused() -> None:

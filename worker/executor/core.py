@@ -34,7 +34,8 @@ from worker.executor.rewards.pooling import RewardAdapter, backbone_of
 from worker.executor.rewards.surface import merge_outputs, resolve_head, reward_surface
 from worker.executor.selfcheck import allowed_layouts
 from worker.executor.tree.check import sharing_check
-from worker.executor.vision.intake import plan_images, vision_intake
+from worker.executor.vision.check import checked_intake
+from worker.executor.vision.intake import plan_images
 from worker.executor.vision.processor import image_processor_for
 from worker.executor.weights.loading import (
     load_models,
@@ -134,7 +135,7 @@ class StatelessExecutor(DirectScoring):
             notify=self._on_fallback, share_min=config.min_shared_tokens if why_not is None else 0,
         )  # fmt: skip
         self._rewards = reward_surface(self.reward_model, head, tokenizers, forward)
-        self._vision = vision_intake(self.reference_model, image_processor, config)
+        self._vision = checked_intake(forward, image_processor, config)  # images, checked
         # per-job adapters and versions (docs/models.md); None: base weights only
         self._weights = (
             WeightsRouter(

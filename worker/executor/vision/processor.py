@@ -50,9 +50,13 @@ class ImageProcessing:
 
     ``processor``: a transformers image processor with ``size`` ``shortest_edge`` /
     ``longest_edge`` (Qwen2-VL's); ``merge``: the vision tower's spatial merge size;
-    ``cache_images``: how many processed images are kept."""
+    ``cache_images`` / ``cache_bytes``: how many processed images, and how many bytes of their
+    ``pixel_values``, are kept (least recently used dropped first; one image at the default
+    ``max_pixels`` of Qwen2-VL is up to 77 MB)."""
 
-    def __init__(self, processor: Any, merge: int, *, cache_images: int = 256) -> None:
+    def __init__(
+        self, processor: Any, merge: int, *, cache_images: int = 256, cache_bytes: int = 2**30
+    ) -> None:
         size: Any = getattr(processor, "size", None)
         if not all(_size(size, key) for key in SIZE_KEYS.values()):
             raise ConfigError(
@@ -62,6 +66,8 @@ class ImageProcessing:
         self.processor = processor
         self.merge = merge
         self.cache_images = cache_images
+        self.cache_bytes = cache_bytes
+        self._held = 0  # bytes of pixel_values in the cache
         self._cache: OrderedDict[tuple[str, tuple[tuple[str, int], ...]], ProcessedImage] = (
             OrderedDict()
         )
@@ -113,9 +119,14 @@ class ImageProcessing:
             digest=image.digest,
         )
         with self._lock:
-            self._cache[key] = done
-            while len(self._cache) > self.cache_images:
-                self._cache.popitem(last=False)
+            if key not in self._cache:
+                self._cache[key] = done
+                self._held += done.pixel_values.nbytes
+            while len(self._cache) > self.cache_images or (
+                self._held > self.cache_bytes and len(self._cache) > 1
+            ):
+                _, dropped = self._cache.popitem(last=False)
+                self._held -= dropped.pixel_values.nbytes
         return done, False
 
 
