@@ -7,7 +7,8 @@ Input, one rollout per line: ``{"tokens": [...], "prompt_len": 12}`` or ``{"toke
 own chat template; ``gather_ids`` ``[n_scored, K]`` on a sequence for per-position gather ids;
 or ``{"seqs": [{...}, ...], ...}`` for a multi-sequence job; ``images``: base64 strings of the
 job's encoded image files (PNG, JPEG, WebP), ``processor`` its size options, and ``images`` on
-a sequence the indices of those it shows (vision-language models). Teacher outputs for every
+a sequence of ``seqs`` the indices of those it shows (a one-sequence line shows them all, in
+order; vision-language models). Teacher outputs for every
 line come from ``--outputs``/``--topk``/``--gather-ids``/``--sampling-*``/``--float16``.
 Output, one line per input line as results complete: ``{"id", "ok": true, "logps": [...],
 "reward", "meta", "info"}`` plus every array the job produced as a list (``entropy``,
@@ -230,9 +231,10 @@ def _read_jobs(
         done.add(job_id)
         multi = "seqs" in obj
         try:
-            seqs = normalize_seqs(obj["seqs"] if multi else [obj])
-            decode_step(obj.get("step"))  # a bad step map is this line's error, not the run's
             images = images_from_base64(obj["images"]) if "images" in obj else None
+            one = {**obj, "images": list(range(len(images)))} if images else obj  # shows them all
+            seqs = normalize_seqs(obj["seqs"] if multi else [one])
+            decode_step(obj.get("step"))  # a bad step map is this line's error, not the run's
         except (ScoringError, KeyError, TypeError) as exc:
             errors_out.append({"line": n, "message": f"id {job_id}: {exc}"})
             continue
