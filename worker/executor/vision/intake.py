@@ -166,6 +166,9 @@ class VisionIntake:
         )
         out = []
         for call in plan:
+            if call.mode == "reward":  # a reward model's own ids (text requests only, above)
+                out.append(call)
+                continue
             seqs = tuple(
                 check_sequence(seq, inp.images or (), shown, self.model, i)
                 for i, (seq, inp) in enumerate(zip(call.seqs, request.seqs, strict=True))

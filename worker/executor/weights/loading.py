@@ -190,7 +190,10 @@ def load_model(
                     raise ConfigError(f"unknown reward head {reward_head!r}")
                 cls = getattr(transformers, REWARD_HEAD_CLASSES[reward_head])
             elif gguf_file is None:  # an image-text model: its served class, or refused
-                config = transformers.AutoConfig.from_pretrained(name_or_path, **kwargs)
+                keep = ("trust_remote_code", "local_files_only", "revision")
+                config = transformers.AutoConfig.from_pretrained(
+                    name_or_path, **{k: v for k, v in kwargs.items() if k in keep}
+                )
                 served = served_class(config)
                 cls = getattr(transformers, served) if served is not None else cls
             model, info = cls.from_pretrained(name_or_path, output_loading_info=True, **kwargs)
