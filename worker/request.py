@@ -13,7 +13,9 @@ payload's head). Nothing here imports torch, numpy or redis: producers build the
 - ``StepOptions``: the ``step`` map of a process-reward job (``docs/rewards.md``).
 - ``ScoreOptions``: everything of a job beyond its mode and temperature (weights, outputs, step);
   jobs with equal options share one scorer call.
-- ``ScoreRequest``: one scorer request: sequences, mode, temperature and options.
+- ``Images``: a job's images (encoded files, sent once per job) and its image-processor options
+  (``docs/protocol.md``, "Images"); a sequence names the ones its tokens show by index.
+- ``ScoreRequest``: one scorer request: sequences, mode, temperature, options and images.
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ from worker.modes import MODES, Mode
 
 __all__ = [
     "DEFAULT_OPTIONS",
+    "IMAGE_OPTION_NAMES",
     "LOGPS_ONLY",
     "MAX_GATHER_IDS",
     "MAX_TOPK",
     "OUTPUT_NAMES",
     "SORT_FREE_TOP_K",
+    "Images",
     "Sampling",
     "ScoreOptions",
     "ScoreRequest",
@@ -73,6 +77,9 @@ class SequenceInput:
     rm_ids: Any = None
     # teacher outputs: per-position gather ids [n_scored, K] (see worker.scorer.teacher)
     gather_ids: Any = None
+    # vision-language models: the job's images this sequence's tokens show, one index into the
+    # request's ``Images.files`` per run of the model's image token, in order (may repeat)
+    images: tuple[int, ...] | None = None
 
 
 # -- teacher outputs
@@ -335,6 +342,70 @@ class ScoreOptions:
 DEFAULT_OPTIONS = ScoreOptions()
 
 
+# -- images
+
+IMAGE_OPTION_NAMES: tuple[str, ...] = ("min_pixels", "max_pixels")
+"""Image-processor size options a job may set; a worker refuses those its processor lacks."""
+
+
+@dataclass(frozen=True)
+class Images:
+    """A job's images: ``files``, encoded image files (PNG, JPEG or WebP bytes, decoded only by
+    the worker, never a path or URL), each sent once however many sequences show it;
+    ``processor``: the image processor's size options for this job, ``(name, int > 0)`` pairs
+    sorted by name (a mapping is accepted). Raises ``BadRequest`` with the reason."""
+
+    files: tuple[bytes, ...] = ()
+    processor: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.files, (str, bytes)) or not isinstance(self.files, Iterable):
+            raise BadRequest("images must be a list of encoded image files (bytes)")
+        out = []
+        for i, f in enumerate(self.files):
+            if not isinstance(f, (bytes, bytearray, memoryview)) or not len(f):
+                raise BadRequest(f"images[{i}] must be the non-empty bytes of an image file")
+            out.append(bytes(f))
+        if not out:
+            raise BadRequest("images must hold at least one image file")
+        object.__setattr__(self, "files", tuple(out))
+        raw = self.processor
+        opts: dict[str, int] = {}
+        for pair in raw.items() if isinstance(raw, dict) else raw:
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise BadRequest("processor must be a map of option name -> integer")
+            name, value = pair
+            if name not in IMAGE_OPTION_NAMES:
+                raise BadRequest(
+                    f"processor option {name!r} is not one of {list(IMAGE_OPTION_NAMES)}"
+                )
+            opts[name] = _integer(f"processor.{name}", value, 1, 2**31 - 1)
+        lo, hi = opts.get("min_pixels"), opts.get("max_pixels")
+        if lo is not None and hi is not None and lo > hi:
+            raise BadRequest(f"processor.min_pixels {lo} is above max_pixels {hi}")
+        object.__setattr__(self, "processor", tuple(sorted(opts.items())))
+
+
+def check_image_refs(seqs: Sequence[SequenceInput], images: Images | None) -> None:
+    """``BadRequest`` unless every index a sequence names is one of ``images``' files and every
+    file is named by some sequence (an unused image is a mistake, never silently decoded)."""
+    n = len(images.files) if images is not None else 0
+    used: set[int] = set()
+    for i, seq in enumerate(seqs):
+        refs = getattr(seq, "images", None)
+        if refs is not None and (isinstance(refs, (str, bytes)) or not isinstance(refs, Iterable)):
+            raise BadRequest(f"sequence {i}: images must be a list of image indices")
+        for r in refs or ():
+            if isinstance(r, bool) or not isinstance(r, numbers.Integral) or not 0 <= int(r) < n:
+                raise BadRequest(
+                    f"sequence {i}: image index {r!r} is out of range (the job has {n} images)"
+                )
+            used.add(int(r))
+    unused = sorted(set(range(n)) - used)
+    if unused:
+        raise BadRequest(f"images {unused} are not shown by any sequence")
+
+
 def check_temperature(value: Any) -> float:
     """``value`` as a float when it is a finite number > 0 (not a bool); else ``BadRequest``."""
     if (
@@ -349,13 +420,15 @@ def check_temperature(value: Any) -> float:
 @dataclass(frozen=True)
 class ScoreRequest:
     """One scorer request: the sequences, the mode and temperature (``None``: the scorer's
-    configured ones) and the options. Checks its own fields (a known mode, a temperature > 0,
-    at least one sequence); what the values of the sequences may be is the scorer's check."""
+    configured ones), the options and the images. Checks its own fields (a known mode, a
+    temperature > 0, at least one sequence, image indices in range and every image used); what
+    the values of the sequences may be is the scorer's check."""
 
     seqs: Sequence[SequenceInput]  # kept as a tuple
     mode: Mode | None = None
     temperature: float | None = None
     options: ScoreOptions = field(default_factory=lambda: DEFAULT_OPTIONS)
+    images: Images | None = None
 
     def __post_init__(self) -> None:
         seqs = self.seqs
@@ -370,3 +443,6 @@ class ScoreRequest:
             object.__setattr__(self, "temperature", check_temperature(self.temperature))
         if not isinstance(self.options, ScoreOptions):
             raise BadRequest(f"options must be ScoreOptions, got {type(self.options).__name__}")
+        if self.images is not None and not isinstance(self.images, Images):
+            raise BadRequest(f"images must be Images, got {type(self.images).__name__}")
+        check_image_refs(self.seqs, self.images)

@@ -10,6 +10,7 @@ from worker.client.core import ClientCore
 from worker.errors import BadRequest
 from worker.request import (
     DEFAULT_OPTIONS,
+    Images,
     Sampling,
     ScoreOptions,
     ScoreRequest,
@@ -73,6 +74,11 @@ def test_the_client_takes_the_options_whole_or_the_arguments_not_both() -> None:
         (lambda: StepOptions(label_token_ids=(4, 4)), "two distinct"),
         (lambda: StepOptions(positive_index=2), "step.positive_index"),
         (lambda: ScoreOptions(outputs={"topk"}), "TokenOutputs"),  # type: ignore[arg-type]
+        (lambda: Images(("a.png",)), r"images\[0\] must be the non-empty bytes"),  # type: ignore[arg-type]
+        (lambda: Images((b"x",), {"resample": 1}), "not one of"),  # type: ignore[arg-type]
+        (lambda: Images((b"x",), {"max_pixels": 0}), "processor.max_pixels"),  # type: ignore[arg-type]
+        (lambda: ScoreRequest([SequenceInput([1, 2], images=(0,))]), "out of range"),
+        (lambda: ScoreRequest([SequenceInput([1, 2])], images=Images((b"x",))), "not shown"),
     ],
 )
 def test_each_type_refuses_bad_values_where_it_is_built(build: object, match: str) -> None:

@@ -271,13 +271,17 @@ def layer_violations(modules: Mapping[str, Module]) -> list[str]:
     return problems
 
 
-def import_graph(modules: Mapping[str, Module]) -> dict[str, dict[str, int]]:
+def import_graph(
+    modules: Mapping[str, Module], *, type_checking: bool = False
+) -> dict[str, dict[str, int]]:
     """``{module: {imported worker module: first line}}``; ``TYPE_CHECKING``-only imports are
-    left out."""
+    left out unless ``type_checking`` (a type one module names from another is a dependency
+    too)."""
     graph: dict[str, dict[str, int]] = {name: {} for name in modules}
     for mod in modules.values():
         for imp in mod.imports:
-            if not imp.type_checking and imp.target in modules and imp.target != mod.name:
+            counted = type_checking or not imp.type_checking
+            if counted and imp.target in modules and imp.target != mod.name:
                 graph[mod.name].setdefault(imp.target, imp.line)
     return graph
 
@@ -341,9 +345,10 @@ def _shortest_cycle(
     return [start, start]  # unreachable for a real component
 
 
-def cycle_violations(modules: Mapping[str, Module]) -> list[str]:
-    """One line per import cycle: the modules in it and one cycle with each import's line."""
-    graph = import_graph(modules)
+def cycle_violations(modules: Mapping[str, Module], *, type_checking: bool = False) -> list[str]:
+    """One line per import cycle: the modules in it and one cycle with each import's line
+    (``type_checking``: ``TYPE_CHECKING``-only imports count as edges too)."""
+    graph = import_graph(modules, type_checking=type_checking)
     problems = []
     for comp in strongly_connected(graph):
         cycle = _shortest_cycle(graph, comp[0], set(comp))

@@ -49,6 +49,32 @@ def test_the_tree_keeps_the_rule(
     assert not problems, f"{title} ({len(problems)}):\n  " + "\n  ".join(problems)
 
 
+def test_the_executor_has_no_import_cycle_even_through_type_names(
+    tree: dict[str, arch.Module],
+) -> None:
+    """Inside ``worker.executor`` imports point one way even counting ``TYPE_CHECKING`` ones:
+    a batch layout, the prefix trees and the vision intake never name each other's types in a
+    loop (the tree row's structure lives in ``tree.rows``, below ``packing`` and
+    ``tree.layout``)."""
+    executor = {n: m for n, m in tree.items() if n.startswith("worker.executor")}
+    assert "worker.executor.tree.rows" in executor
+    problems = arch.cycle_violations(executor, type_checking=True)
+    assert not problems, "\n  ".join(problems)
+
+
+def test_a_type_checking_cycle_is_reported_when_type_names_count() -> None:
+    mods = _modules(
+        {
+            "worker/executor/packing.py": "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n    from worker.executor.tree.layout import TreeLayout\n",
+            "worker/executor/tree/layout.py": "from worker.executor.packing import ForwardBatch\n",
+        }
+    )
+    assert arch.cycle_violations(mods) == []
+    (problem,) = arch.cycle_violations(mods, type_checking=True)
+    assert problem.startswith("import cycle among worker.executor.packing, worker.executor.tree")
+
+
 def _doc_table() -> dict[str, tuple[set[str], set[str]]]:
     """``{layer: (may import, must never import)}`` from the import table of the doc."""
     text = DOC.read_text()

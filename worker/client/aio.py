@@ -26,7 +26,7 @@ from worker.client.base import ClientBase
 from worker.client.core import new_job_id
 from worker.client.effects import END, Block, Command, Delivered, DurableAdd, Effect, Pause, Steps
 from worker.client.errors import ClientClosed, JobFailed, ScoringTimeout
-from worker.client.inputs import JobSpec, teacher_settings
+from worker.client.inputs import JobSpec, group_seqs, teacher_settings
 from worker.client.results import JobHandle, ScoreResult, SeqScore, job_id_of, unwrap
 from worker.client.window import ScoreWindow
 from worker.client.workers import QueueState
@@ -164,6 +164,8 @@ class AsyncScoringClient(ClientBase):
         step: Mapping[str, Any] | None = None,
         options: ScoreOptions | None = None,
         prefix: Any = None,
+        images: Any = None,
+        processor: Mapping[str, int] | None = None,
     ) -> JobHandle:
         """Enqueue one job (see ``ScoringClient.submit``, teacher outputs too)."""
         self._ensure_reader()
@@ -172,6 +174,7 @@ class AsyncScoringClient(ClientBase):
         job = self._core.prepare(
             seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id, outputs=request,
             adapter=adapter, version=version, step=step, options=options, prefix=prefix,
+            images=images, processor=processor,
         )  # fmt: skip
         return await self._run(self._core.submit(job))
 
@@ -230,6 +233,8 @@ class AsyncScoringClient(ClientBase):
         step: Mapping[str, Any] | None = None,
         options: ScoreOptions | None = None,
         prefix: Any = None,
+        images: Any = None,
+        processor: Mapping[str, int] | None = None,
     ) -> list[SeqScore]:
         """Submit one job and await its scores; forgotten on a timeout or cancellation."""
         self._ensure_reader()
@@ -238,7 +243,7 @@ class AsyncScoringClient(ClientBase):
         job = self._core.prepare(
             seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s, job_id=job_id,
             outputs=request, adapter=adapter, version=version, step=step, options=options,
-            prefix=prefix,
+            prefix=prefix, images=images, processor=processor,
         )  # fmt: skip
         return await self._run(self._core.score(job, timeout))
 
@@ -254,8 +259,10 @@ class AsyncScoringClient(ClientBase):
         ``prompt`` (token ids), as one job that carries the prompt once (``prefix``); one
         ``SeqScore`` per completion, its log-probs over the completion's tokens (unless a map
         gives ``prompt_len`` or ``mask``, counted over prompt and completion). ``kwargs``:
-        as ``score`` (``timeout``, ``outputs``, ``adapter``, ...)."""
-        return await self.score(list(completions), mode, temperature, prefix=prompt, **kwargs)
+        as ``score`` (``timeout``, ``outputs``, ``adapter``, ``images`` ...): the prompt's
+        ``images`` are sent once and shown by every completion that names none of its own."""
+        seqs = group_seqs(completions, kwargs.get("images"))  # the prompt's images, once
+        return await self.score(seqs, mode, temperature, prefix=prompt, **kwargs)
 
     async def score_many(
         self,

@@ -42,6 +42,7 @@ from worker.client.errors import (
     client_checks,
     is_out_of_memory,
 )
+from worker.client.images import job_images
 from worker.client.inputs import normalize_seqs, output_request
 from worker.client.resubmit import Resubmitter
 from worker.client.results import JobHandle, SeqScore, unwrap
@@ -170,6 +171,8 @@ class ClientCore:
         step: Any = None,
         options: ScoreOptions | None = None,
         prefix: Any = None,
+        images: Any = None,
+        processor: Mapping[str, int] | None = None,
     ) -> PreparedJob:
         """Validate and encode a job (see ``ScoringClient.submit`` for the arguments); input
         the worker would reject raises ``BadRequestError`` here, before anything is sent."""
@@ -182,6 +185,7 @@ class ClientCore:
                 job_id, mode or self.mode, self.reply_stream, specs, temperature=temperature,
                 deadline_ms=deadline_ms, meta=meta, outputs=output_request(outputs, specs),
                 adapter=adapter, step=step, version=version, options=options, prefix=prefix,
+                images=job_images(images, processor),
             )  # fmt: skip
         return PreparedJob(job_id, self.stream_for(job_id), payload, len(specs))
 

@@ -7,7 +7,7 @@ Everything is validated here, before anything is sent (``worker.errors.BadReques
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -70,6 +70,11 @@ def normalize_seq(seq: Any, index: int = 0) -> protocol.SeqSpec:
     out = protocol.SeqSpec(tokens=tokens, prompt_len=spec["prompt_len"], mask=mask)
     if spec.get("gather_ids") is not None:
         out = protocol.with_gather_ids(out, spec["gather_ids"], index)
+    refs = seq.get("images") if isinstance(seq, Mapping) else None  # indices into the job's
+    if refs is not None:
+        if isinstance(refs, (str, bytes)) or not isinstance(refs, Sequence):
+            raise errors.BadRequest(f"seqs[{index}]: images must be a list of image indices")
+        out = replace(out, images=tuple(refs))
     return out
 
 
@@ -87,6 +92,20 @@ def normalize_seqs(seqs: Any, prefix: Any = None) -> list[protocol.SeqSpec]:
     out = [normalize_seq(s, i) for i, s in enumerate(seqs)]
     if not out:
         raise errors.BadRequest("a job needs at least one sequence")
+    return out
+
+
+def group_seqs(completions: Sequence[Any], images: Any) -> list[Any]:
+    """``score_groups``' completions: with the prompt's ``images``, each completion that names
+    none shows them all, in order (the prompt's image runs come first in every sequence)."""
+    if images is None:
+        return list(completions)
+    shown = list(range(len(images)))
+    out: list[Any] = []
+    for c in completions:
+        seq = dict(c) if isinstance(c, Mapping) else {"tokens": c}
+        seq.setdefault("images", shown)
+        out.append(seq)
     return out
 
 
@@ -183,6 +202,9 @@ class JobSpec:
     step: Mapping[str, Any] | None = None
     # every job option as one ScoreOptions (instead of the separate settings above)
     options: ScoreOptions | None = None
+    # the job's images (bytes, paths or PIL images; docs/client.md) and processor options
+    images: Any = None
+    processor: Mapping[str, int] | None = None
 
     def sets_outputs(self) -> bool:
         """Whether this job names any teacher-output setting of its own."""
@@ -231,6 +253,8 @@ def as_job_spec(item: Any) -> JobSpec:
             version=item.get("version"),
             step=item.get("step"),
             options=item.get("options"),
+            images=item.get("images"),
+            processor=item.get("processor"),
             **{k: item.get(k) for k in TEACHER_SETTINGS},
         )
     return JobSpec(seqs=item)

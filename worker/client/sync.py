@@ -14,7 +14,7 @@ from worker.client.base import ClientBase
 from worker.client.core import WAKE_FIELD, new_job_id
 from worker.client.effects import END, Block, Command, Delivered, DurableAdd, Effect, Pause, Steps
 from worker.client.errors import ClientClosed, JobFailed
-from worker.client.inputs import JobSpec, teacher_settings
+from worker.client.inputs import JobSpec, group_seqs, teacher_settings
 from worker.client.results import JobHandle, ScoreResult, SeqScore, job_id_of, unwrap
 from worker.client.window import ScoreWindow
 from worker.client.workers import QueueState
@@ -152,6 +152,8 @@ class ScoringClient(ClientBase):
         step: Mapping[str, Any] | None = None,
         options: ScoreOptions | None = None,
         prefix: Any = None,
+        images: Any = None,
+        processor: Mapping[str, int] | None = None,
     ) -> JobHandle:
         """Enqueue one job and return its handle (``result(handle)`` waits for it).
 
@@ -170,7 +172,11 @@ class ScoringClient(ClientBase):
         ``options``: the job's options as one ``worker.request.ScoreOptions`` (weights, teacher
         outputs, step; every job option there is), instead of the separate arguments.
         ``prefix``: token ids every sequence starts with, sent once (``score_groups``); each of
-        ``seqs`` is then what follows it (see ``normalize_seqs``).
+        ``seqs`` is then what follows it (see ``normalize_seqs``). ``images``: the job's images
+        (bytes of a PNG/JPEG/WebP file, a path, or a PIL image), each sent once; a sequence
+        names those its tokens show with ``images`` (indices, one per image-token run, in
+        order). ``processor``: the image processor's size options (``min_pixels``,
+        ``max_pixels``). ``docs/client.md``, "Images".
         """
         self._ensure_reader()
         job_id = job_id or new_job_id()
@@ -178,6 +184,7 @@ class ScoringClient(ClientBase):
         job = self._core.prepare(
             seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id, outputs=request,
             adapter=adapter, version=version, step=step, options=options, prefix=prefix,
+            images=images, processor=processor,
         )  # fmt: skip
         return self._run(self._core.submit(job))
 
@@ -228,6 +235,8 @@ class ScoringClient(ClientBase):
         step: Mapping[str, Any] | None = None,
         options: ScoreOptions | None = None,
         prefix: Any = None,
+        images: Any = None,
+        processor: Mapping[str, int] | None = None,
     ) -> list[SeqScore]:
         """Submit one job and wait for its scores (one ``SeqScore`` per sequence). On a timeout
         (or an interrupt) the job is forgotten: its late result is dropped."""
@@ -237,7 +246,7 @@ class ScoringClient(ClientBase):
         job = self._core.prepare(
             seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s, job_id=job_id,
             outputs=request, adapter=adapter, version=version, step=step, options=options,
-            prefix=prefix,
+            prefix=prefix, images=images, processor=processor,
         )  # fmt: skip
         return self._run(self._core.score(job, timeout))
 
@@ -253,8 +262,10 @@ class ScoringClient(ClientBase):
         ``prompt`` (token ids), as one job that carries the prompt once (``prefix``); one
         ``SeqScore`` per completion, its log-probs over the completion's tokens (unless a map
         gives ``prompt_len`` or ``mask``, counted over prompt and completion). ``kwargs``:
-        as ``score`` (``timeout``, ``outputs``, ``adapter``, ...)."""
-        return self.score(list(completions), mode, temperature, prefix=prompt, **kwargs)
+        as ``score`` (``timeout``, ``outputs``, ``adapter``, ``images`` ...): the prompt's
+        ``images`` are sent once and shown by every completion that names none of its own."""
+        seqs = group_seqs(completions, kwargs.get("images"))  # the prompt's images, once
+        return self.score(seqs, mode, temperature, prefix=prompt, **kwargs)
 
     def score_many(
         self,

@@ -123,6 +123,8 @@ class ScoreWindow:
                     outputs=spec.teacher(),
                     step=spec.step,
                     options=spec.options,
+                    images=spec.images,
+                    processor=spec.processor,
                 )
             except BadRequestError as exc:  # refused here, never sent: answered in its turn
                 if self.raise_errors:

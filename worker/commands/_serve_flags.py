@@ -159,6 +159,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(auto: where the load check finds the tree rows exact; off: every sequence alone)",
     )
     m.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=_env_int("MAX_IMAGE_PIXELS", 4096 * 4096),
+        help="vision-language models: the largest image a job may send, width x height in "
+        "pixels, checked from the file's header before it is decoded",
+    )
+    m.add_argument(
+        "--max-images-per-job",
+        type=int,
+        default=_env_int("MAX_IMAGES_PER_JOB", 64),
+        help="vision-language models: the most images one job may send",
+    )
+    m.add_argument(
         "--trust-remote-code",
         action="store_true",
         default=env_bool(env_get("TRUST_REMOTE_CODE")),

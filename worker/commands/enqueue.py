@@ -5,16 +5,20 @@ Input, one rollout per line: ``{"tokens": [...], "prompt_len": 12}`` or ``{"toke
 ``temperature``, ``adapter``, ``version``, ``step`` (a process-reward step map, else
 ``--step``); ``{"messages": [{"role": ..., "content": ...}]}`` for a reward on the reward model's
 own chat template; ``gather_ids`` ``[n_scored, K]`` on a sequence for per-position gather ids;
-or ``{"seqs": [{...}, ...], ...}`` for a multi-sequence job. Teacher outputs for every line come
-from ``--outputs``/``--topk``/``--gather-ids``/``--sampling-*``/``--float16``. Output, one line
-per input line as results complete: ``{"id", "ok": true, "logps": [...], "reward", "meta",
-"info"}`` plus every array the job produced as a list (``entropy``, ``topk_ids`` ``[[...]]``,
-``topk_logps``, ``topk_tail_logp``, ``gather_logps``, ``processed_logps``, ``rewards``,
-``step_positions``, ``step_scores``; ``"seqs": [...]`` for multi-sequence jobs) or ``{"id",
-"ok": false, "error": {"code", "message"}}``. Ids already in the output file are skipped, so
-re-running resumes. When Redis refuses a job for memory (``QueueFullError``: a full server under
-``noeviction``) the run stops there, says how many jobs it wrote and exits 3; re-running the
-same command once Redis has room resumes from the first line not in the output.
+or ``{"seqs": [{...}, ...], ...}`` for a multi-sequence job; ``images``: base64 strings of the
+job's encoded image files (PNG, JPEG, WebP), ``processor`` its size options, and ``images`` on
+a sequence of ``seqs`` the indices of those it shows (a one-sequence line shows them all, in
+order; vision-language models). Teacher outputs for every
+line come from ``--outputs``/``--topk``/``--gather-ids``/``--sampling-*``/``--float16``.
+Output, one line per input line as results complete: ``{"id", "ok": true, "logps": [...],
+"reward", "meta", "info"}`` plus every array the job produced as a list (``entropy``,
+``topk_ids`` ``[[...]]``, ``topk_logps``, ``topk_tail_logp``, ``gather_logps``,
+``processed_logps``, ``rewards``, ``step_positions``, ``step_scores``; ``"seqs": [...]`` for
+multi-sequence jobs) or ``{"id", "ok": false, "error": {"code", "message"}}``. Ids already in
+the output file are skipped, so re-running resumes. When Redis refuses a job for memory
+(``QueueFullError``: a full server under ``noeviction``) the run stops there, says how many
+jobs it wrote and exits 3; re-running the same command once Redis has room resumes from the
+first line not in the output.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from worker.client import (
     UnknownQueueError,
     normalize_seqs,
 )
+from worker.client.images import images_from_base64
 from worker.commands._options import add_queue_args, add_redis_args, redis_settings
 from worker.config import env_get
 from worker.errors import ScoringError
@@ -230,7 +235,9 @@ def _read_jobs(
         done.add(job_id)
         multi = "seqs" in obj
         try:
-            seqs = normalize_seqs(obj["seqs"] if multi else [obj])
+            images = images_from_base64(obj["images"]) if "images" in obj else None
+            one = {**obj, "images": list(range(len(images)))} if images else obj  # shows them all
+            seqs = normalize_seqs(obj["seqs"] if multi else [one])
             decode_step(obj.get("step"))  # a bad step map is this line's error, not the run's
         except (ScoringError, KeyError, TypeError) as exc:
             errors_out.append({"line": n, "message": f"id {job_id}: {exc}"})
@@ -244,6 +251,8 @@ def _read_jobs(
             adapter=obj.get("adapter", weights[0]),  # per-job weights: the line's, else --adapter
             version=obj.get("version", weights[1]),
             step=obj.get("step"),  # None: --step (score_many's default)
+            images=images,
+            processor=obj.get("processor"),
         )
 
 

@@ -176,6 +176,8 @@ def executor_config(args: argparse.Namespace) -> Any:
         "packing": args.packing,
         "prefix_sharing": args.prefix_sharing,
         "reward_index": args.reward_index,
+        "max_image_pixels": args.max_image_pixels,
+        "max_images_per_job": args.max_images_per_job,
     }
     names = {f.name for f in dataclasses.fields(ExecutorConfig)}
     return ExecutorConfig(**{k: v for k, v in wanted.items() if k in names})

@@ -38,6 +38,7 @@ def seq_inputs(job: Job) -> list[SequenceInput]:
                 messages=s.messages,  # reward inputs: rendered by the scorer's prepare
                 text=s.text,  # tokenized by the scorer's prepare
                 step_positions=s.step_positions,
+                images=s.images,  # indices into the job's images
             )
         )  # fmt: skip
     return out
@@ -86,7 +87,9 @@ def prepare_entry(
         # validated and planned once: render messages / tokenize text for the reward model,
         # check every sequence, decide the calls (off the forward); what runs is this plan
         started = time.perf_counter()
-        request = ScoreRequest(seq_inputs(job), cast(Mode, job.mode), job.temperature, options)
+        request = ScoreRequest(
+            seq_inputs(job), cast(Mode, job.mode), job.temperature, options, images=job.images
+        )
         prepared = ctx.scorer.prepare(request)
         if any(s.messages is not None or s.text is not None for s in job.seqs):
             ctx.metrics.tokenization_seconds.observe(time.perf_counter() - started)

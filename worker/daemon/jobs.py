@@ -63,6 +63,11 @@ def _results(
         kv_output_bytes=m.kv_output_bytes, kv_rejected=m.kv_rejected, oom_splits=m.oom_splits,
         device_total_bytes=m.device_total_bytes or None, now_s=time.time(),
     )  # fmt: skip
+    if m.images_decoded or m.image_tokens:  # a vision-language model's images
+        ctx.metrics.record_images(
+            decoded=m.images_decoded, cache_hits=m.processor_cache_hits,
+            image_tokens=m.image_tokens, vision_s=m.vision_s,
+        )  # fmt: skip
     record_weights(ctx.metrics, m.weights, len(batch))  # per-job adapters/versions
     if m.group is not None:  # a tensor-parallel group: per-rank peaks, collectives
         ctx.metrics.record_group(m.group.rank_peak_bytes, m.group.collective_s)
@@ -88,6 +93,9 @@ def _results(
         queue_ms = round(max(p.read_at_s * 1000.0 - p.entry.enqueued_ms, 0.0), 3)
         shared = sum(s.shared_tokens for s in scores)  # tokens computed once for several
         info = ctx.info(queue_ms=queue_ms, shared_tokens=shared, **common)
+        if p.job.images is not None and isinstance(info.get("vision"), dict):  # options used
+            used = {**info["vision"].get("options", {}), **dict(p.job.images.processor)}
+            info["vision"] = {**info["vision"], "options": used}
         bad = [(k, s.error) for k, s in enumerate(scores) if s.error is not None]
         if bad:
             k, err = bad[0]

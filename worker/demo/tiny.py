@@ -22,7 +22,7 @@ which is what docs, tests and first tries need.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 BYTE_OFFSET = 3
 """Token id of byte 0 (ids 0-2 are ``<unk>``, ``<s>``, ``</s>``), as ``samples.ByteTokenizer``."""
@@ -171,6 +171,50 @@ def tiny_model(head: str, arch: str, seed: int, **extra: Any) -> Any:
     return random_model(name, tiny_config(arch, **extra), seed)
 
 
+VLM_ARCHS: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
+VLM_TOKENS = {"vision_start_token_id": 92, "vision_end_token_id": 93, "image_token_id": 94,
+              "video_token_id": 95}  # fmt: skip
+"""The placeholder ids of the tiny vision-language models (the top of ``VOCAB``)."""
+
+
+def tiny_vlm(arch: str = "qwen2_vl", seed: int = 0) -> tuple[Any, Any]:
+    """A tiny Qwen2-VL (``qwen2_vl``) or Qwen2.5-VL (``qwen2_5_vl``) ``*ForConditionalGeneration``
+    with random weights, and its image processor (PIL backend; images of 4 to 16 image tokens)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    text = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 512, "initializer_range": 0.2,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1],
+                                "rope_theta": 10000.0}}  # fmt: skip
+    vision: dict[str, Any] = {"depth": 1, "hidden_size": 32, "num_heads": 2, "patch_size": 14,
+                              "spatial_merge_size": 2, "temporal_patch_size": 2}  # fmt: skip
+    if arch == "qwen2_vl":
+        cls, config = "Qwen2VLForConditionalGeneration", cast(Any, Qwen2VLConfig)
+        vision.update(embed_dim=32, mlp_ratio=2)
+    elif arch == "qwen2_5_vl":
+        cls, config = "Qwen2_5_VLForConditionalGeneration", cast(Any, Qwen2_5_VLConfig)
+        vision.update(intermediate_size=64, out_hidden_size=32, window_size=56,
+                      fullatt_block_indexes=[0])  # fmt: skip
+    else:
+        raise ValueError(f"unknown vision-language arch {arch!r}; expected one of {VLM_ARCHS}")
+    model = random_model(cls, config(text_config=text, vision_config=vision, **VLM_TOKENS), seed)
+    processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)
+    return model, processor
+
+
+def save_tiny_vlm(directory: str | Path, arch: str = "qwen2_vl", seed: int = 0) -> Path:
+    """``tiny_vlm`` saved with ``save_pretrained`` (model and ``preprocessor_config.json``)."""
+    model, processor = tiny_vlm(arch, seed)
+    path = Path(directory)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
 def tiny_causal(arch: str = "llama", seed: int = 0, **extra: Any) -> Any:
     """A tiny random ``*ForCausalLM`` (GPT-2: ``GPT2LMHeadModel``), eval mode, float32."""
     return tiny_model("ForCausalLM", arch, seed, **extra)
@@ -199,9 +243,11 @@ __all__ = [
     "llama_config",
     "random_model",
     "save_tiny_models",
+    "save_tiny_vlm",
     "tiny_backbone",
     "tiny_causal",
     "tiny_config",
     "tiny_model",
     "tiny_reward",
+    "tiny_vlm",
 ]

@@ -49,6 +49,9 @@ class CallPlan:
 
     mode: Mode
     seqs: tuple[PreparedSequence, ...]
+    # images (vision.intake): files decoded and processor cache hits at intake
+    images_decoded: int = 0
+    cache_hits: int = 0
 
 
 def plan_calls(
@@ -85,6 +88,7 @@ def merge_plans(batch: Sequence[Prepared]) -> list[tuple[list[int], tuple[CallPl
     the same calls share them, each call holding their sequences in batch order. Each entry:
     the indices of its sequences in the batch (requests concatenated), and its calls."""
     shapes: dict[tuple[Mode, ...], tuple[list[int], list[list[PreparedSequence]]]] = {}
+    decoded: dict[tuple[Mode, ...], list[int]] = {}
     offset = 0
     for prepared in batch:
         plan: tuple[CallPlan, ...] = prepared.plan
@@ -93,9 +97,18 @@ def merge_plans(batch: Sequence[Prepared]) -> list[tuple[list[int], tuple[CallPl
         indices.extend(range(offset, offset + len(prepared)))
         for part, call in zip(parts, plan, strict=True):
             part.extend(call.seqs)
+        counts = decoded.setdefault(shape, [0, 0])
+        counts[0] += plan[0].images_decoded
+        counts[1] += plan[0].cache_hits
         offset += len(prepared)
     return [
-        (indices, tuple(CallPlan(m, tuple(p)) for m, p in zip(shape, parts, strict=True)))
+        (
+            indices,
+            tuple(
+                CallPlan(m, tuple(p), *(decoded[shape] if k == 0 else (0, 0)))
+                for k, (m, p) in enumerate(zip(shape, parts, strict=True))
+            ),
+        )
         for shape, (indices, parts) in shapes.items()
     ]
 
@@ -141,6 +154,8 @@ class BatchResult:
     kv_bytes: int = 0
     forward_tokens: int = 0  # real tokens through the backbone (a shared prefix once)
     shared_tokens: int = 0  # tokens of the shared prefixes among them
+    vision_images: int = 0  # images through the vision tower
+    vision_s: float = 0.0
 
 
 @dataclass
@@ -165,9 +180,23 @@ class ScoreCall:
     packed_any: bool = False
     forward_tokens: int = 0
     shared_tokens: int = 0
+    images_decoded: int = 0
+    cache_hits: int = 0
+    vision_images: int = 0
+    vision_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.results = [None] * len(self.prepared)
+
+    @classmethod
+    def of(
+        cls, plan: CallPlan, temperature: float, options: ScoreOptions, started: float
+    ) -> ScoreCall:
+        """The call that runs ``plan`` (its intake's image counts carried over)."""
+        return cls(
+            plan.mode, temperature, list(plan.seqs), started, options=options,
+            images_decoded=plan.images_decoded, cache_hits=plan.cache_hits,
+        )  # fmt: skip
 
     @property
     def lengths(self) -> list[int]:
@@ -216,6 +245,8 @@ class ScoreCall:
         self.kv_bytes += batch.kv_bytes
         self.forward_tokens += batch.forward_tokens
         self.shared_tokens += batch.shared_tokens
+        self.vision_images += batch.vision_images
+        self.vision_s += batch.vision_s
 
     def output(
         self,
@@ -250,6 +281,15 @@ class ScoreCall:
             packed_fill_tokens=self.fill_tokens,
             forward_tokens=self.forward_tokens,
             shared_prefix_tokens=self.shared_tokens,
+            images_decoded=self.images_decoded,
+            processor_cache_hits=self.cache_hits,
+            vision_images=self.vision_images,
+            vision_s=self.vision_s,
+            image_tokens=sum(
+                sum(img.tokens for img in p.vision.images)
+                for p in self.prepared
+                if p.vision is not None
+            ),
         )
         scores = [r if r is not None else SequenceScore() for r in self.results]
         return ScoreOutput(scores=scores, metrics=metrics)
@@ -287,6 +327,11 @@ def concat_outputs(parts: list[tuple[list[int], ScoreOutput]], total: int) -> Sc
         packed_fill_tokens=sum(m.packed_fill_tokens for m in ms),
         forward_tokens=sum(m.forward_tokens for m in ms),
         shared_prefix_tokens=sum(m.shared_prefix_tokens for m in ms),
+        images_decoded=sum(m.images_decoded for m in ms),
+        processor_cache_hits=sum(m.processor_cache_hits for m in ms),
+        vision_images=sum(m.vision_images for m in ms),
+        vision_s=sum(m.vision_s for m in ms),
+        image_tokens=sum(m.image_tokens for m in ms),
     )
     return ScoreOutput(
         scores=[s if s is not None else SequenceScore() for s in scores], metrics=metrics

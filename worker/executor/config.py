@@ -85,6 +85,10 @@ class ExecutorConfig:
     prefix_sharing: Literal["auto", "off"] = "auto"
     # shortest prefix worth sharing, in tokens (shorter ones run in the usual layouts)
     min_shared_tokens: int = 32
+    # images (vision-language models): the largest image a job may send, width x height in
+    # pixels (checked from its header, before decoding), and the most images per job
+    max_image_pixels: int = 4096 * 4096
+    max_images_per_job: int = 64
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ConfigError:
@@ -106,6 +110,8 @@ class ExecutorConfig:
             "logprob_chunk_bytes",
             "packed_row_tokens",
             "min_shared_tokens",
+            "max_image_pixels",
+            "max_images_per_job",
         ):
             value = getattr(self, name)
             if not is_int(value) or value < 1:

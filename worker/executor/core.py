@@ -34,6 +34,9 @@ from worker.executor.rewards.pooling import RewardAdapter, backbone_of
 from worker.executor.rewards.surface import merge_outputs, resolve_head, reward_surface
 from worker.executor.selfcheck import allowed_layouts
 from worker.executor.tree.check import sharing_check
+from worker.executor.vision.check import checked_intake
+from worker.executor.vision.intake import plan_images
+from worker.executor.vision.processor import image_processor_for
 from worker.executor.weights.loading import (
     load_models,
     load_tokenizers,
@@ -61,6 +64,7 @@ class StatelessExecutor(DirectScoring):
     through ``reward_adapter``; with an adapter and no reward model, the reference model is used
     (one model, both surfaces). Implements ``worker.scorer.Scorer``. ``forward_type`` builds
     what runs the batches (a tensor-parallel executor, ``worker.executor.parallel``, sets its own).
+    ``image_processor``: a vision-language reference model's own (``worker.executor.vision``).
     """
 
     forward_type: Callable[..., BatchForward] = BatchForward
@@ -77,6 +81,7 @@ class StatelessExecutor(DirectScoring):
         weights: WeightsConfig | None = None,
         tokenizers: tuple[Any, Any] | None = None,
         startup_seconds: dict[str, float] | None = None,
+        image_processor: Any = None,
     ) -> None:
         if reference_model is None and reward_model is None:
             raise ConfigError("StatelessExecutor needs a reference_model or a reward_model")
@@ -130,6 +135,7 @@ class StatelessExecutor(DirectScoring):
             notify=self._on_fallback, share_min=config.min_shared_tokens if why_not is None else 0,
         )  # fmt: skip
         self._rewards = reward_surface(self.reward_model, head, tokenizers, forward)
+        self._vision = checked_intake(forward, image_processor, config)  # images, checked
         # per-job adapters and versions (docs/models.md); None: base weights only
         self._weights = (
             WeightsRouter(
@@ -184,16 +190,10 @@ class StatelessExecutor(DirectScoring):
         )  # fmt: skip
         tokenizers = load_tokenizers(reference_model, reward_model, gguf_file, reward_gguf_file)
         return cls(
-            config,
-            ref,
-            rew,
-            reward_adapter=reward_adapter,
-            model_name=reference_model,
-            reward_model_name=reward_model,
-            weights=weights,
-            tokenizers=tokenizers,
-            startup_seconds=timings,
-        )
+            config, ref, rew, reward_adapter=reward_adapter, model_name=reference_model,
+            reward_model_name=reward_model, weights=weights, tokenizers=tokenizers,
+            startup_seconds=timings, image_processor=image_processor_for(ref, reference_model),
+        )  # fmt: skip
 
     def _on_load_fallback(self, event: FallbackEvent) -> None:
         self._load_fallbacks.append(event)
@@ -274,6 +274,7 @@ class StatelessExecutor(DirectScoring):
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             **(self._rewards.info() if self.reward_model is not None else {}),
+            **({"vision": self._vision.info} if self._vision is not None else {}),
         }
 
     def close(self) -> None:
@@ -298,6 +299,7 @@ class StatelessExecutor(DirectScoring):
             self._rewards, seqs, mode, options, vocab=self.vocab_size, limit=self.max_positions
         )
         self._weights.check(options) if self._weights is not None else refuse(options)
+        plan = plan_images(self._vision, request, plan)  # decoded, checked, positioned
         cost = self._runner.cost(plan)  # tokens through the backbone: shared prefixes once
         return Prepared(replace(request, seqs=tuple(seqs)), mode, temp, plan, cost)
 
@@ -331,10 +333,7 @@ class StatelessExecutor(DirectScoring):
         runner = self._runner
         ran: list[tuple[list[int], list[ScoreCall]]] = []
         for indices, plan in merge_plans(batch):
-            calls = [
-                ScoreCall(c.mode, first.temperature, list(c.seqs), started, options=first.options)
-                for c in plan
-            ]
+            calls = [ScoreCall.of(c, first.temperature, first.options, started) for c in plan]
             for call in calls:
                 for group in runner.plan(call):
                     runner.run_group(group, call)

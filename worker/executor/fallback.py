@@ -152,6 +152,8 @@ class BatchRunner:
         backend."""
         trees: list[Forward] = []
         rest: list[int] | None = None
+        if any(p.vision is not None for p in call.prepared):  # images: padded, per bucket
+            return list(call.plan(self.config, layout="padded", backend=self.backend))
         if self.share_min:
             ids = [p.ids for p in call.prepared]
             groups = shared_groups(ids, self.share_min)
@@ -166,7 +168,7 @@ class BatchRunner:
         is off, the plan has two calls or nothing is shared: what the request counts for in a
         batch's token budget."""
         seqs = plan[0].seqs if len(plan) == 1 else ()
-        if not self.share_min or len(seqs) < 2:
+        if not self.share_min or len(seqs) < 2 or any(s.vision is not None for s in seqs):
             return None
         groups = shared_groups([s.ids for s in seqs], self.share_min)
         return tree_tokens(groups, [len(s.ids) for s in seqs]) if groups else None
@@ -384,6 +386,8 @@ class BatchRunner:
             kv_tensors=kv.tensors,
             kv_bytes=kv.nbytes,
             forward_tokens=sum(len(s.ids) for s in seqs),
+            vision_images=computed.vision_images,
+            vision_s=computed.vision_s,
         )
 
 

@@ -39,6 +39,7 @@ from worker.executor.rewards.steps import head_kind, step_scores
 from worker.executor.tree.attention import tree_backend
 from worker.executor.tree.layout import tree_batch
 from worker.executor.tree.trie import SharedGroup
+from worker.executor.vision.features import image_inputs, vision_batch
 from worker.modes import LOGPROB_MODES, REWARD_MODES, Mode
 from worker.request import DEFAULT_OPTIONS, ScoreOptions
 from worker.scorer.inputs import PreparedSequence, is_int
@@ -54,6 +55,8 @@ class Computed:
 
     scores: list[SequenceScore]
     slot_tokens: int
+    vision_images: int = 0  # images through the vision tower (distinct per forward)
+    vision_s: float = 0.0
 
 
 class BatchForward:
@@ -126,6 +129,9 @@ class BatchForward:
         ``row_tokens``; ``options.outputs``: the per-position arrays to read besides (or instead
         of) logps."""
         ids = [s.ids for s in seqs]
+        if any(s.vision is not None for s in seqs):  # images: padded, 3-row positions
+            batch = vision_batch(seqs, group)
+            return self._run(batch, seqs, list(range(len(seqs))), mode, temp, options)
         if layout == "packed":
             rows = plan_packed([len(x) for x in ids], row_tokens)
             order = [j for row in rows for j in row]  # batch order -> index into seqs
@@ -171,12 +177,21 @@ class BatchForward:
         slots = batch.slot_tokens
         batch = batch.to(self.device)
         scores = [SequenceScore() for _ in seqs]
+        seen = (0, 0.0)
         with torch.inference_mode():
             rewarded: RewardOutput | None = None
+            extra: dict[str, Any] = {}
+            if batch.images:  # the vision tower once per distinct image of the batch
+                assert self.reference_model is not None
+                extra["mm_encoder_outputs"], *tower = image_inputs(
+                    self.reference_model, batch.images, self.device
+                )
+                seen = (int(tower[0]), float(tower[1]))
+                extra["mm_encoder_outputs"] = {"image": extra["mm_encoder_outputs"]}
             if mode in LOGPROB_MODES:
                 spec = options.outputs
                 rewarded = self._logprobs(
-                    batch, [seqs[j] for j in order], order, mode, temp, scores, spec
+                    batch, [seqs[j] for j in order], order, mode, temp, scores, spec, extra
                 )
             if mode in REWARD_MODES and options.step is not None:  # process rewards
                 self._steps(batch, [seqs[j] for j in order], order, options, scores)
@@ -192,7 +207,7 @@ class BatchForward:
                         scores[j].rewards = rewarded.objectives[k].cpu().numpy()
             for j, s in enumerate(seqs):
                 scores[j].rm_tokens = s.rm_tokens
-        return Computed(scores=scores, slot_tokens=slots)
+        return Computed(scores=scores, slot_tokens=slots, vision_images=seen[0], vision_s=seen[1])
 
     def _steps(
         self,
@@ -220,13 +235,14 @@ class BatchForward:
         temp: float,
         scores: list[SequenceScore],
         spec: TokenOutputs = LOGPS_ONLY,
+        extra: dict[str, Any] | None = None,
     ) -> RewardOutput | None:
         """Fill ``scores[j].logps`` (and ``.arrays``, the teacher outputs ``spec`` asks for);
         returns the rewards when the shared adapter pooled them from the same hidden states."""
         model = self.reference_model
         assert model is not None
         rewarded = None
-        hidden = backbone_hidden(model, batch)  # [R, T, H]: the one forward of `model`
+        hidden = backbone_hidden(model, batch, **(extra or {}))  # [R, T, H]: the one forward
         if mode == "both" and self.shared_adapter is not None:
             # One model, both surfaces: the reward head reads the same hidden states.
             rewarded = self.shared_adapter.from_hidden(model, batch, hidden)

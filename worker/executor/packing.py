@@ -25,13 +25,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from worker.executor.tree.layout import TreeLayout
+from worker.executor.tree.rows import TreeLayout
 
 
 @dataclass(frozen=True)
@@ -53,6 +52,9 @@ class ForwardBatch:
     packed: bool
     # tree rows (shared prefixes, ``tree.layout``): the structure the attention reads, else None
     tree: TreeLayout | None = None
+    # vision-language models (``vision.features``): the batch's images in order of appearance
+    # (host arrays); ``position_ids`` is then ``[3, R, T]`` (mRoPE)
+    images: tuple[Any, ...] = ()
 
     @property
     def real_tokens(self) -> int:
@@ -93,6 +95,7 @@ class ForwardBatch:
             seq_ids=self.seq_ids,
             packed=self.packed,
             tree=self.tree.to(device) if self.tree is not None else None,
+            images=self.images,
         )
 
 

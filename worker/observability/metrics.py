@@ -1,10 +1,8 @@
 """Prometheus metrics of a worker, built in one object from an injectable registry.
 
-The metrics layer takes plain numbers (never tensors) so it does not import torch.
-Names follow Prometheus conventions: ``scoring_`` prefix, base units, ``_total`` on counters.
-Dashboards (``ops/grafana``) and alert rules (``ops/prometheus``) refer to these names;
-``tests/ops/`` fail when one drifts.
-"""
+Plain numbers in (never tensors: no torch here). Names: ``scoring_`` prefix, base units,
+``_total`` on counters. Dashboards (``ops/grafana``) and alert rules (``ops/prometheus``) refer
+to these names; ``tests/ops/`` fail when one drifts."""
 
 from __future__ import annotations
 
@@ -15,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from worker.errors import ERROR_CODES
+from worker.observability.image_metrics import ImageMetrics
 from worker.observability.queue_metrics import QueueMetrics
 from worker.observability.redis_metrics import RedisServerMetrics
 
@@ -38,7 +37,7 @@ RESULT_BYTES_BUCKETS = tuple(float(2**p) for p in range(10, 31, 2))  # 1 KiB .. 
 
 # The metric definitions: a declarative table (one constructor call per exported metric, with its
 # name, help and labels), followed by a few recording helpers; its length is the catalogue's.
-class WorkerMetrics(QueueMetrics, RedisServerMetrics):
+class WorkerMetrics(QueueMetrics, RedisServerMetrics, ImageMetrics):
     """Every metric a worker exports. Pass a fresh ``CollectorRegistry`` in tests."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -272,6 +271,7 @@ class WorkerMetrics(QueueMetrics, RedisServerMetrics):
         )
         self.build_queue_metrics(r)  # per queue (serve --queue a:3 --queue b:1)
         self.build_redis_metrics(r)  # what Redis keeps (worker.connections.ServerWatch)
+        self.build_image_metrics(r)  # vision-language models' images
         # --- per-job weights (adapters, versions): docs/models.md
         self.weights_loads = Counter(
             "scoring_weights_loads_total",

@@ -6,13 +6,19 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgpack
 
-from worker.errors import ProtocolError
+from worker.errors import BadRequest, ProtocolError
 from worker.modes import MODES
+from worker.protocol.images import (
+    decode_images,
+    decode_seq_images,
+    encode_images,
+    encode_seq_images,
+)
 from worker.protocol.limits import (
     DEFAULT_LIMITS,
     MAX_ID_CHARS,
@@ -47,7 +53,15 @@ from worker.protocol.seqs import (
     with_gather_ids,
 )
 from worker.protocol.weights import decode_weights, encode_weights
-from worker.request import DEFAULT_OPTIONS, LOGPS_ONLY, ScoreOptions, StepOptions, TokenOutputs
+from worker.request import (
+    DEFAULT_OPTIONS,
+    LOGPS_ONLY,
+    Images,
+    ScoreOptions,
+    StepOptions,
+    TokenOutputs,
+    check_image_refs,
+)
 
 
 @dataclass(frozen=True)
@@ -64,6 +78,8 @@ class Job:
     # what the job asks for beyond mode and temperature: per-job weights, teacher outputs (with
     # K of the per-sequence gather ids), the process-reward step map (worker.request)
     options: ScoreOptions = DEFAULT_OPTIONS
+    # the job's images (encoded files) and image-processor options (worker.protocol.images)
+    images: Images | None = None
 
     @property
     def adapter(self) -> str | None:
@@ -111,6 +127,7 @@ def encode_job(
     step: StepOptions | Mapping[str, Any] | None = None,
     options: ScoreOptions | None = None,
     prefix: Any = None,
+    images: Images | None = None,
 ) -> bytes:
     """Encode a job payload; each seq is a ``SeqSpec`` or a map with ``tokens`` and
     ``prompt_len`` or ``mask`` (and per-position ``gather_ids``). ``outputs``: the teacher
@@ -118,8 +135,9 @@ def encode_job(
     base). ``step``: the process-reward step map. ``options``: all of these as one
     ``ScoreOptions`` (then none of them separately). ``prefix``: token ids every sequence
     starts with (a GRPO group's prompt), sent once: ``seqs`` hold the whole sequences, and
-    the wire carries each one's tokens after the prefix. Validates structure so producers fail
-    fast."""
+    the wire carries each one's tokens after the prefix. ``images``: the job's image files and
+    processor options (a sequence names its images by index, ``images`` of its map or
+    ``SeqSpec``). Validates structure so producers fail fast."""
     if options is not None:
         if (outputs, adapter, version, step) != (None, None, None, None):
             raise ProtocolError("give options, or outputs/adapter/version/step: not both")
@@ -153,6 +171,7 @@ def encode_job(
         entry.update(reward_entry(s))
         if s.gather_ids is not None:
             entry["gather_ids"] = le_bytes(s.gather_ids)
+        entry.update(encode_seq_images(s.images))
         wire_seqs.append(entry)
     if not wire_seqs:
         raise ProtocolError("a job needs at least one sequence")
@@ -176,7 +195,12 @@ def encode_job(
         body.update(encode_output_request(outputs))
     body.update(encode_weights(adapter, version))
     body.update(encode_step(step))
+    body.update(encode_images(images))
     check_reward_job(mode, specs, decode_step(body.get("step")))
+    try:
+        check_image_refs(specs, images)  # type: ignore[arg-type]
+    except BadRequest as exc:
+        raise ProtocolError(exc.message) from None
     return msgpack.packb(body, use_bin_type=True)
 
 
@@ -225,6 +249,7 @@ def decode_job(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> Job:
         raise ProtocolError(exc.message, raw=raw) from exc
     step = _raw(decode_step, body.get("step"), raw)
     _raw(check_reward_job, mode, seqs, step, raw)
+    images = _raw(decode_images, body, raw)
     if width and outputs is None:
         raise ProtocolError(
             "gather ids given per sequence but the job asks for no 'gather'", raw=raw
@@ -241,6 +266,7 @@ def decode_job(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> Job:
         deadline_ms=deadline_ms,
         meta=meta,
         options=options,
+        images=images,
     )
 
 
@@ -310,5 +336,6 @@ def _decode_seqs(
             if not isinstance(ids, bytes) or len(ids) % 4:
                 raise ProtocolError(f"seqs[{i}].gather_ids must be int32 LE bin", raw=raw)
             spec = with_gather_ids(spec, ids, i)
-        seqs.append(spec)
+        refs = _raw(decode_seq_images, s.get("images"), i, raw)
+        seqs.append(spec if refs is None else replace(spec, images=refs))
     return tuple(seqs)

@@ -40,6 +40,8 @@ class SeqSpec:
     # text in: an already-templated string the worker tokenizes with its own tokenizer, as
     # given (add_special_tokens=False), scored instead of tokens like messages
     text: str | None = None
+    # vision-language models: indices into the job's images (worker.protocol.images)
+    images: tuple[int, ...] | None = None
 
     @property
     def num_scored(self) -> int:
@@ -206,6 +208,11 @@ def seq_spec(seq: Mapping[str, Any], index: int = 0) -> SeqSpec:
     spec = SeqSpec(tokens=tokens, prompt_len=prompt_len, mask=mask)
     if seq.get("gather_ids") is not None:
         spec = with_gather_ids(spec, seq["gather_ids"], index)
+    refs = seq.get("images")  # indices into the job's images (worker.protocol.images)
+    if refs is not None:
+        if isinstance(refs, (str, bytes)) or not isinstance(refs, Sequence):
+            raise ProtocolError(f"seqs[{index}].images must be a list of image indices")
+        spec = replace(spec, images=tuple(refs))
     return spec
 
 

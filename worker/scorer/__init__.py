@@ -55,8 +55,14 @@ INFO_KEYS: tuple[str, ...] = (
     "requested_backend",
 )
 #: Keys a scorer's ``info`` carries only when they apply (a reward model's head kind and its
-#: objectives' names, a tensor-parallel group's size); copied into results when present.
-OPTIONAL_INFO_KEYS: tuple[str, ...] = ("reward_head", "reward_objectives", "tensor_parallel")
+#: objectives' names, a tensor-parallel group's size, a vision-language model's image
+#: processor, backend, options and layout); copied into results when present.
+OPTIONAL_INFO_KEYS: tuple[str, ...] = (
+    "reward_head",
+    "reward_objectives",
+    "tensor_parallel",
+    "vision",
+)
 #: Keys of ``info`` the daemon copies into every result's ``info`` (when set).
 RESULT_INFO_KEYS: tuple[str, ...] = (
     "model",

@@ -35,6 +35,9 @@ class PreparedSequence:
     steps: np.ndarray | None = None  # [k] int64 positions in [0, L)
     rm_tokens: int | None = None
     gather_ids: np.ndarray | None = None  # [n, K] int64 (teacher outputs), checked
+    # vision-language models: the images this sequence shows and its positions, numpy only
+    # (worker.executor.vision.intake.SequenceVision); None: text only
+    vision: Any = None
 
 
 def _is_tensor(value: Any) -> bool:

@@ -91,6 +91,13 @@ class BatchMetrics:
     # tokens through the backbone (each shared prefix once), and the shared prefixes' tokens
     forward_tokens: int = 0
     shared_prefix_tokens: int = 0
+    # images (vision-language models): files decoded and processor cache hits at the intake of
+    # the batch's requests; images through the vision tower, its seconds; image tokens forwarded
+    images_decoded: int = 0
+    processor_cache_hits: int = 0
+    vision_images: int = 0
+    vision_s: float = 0.0
+    image_tokens: int = 0
     # Per-job weights: which adapter/version ran, loads and residency (None: base only).
     weights: WeightsReport | None = None
     # Tensor parallelism: the group's ranks and collectives (None: one process).

@@ -69,8 +69,9 @@ def backbone_of(model: nn.Module) -> nn.Module:
     return base if isinstance(base, nn.Module) else model
 
 
-def backbone_hidden(model: nn.Module, batch: ForwardBatch) -> torch.Tensor:
-    """Last hidden states ``[R, T, H]`` of ``model``'s backbone, one ``use_cache=False`` forward."""
+def backbone_hidden(model: nn.Module, batch: ForwardBatch, **extra: Any) -> torch.Tensor:
+    """Last hidden states ``[R, T, H]`` of ``model``'s backbone, one ``use_cache=False`` forward
+    (``extra``: more inputs, e.g. a vision-language model's ``mm_encoder_outputs``)."""
     tree = {} if batch.tree is None else {"scoring_tree": batch.tree}  # tree rows' structure
     out = backbone_of(model)(
         input_ids=batch.input_ids,
@@ -78,6 +79,7 @@ def backbone_hidden(model: nn.Module, batch: ForwardBatch) -> torch.Tensor:
         attention_mask=batch.attention_mask,
         use_cache=False,
         **tree,
+        **extra,
     )
     hidden = getattr(out, "last_hidden_state", None)
     if hidden is None:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.executor import backends
-from worker.executor.tree.layout import Block, TreeLayout
+from worker.executor.tree.rows import Block, TreeLayout
 
 NAME = "scoring_tree"
 # transient bytes of one chunk of continuations (their duplicated prefix K/V and scores)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from worker.errors import ConfigError
+from worker.executor.vision.arch import served_class
 from worker.executor.weights.gguf_cache import shared_gguf_parses
 from worker.executor.weights.source import check_model_source, offline
 
@@ -188,6 +189,13 @@ def load_model(
                 if reward_head not in REWARD_HEAD_CLASSES:
                     raise ConfigError(f"unknown reward head {reward_head!r}")
                 cls = getattr(transformers, REWARD_HEAD_CLASSES[reward_head])
+            elif gguf_file is None:  # an image-text model: its served class, or refused
+                keep = ("trust_remote_code", "local_files_only", "revision")
+                config = transformers.AutoConfig.from_pretrained(
+                    name_or_path, **{k: v for k, v in kwargs.items() if k in keep}
+                )
+                served = served_class(config)
+                cls = getattr(transformers, served) if served is not None else cls
             model, info = cls.from_pretrained(name_or_path, output_loading_info=True, **kwargs)
         except (OSError, ValueError, KeyError, ImportError) as exc:
             raise ConfigError(f"cannot load {kind} model {name_or_path!r}: {exc}") from exc

@@ -1,0 +1,207 @@
+"""A request's images at intake (``StatelessExecutor.prepare``): decode each file once, process
+each distinct image once, check every sequence against the processor's counts, and compute
+every sequence's positions by the model's own rule.
+
+Checks, each a ``BadRequest`` naming the sequence (and the image): a video placeholder (video
+inputs are not served); the number of runs of the image token against the number of images the
+sequence names; each run's length against the processor's token count for its image
+(``t*h*w / merge**2``). The model's own check compares batch totals only, so a short run in one
+sequence and a long one in another would pass it and misplace every feature after them.
+
+Positions: ``get_rope_index`` of the model on the sequence alone (its ``mm_token_type_ids`` from
+the image-token runs), the 3-row mRoPE positions the model computes for that sequence; the
+forward always passes them (``rope_deltas``, the model's cached state, is never read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from worker.errors import BadRequest, ConfigError
+from worker.executor.call import CallPlan
+from worker.executor.vision.arch import VisionModel, vision_model
+from worker.executor.vision.decode import decode_image
+from worker.executor.vision.processor import ImageProcessing, ProcessedImage
+from worker.request import Images, ScoreRequest
+from worker.scorer.inputs import PreparedSequence
+
+
+@dataclass(frozen=True)
+class SequenceVision:
+    """A sequence's images in order of appearance and its positions ``[3, L]`` (mRoPE)."""
+
+    images: tuple[ProcessedImage, ...]
+    positions: np.ndarray  # [3, L] int64
+
+
+@dataclass
+class IntakeCounts:
+    """What one request's intake did: files decoded, processor cache hits."""
+
+    decoded: int = 0
+    cache_hits: int = 0
+    options: dict[str, int] = field(default_factory=dict)
+
+
+def image_runs(ids: np.ndarray, token: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of every maximal run of ``token`` in ``ids``."""
+    hit = np.concatenate([[False], ids == token, [False]])
+    edges = np.flatnonzero(hit[1:] != hit[:-1])
+    return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+
+
+def process_images(
+    images: Images, processing: ImageProcessing, *, max_pixels: int, max_images: int
+) -> tuple[list[ProcessedImage], IntakeCounts]:
+    """Every file of ``images`` decoded (once per distinct content) and processed."""
+    if len(images.files) > max_images:
+        raise BadRequest(
+            f"the job has {len(images.files)} images, over the worker's limit of {max_images} "
+            "(serve --max-images-per-job)"
+        )
+    processing.check(images.processor)
+    counts = IntakeCounts(options=processing.describe(images.processor)["options"])
+    done: dict[bytes, ProcessedImage] = {}
+    out = []
+    for i, data in enumerate(images.files):
+        if data not in done:
+            decoded = decode_image(data, i, max_pixels=max_pixels)
+            counts.decoded += 1
+            done[data], hit = processing.process(decoded, images.processor)
+            counts.cache_hits += int(hit)
+        out.append(done[data])
+    return out, counts
+
+
+def check_sequence(
+    seq: PreparedSequence, refs: Sequence[int], images: Sequence[ProcessedImage],
+    model: VisionModel, index: int,
+) -> PreparedSequence:  # fmt: skip
+    """``seq`` with its ``SequenceVision`` and image-token positions taken out of its scored
+    positions; ``BadRequest`` naming sequence ``index`` on a mismatch (module docstring)."""
+    ids = seq.ids
+    where = f"sequence {index}"
+    if model.video_token is not None and bool(np.any(ids == model.video_token)):
+        raise BadRequest(f"{where}: video inputs are not supported (video token found)")
+    runs = image_runs(ids, model.image_token)
+    if len(runs) != len(refs):
+        raise BadRequest(
+            f"{where}: {len(runs)} runs of the image token but {len(refs)} images named"
+        )
+    shown = tuple(images[r] for r in refs)
+    for k, ((_, n), ref, img) in enumerate(zip(runs, refs, shown, strict=True)):
+        if n != img.tokens:
+            raise BadRequest(
+                f"{where}: image run {k} (images[{ref}]) has {n} image tokens but the processor "
+                f"makes {img.tokens} for that image (grid {img.grid}, merge {model.merge})"
+            )
+    if not runs:
+        return seq
+    vision = SequenceVision(shown, rope_positions(model, ids, shown))
+    scored = seq.scored
+    if scored is not None:  # placeholder positions are never scored
+        keep = ids[scored] != model.image_token
+        if not keep.all():
+            if not keep.any():
+                raise BadRequest(f"{where}: every scored position is an image token")
+            gather = seq.gather_ids[keep] if seq.gather_ids is not None else None
+            return replace(seq, scored=scored[keep], gather_ids=gather, vision=vision)
+    return replace(seq, vision=vision)
+
+
+def rope_positions(
+    model: VisionModel, ids: np.ndarray, images: Sequence[ProcessedImage]
+) -> np.ndarray:
+    """``[3, L]`` positions of ``ids`` alone by the model's ``get_rope_index``."""
+    input_ids = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))[None]  # [1, L]
+    types = (input_ids == model.image_token).to(torch.int32)  # [1, L] 1 = image
+    grids = torch.tensor([img.grid for img in images], dtype=torch.int64)  # [n, 3]
+    with torch.inference_mode():
+        pos, _ = model.model.model.get_rope_index(input_ids, types, image_grid_thw=grids)
+    return pos[:, 0].numpy().astype(np.int64)  # [3, L]
+
+
+class VisionIntake:
+    """A vision-language executor's intake of images (the module docstring), built once at load.
+
+    ``model``: the served ``VisionModel``; ``processing``: its image processor with the cache;
+    ``max_pixels`` / ``max_images``: the worker's limits per image and per job."""
+
+    def __init__(
+        self, model: VisionModel, processing: ImageProcessing, *, max_pixels: int, max_images: int
+    ) -> None:
+        self.model = model
+        self.processing = processing
+        self.max_pixels = max_pixels
+        self.max_images = max_images
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """What results' ``info`` says of images: the processor, its backend and default
+        options, the layout image sequences run in, and why they skip prefix sharing."""
+        return {
+            **self.processing.describe(),
+            "model": self.model.name,
+            "layout": "padded (per-sequence mRoPE positions)",
+            "prefix_sharing": "off for sequences with images",
+        }
+
+    def plan(self, request: ScoreRequest, plan: tuple[CallPlan, ...]) -> tuple[CallPlan, ...]:
+        """``plan`` with every sequence checked against its images (``SequenceVision``
+        attached); images only in ``reference`` mode (log-probs of the served model)."""
+        images = request.images
+        if images is not None and any(call.mode != "reference" for call in plan):
+            raise BadRequest("images are scored in mode 'reference' only")
+        shown, counts = (
+            process_images(
+                images, self.processing, max_pixels=self.max_pixels, max_images=self.max_images
+            )
+            if images is not None
+            else ([], IntakeCounts())
+        )
+        out = []
+        for call in plan:
+            if call.mode == "reward":  # a reward model's own ids (text requests only, above)
+                out.append(call)
+                continue
+            seqs = tuple(
+                check_sequence(seq, inp.images or (), shown, self.model, i)
+                for i, (seq, inp) in enumerate(zip(call.seqs, request.seqs, strict=True))
+            )
+            out.append(replace(call, seqs=seqs))
+        out[0] = replace(out[0], images_decoded=counts.decoded, cache_hits=counts.cache_hits)
+        return tuple(out)
+
+
+def plan_images(
+    vision: VisionIntake | None, request: ScoreRequest, plan: tuple[CallPlan, ...]
+) -> tuple[CallPlan, ...]:
+    """``plan`` through ``vision`` (``VisionIntake.plan``); a text-only executor (``None``)
+    refuses a request with images (``BadRequest``)."""
+    if vision is not None:
+        return vision.plan(request, plan)
+    if request.images is not None or any(s.images for s in request.seqs):
+        raise BadRequest("this worker serves a text-only model: a job with images is refused")
+    return plan
+
+
+def vision_intake(model: Any, processor: Any, config: Any) -> VisionIntake | None:
+    """The intake of a served vision-language ``model`` with its image ``processor`` (``None``
+    for a text-only model); ``ConfigError`` for an image-text model not served, or one without
+    its processor. ``config``: the ``ExecutorConfig`` (the image limits)."""
+    vlm = vision_model(model) if model is not None else None
+    if vlm is None:
+        return None
+    if processor is None:
+        raise ConfigError(f"{vlm.name} needs its image processor (preprocessor_config.json)")
+    return VisionIntake(
+        vlm,
+        ImageProcessing(processor, vlm.merge),
+        max_pixels=config.max_image_pixels,
+        max_images=config.max_images_per_job,
+    )
