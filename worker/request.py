@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from worker.errors import BadRequest
@@ -29,6 +29,8 @@ from worker.modes import MODES, Mode
 
 __all__ = [
     "DEFAULT_OPTIONS",
+    "HIDDEN_DTYPES",
+    "HIDDEN_WIRE_DTYPES",
     "LOGPS_ONLY",
     "MAX_GATHER_IDS",
     "MAX_TOPK",
@@ -84,7 +86,12 @@ OUTPUT_NAMES: tuple[str, ...] = (
     "gather",
     "processed_logps",
     "rank",
+    "hidden",
 )
+HIDDEN_WIRE_DTYPES: dict[str, str] = {"bfloat16": "bf16", "float32": "<f4", "float16": "<f2"}
+"""The dtypes a job may ask ``hidden`` rows in (the first is the default) and their wire dtypes
+(``bf16``: bfloat16 bits as LE uint16; docs/protocol.md)."""
+HIDDEN_DTYPES: tuple[str, ...] = tuple(HIDDEN_WIRE_DTYPES)
 MAX_TOPK = 256
 """The largest k a job may ask for (a worker may lower it: ``serve --max-topk``)."""
 MAX_GATHER_IDS = 4096
@@ -152,8 +159,10 @@ class TokenOutputs:
     position) or ``gather_width`` K > 0, the width of the per-position ids each sequence carries
     (``[n_scored, K]``); K <= 4096. ``sampling`` is required with (and only with)
     ``"processed_logps"``. ``float16``: ``topk_logps`` and ``gather_logps`` travel as float16
-    (the math stays float32). ``temperature`` is the call's (the executor sets it). Raises
-    ``BadRequest`` with the reason.
+    (the math stays float32). ``temperature`` is the call's (the executor sets it).
+    ``hidden_dtype`` (one of ``HIDDEN_DTYPES``): the dtype of the ``"hidden"`` rows (the vector
+    the LM head reads at each scored position). ``max_result_bytes``: the job's own limit on its
+    result's arrays (0: only the worker's). Raises ``BadRequest`` with the reason.
     """
 
     outputs: frozenset[str] = frozenset({"logps"})
@@ -163,6 +172,8 @@ class TokenOutputs:
     sampling: Sampling | None = None
     temperature: float = 1.0
     float16: bool = False
+    hidden_dtype: str = HIDDEN_DTYPES[0]
+    max_result_bytes: int = 0
 
     def __post_init__(self) -> None:
         names = (self.outputs,) if isinstance(self.outputs, str) else self.outputs
@@ -200,6 +211,14 @@ class TokenOutputs:
         object.__setattr__(self, "temperature", float(temperature))
         if not isinstance(self.float16, bool):
             raise BadRequest(f"float16 must be true or false, got {self.float16!r}")
+        if self.hidden_dtype not in HIDDEN_DTYPES:
+            raise BadRequest(
+                f"hidden_dtype must be one of {HIDDEN_DTYPES}, got {self.hidden_dtype!r}"
+            )
+        if self.hidden_dtype != HIDDEN_DTYPES[0] and "hidden" not in outputs:
+            raise BadRequest("hidden_dtype given but 'hidden' is not a requested output")
+        limit = _integer("max_result_bytes", self.max_result_bytes, 0, 2**62)
+        object.__setattr__(self, "max_result_bytes", limit)
 
     def _check_gather(self) -> None:
         ids = () if self.gather_ids is None else self.gather_ids
@@ -229,7 +248,17 @@ class TokenOutputs:
     @property
     def extra(self) -> bool:
         """Whether anything beyond plain ``logps`` is asked for."""
-        return self.outputs != LOGPS_ONLY.outputs or self.float16
+        return self.outputs != LOGPS_ONLY.outputs or self.float16 or bool(self.max_result_bytes)
+
+    def without_hidden(self) -> TokenOutputs | None:
+        """This request less ``"hidden"`` (what the LM head computes); ``None`` when only
+        ``"hidden"`` was asked."""
+        if "hidden" not in self.outputs:
+            return self
+        rest = self.outputs - {"hidden"}
+        if not rest:
+            return None
+        return replace(self, outputs=rest, hidden_dtype=HIDDEN_DTYPES[0])
 
     def check_vocab(self, vocab: int) -> None:
         """Raise ``BadRequest`` when k or a shared gather id does not fit ``vocab`` tokens."""

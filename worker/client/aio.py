@@ -159,6 +159,7 @@ class AsyncScoringClient(ClientBase):
         gather_ids: Any = None,
         sampling: Mapping[str, Any] | None = None,
         float16: bool = False,
+        hidden_dtype: str | None = None,
         adapter: str | None = None,
         version: str | None = None,
         step: Mapping[str, Any] | None = None,
@@ -168,7 +169,7 @@ class AsyncScoringClient(ClientBase):
         """Enqueue one job (see ``ScoringClient.submit``, teacher outputs too)."""
         self._ensure_reader()
         job_id = job_id or new_job_id()
-        request = teacher_settings(outputs, topk, gather_ids, sampling, float16)
+        request = teacher_settings(outputs, topk, gather_ids, sampling, float16, hidden_dtype)
         job = self._core.prepare(
             seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id, outputs=request,
             adapter=adapter, version=version, step=step, options=options, prefix=prefix,
@@ -225,6 +226,7 @@ class AsyncScoringClient(ClientBase):
         gather_ids: Any = None,
         sampling: Mapping[str, Any] | None = None,
         float16: bool = False,
+        hidden_dtype: str | None = None,
         adapter: str | None = None,
         version: str | None = None,
         step: Mapping[str, Any] | None = None,
@@ -234,7 +236,7 @@ class AsyncScoringClient(ClientBase):
         """Submit one job and await its scores; forgotten on a timeout or cancellation."""
         self._ensure_reader()
         job_id = new_job_id()
-        request = teacher_settings(outputs, topk, gather_ids, sampling, float16)
+        request = teacher_settings(outputs, topk, gather_ids, sampling, float16, hidden_dtype)
         job = self._core.prepare(
             seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s, job_id=job_id,
             outputs=request, adapter=adapter, version=version, step=step, options=options,

@@ -144,6 +144,7 @@ class ScoringClient(ClientBase):
         gather_ids: Any = None,
         sampling: Mapping[str, Any] | None = None,
         float16: bool = False,
+        hidden_dtype: str | None = None,
         adapter: str | None = None,
         version: str | None = None,
         step: Mapping[str, Any] | None = None,
@@ -171,7 +172,7 @@ class ScoringClient(ClientBase):
         """
         self._ensure_reader()
         job_id = job_id or new_job_id()
-        request = teacher_settings(outputs, topk, gather_ids, sampling, float16)
+        request = teacher_settings(outputs, topk, gather_ids, sampling, float16, hidden_dtype)
         job = self._core.prepare(
             seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id, outputs=request,
             adapter=adapter, version=version, step=step, options=options, prefix=prefix,
@@ -220,6 +221,7 @@ class ScoringClient(ClientBase):
         gather_ids: Any = None,
         sampling: Mapping[str, Any] | None = None,
         float16: bool = False,
+        hidden_dtype: str | None = None,
         adapter: str | None = None,
         version: str | None = None,
         step: Mapping[str, Any] | None = None,
@@ -230,7 +232,7 @@ class ScoringClient(ClientBase):
         (or an interrupt) the job is forgotten: its late result is dropped."""
         self._ensure_reader()
         job_id = new_job_id()
-        request = teacher_settings(outputs, topk, gather_ids, sampling, float16)
+        request = teacher_settings(outputs, topk, gather_ids, sampling, float16, hidden_dtype)
         job = self._core.prepare(
             seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s, job_id=job_id,
             outputs=request, adapter=adapter, version=version, step=step, options=options,

@@ -43,6 +43,12 @@ def seq_inputs(job: Job) -> list[SequenceInput]:
     return out
 
 
+def hidden_size(ctx: JobContext) -> int:
+    """H of the scorer's ``hidden`` rows (its ``info["head"]``; 0 when it serves none)."""
+    head = ctx.scorer.info.get("head")
+    return int(head.get("hidden_size") or 0) if isinstance(head, dict) else 0
+
+
 def prepare_entry(
     ctx: JobContext, entry: streams.Entry, now_s: float | None = None
 ) -> Pending | Reply | DeadLetter:
@@ -81,8 +87,9 @@ def prepare_entry(
     try:
         n_scored = sum(s.num_scored for s in job.seqs)
         check_limits(
-            options.outputs, n_scored, max_topk=cfg.max_topk, max_bytes=cfg.max_result_bytes
-        )
+            options.outputs, n_scored, max_topk=cfg.max_topk, max_bytes=cfg.max_result_bytes,
+            hidden_size=hidden_size(ctx) if "hidden" in options.outputs.outputs else 0,
+        )  # fmt: skip
         # validated and planned once: render messages / tokenize text for the reward model,
         # check every sequence, decide the calls (off the forward); what runs is this plan
         started = time.perf_counter()

@@ -27,6 +27,7 @@ from worker.executor.call import ScoreCall, call_args, concat_outputs, merge_pla
 from worker.executor.config import ExecutorConfig, Layout
 from worker.executor.fallback import BatchRunner
 from worker.executor.forward import BatchForward
+from worker.executor.head.hidden import head_info
 from worker.executor.head.tiles import lm_head_path
 from worker.executor.kvcache import KVGuard
 from worker.executor.memory import device_total_bytes, read_peak, reset_peak
@@ -91,11 +92,9 @@ class StatelessExecutor(DirectScoring):
         self.reward_adapter = reward_adapter
         self.model_name = model_name or _name_of(reference_model or reward_model)
         self.reward_model_name = reward_model_name or _name_of(reward_model)
-        if (
-            self.reference_model is not None
-            and self.reference_model.get_output_embeddings() is None
-        ):
-            raise ConfigError(f"{type(self.reference_model).__name__} has no LM head")
+        ref = self.reference_model
+        if ref is not None and ref.get_output_embeddings() is None:
+            raise ConfigError(f"{type(ref).__name__} has no LM head")
         if config.mode not in self.modes:
             raise ConfigError(
                 f"ExecutorConfig.mode={config.mode!r} but this executor serves {self.modes}"
@@ -106,6 +105,7 @@ class StatelessExecutor(DirectScoring):
         self._last_fallback: FallbackEvent | None = None
         models = self.reference_model, self.reward_model
         forward = self.forward_type(config, self.device, *models, reward_adapter)
+        self._head = head_info(ref, forward.transform)  # info["head"]: fixed for its life
         backend, events = backends.resolve_all(
             forward.models, config.attention_backend, self.device
         )
@@ -270,6 +270,7 @@ class StatelessExecutor(DirectScoring):
             "packing": self._runner.layout(),
             "prefix_sharing": self.prefix_sharing,
             "lm_head": lm_head_path(self.reference_model, self.config, self.device),
+            "head": self._head,  # what turns hidden rows into logits
             "modes": list(self.modes),
             "torch": torch.__version__,
             "transformers": transformers.__version__,

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from worker.executor.config import ExecutorConfig, Layout
+from worker.executor.head.hidden import HIDDEN_TORCH, host_array
 from worker.executor.head.logprobs import chunked_token_logps, logit_transform_for
 from worker.executor.head.teacher import block_units, chunk_rows_for, chunked_token_outputs
 from worker.executor.head.tiles import tileable, tiled_token_logps
@@ -232,14 +233,22 @@ class BatchForward:
             rewarded = self.shared_adapter.from_hidden(model, batch, hidden)
         picked, labels, sizes = self._scored_rows(hidden, batch, ordered)
         del hidden  # the LM-head chunks below need only the scored rows
-        arrays = self.head_outputs(picked, labels, ordered, replace(spec, temperature=temp))
+        head_spec = spec.without_hidden()  # None: only the hidden rows, no LM head at all
+        arrays = (
+            {}
+            if head_spec is None
+            else self.head_outputs(picked, labels, ordered, replace(head_spec, temperature=temp))
+        )
+        if "hidden" in spec.outputs:  # what the head read, as the job asked it
+            arrays["hidden"] = picked.to(HIDDEN_TORCH[spec.hidden_dtype])  # [N, H]
+        del picked
         split = {name: torch.split(value, sizes) for name, value in arrays.items()}
         for k, j in enumerate(order):
             got = {name: parts[k] for name, parts in split.items()}
             if "logps" in got:
                 scores[j].logps = self._host(got.pop("logps"))
             if spec != LOGPS_ONLY:
-                scores[j].arrays = {name: value.cpu().numpy() for name, value in got.items()}
+                scores[j].arrays = {name: host_array(value) for name, value in got.items()}
         return rewarded
 
     def head_outputs(
