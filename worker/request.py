@@ -10,6 +10,7 @@ payload's head). Nothing here imports torch, numpy or redis: producers build the
 - ``TokenOutputs`` (with ``Sampling``): the per-position arrays a job wants beyond log-probs
   (teacher outputs, ``docs/distillation.md``); their sizes and wire layout are in
   ``worker.scorer.teacher``.
+- ``StudentView``: a sequence as text, for a teacher with its own tokenizer.
 - ``StepOptions``: the ``step`` map of a process-reward job (``docs/rewards.md``).
 - ``ScoreOptions``: everything of a job beyond its mode and temperature (weights, outputs, step);
   jobs with equal options share one scorer call.
@@ -18,10 +19,11 @@ payload's head). Nothing here imports torch, numpy or redis: producers build the
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from worker.errors import BadRequest
@@ -41,6 +43,7 @@ __all__ = [
     "ScoreRequest",
     "SequenceInput",
     "StepOptions",
+    "StudentView",
     "TokenOutputs",
     "check_temperature",
 ]
@@ -75,6 +78,66 @@ class SequenceInput:
     rm_ids: Any = None
     # teacher outputs: per-position gather ids [n_scored, K] (see worker.scorer.teacher)
     gather_ids: Any = None
+    # student text: ``Scorer.prepare`` fills ``tokens`` and ``aligned`` (StudentView below)
+    student: StudentView | None = None
+    aligned: Any = None
+
+
+@dataclass(frozen=True)
+class StudentView:
+    """A sequence as a student with another tokenizer sees it (docs/distillation.md): the
+    prompt as ``prompt`` text or ``messages`` (the teacher's chat template renders them); the
+    completion as the student's ``tokens`` (strings that spell ``completion``, if given), or
+    ``completion`` and ``offsets``, each token's start in UTF-8 bytes (0 first, increasing)."""
+
+    completion: str = ""
+    tokens: tuple[str, ...] | None = None
+    offsets: tuple[int, ...] | None = None
+    prompt: str | None = None
+    messages: tuple[Any, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None) or (
+            self.prompt is not None and not isinstance(self.prompt, str)
+        ):
+            raise BadRequest("student: give exactly one of prompt (a string) and messages")
+        if self.messages is not None:
+            object.__setattr__(self, "messages", _listed("messages", self.messages))
+        if (self.tokens is None) == (self.offsets is None) or not isinstance(self.completion, str):
+            raise BadRequest("student: give tokens (strings), or a completion and its offsets")
+        if self.tokens is not None:
+            tokens = _listed("tokens", self.tokens)
+            if not all(isinstance(t, str) and t for t in tokens):
+                raise BadRequest("student.tokens must be non-empty strings")
+            spelled, given = "".join(tokens), self.completion
+            if given and spelled != given:
+                raise BadRequest(f"student.tokens spell {spelled[:60]!r}..., not the completion")
+            object.__setattr__(self, "tokens", tokens)
+            object.__setattr__(self, "completion", spelled)
+        else:
+            end = max(len(self.completion.encode()) - 1, 0)
+            raw = _listed("offsets", self.offsets)
+            offsets = tuple(_integer("student.offsets[i]", o, 0, end) for o in raw)
+            if offsets[0] or any(b <= a for a, b in itertools.pairwise(offsets)):
+                raise BadRequest("student.offsets must start at 0 and increase strictly")
+            object.__setattr__(self, "offsets", offsets)
+        if not self.completion:
+            raise BadRequest("student: the completion is empty")
+
+    def cuts(self) -> list[int]:
+        """Byte positions where student tokens start, then the completion's end (``n + 1``)."""
+        if self.offsets is not None:
+            return [*self.offsets, len(self.completion.encode())]
+        return [0, *itertools.accumulate(len(t.encode()) for t in self.tokens or ())]
+
+
+def _listed(name: str, value: Any, most: int = 65536) -> tuple[Any, ...]:
+    """``value`` (a list) as a tuple of 1..``most`` items; else ``BadRequest``."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise BadRequest(f"student.{name} must be a list")
+    out = tuple(value)
+    _integer(f"number of student.{name}", len(out), 1, most)
+    return out
 
 
 # -- teacher outputs
@@ -88,9 +151,8 @@ OUTPUT_NAMES: tuple[str, ...] = (
     "rank",
     "hidden",
 )
+# the dtypes of ``hidden`` rows (the first is the default) and their wire dtypes (protocol.md)
 HIDDEN_WIRE_DTYPES: dict[str, str] = {"bfloat16": "bf16", "float32": "<f4", "float16": "<f2"}
-"""The dtypes a job may ask ``hidden`` rows in (the first is the default) and their wire dtypes
-(``bf16``: bfloat16 bits as LE uint16; docs/protocol.md)."""
 HIDDEN_DTYPES: tuple[str, ...] = tuple(HIDDEN_WIRE_DTYPES)
 MAX_TOPK = 256
 """The largest k a job may ask for (a worker may lower it: ``serve --max-topk``)."""
@@ -160,9 +222,9 @@ class TokenOutputs:
     (``[n_scored, K]``); K <= 4096. ``sampling`` is required with (and only with)
     ``"processed_logps"``. ``float16``: ``topk_logps`` and ``gather_logps`` travel as float16
     (the math stays float32). ``temperature`` is the call's (the executor sets it).
-    ``hidden_dtype`` (one of ``HIDDEN_DTYPES``): the dtype of the ``"hidden"`` rows (the vector
-    the LM head reads at each scored position). ``max_result_bytes``: the job's own limit on its
-    result's arrays (0: only the worker's). Raises ``BadRequest`` with the reason.
+    ``hidden_dtype``: of the ``"hidden"`` rows (the vector the LM head reads at each scored
+    position). ``max_result_bytes``: the job's own limit on its result's arrays (0: only the
+    worker's). Raises ``BadRequest`` with the reason.
     """
 
     outputs: frozenset[str] = frozenset({"logps"})
@@ -212,13 +274,10 @@ class TokenOutputs:
         if not isinstance(self.float16, bool):
             raise BadRequest(f"float16 must be true or false, got {self.float16!r}")
         if self.hidden_dtype not in HIDDEN_DTYPES:
-            raise BadRequest(
-                f"hidden_dtype must be one of {HIDDEN_DTYPES}, got {self.hidden_dtype!r}"
-            )
+            raise BadRequest(f"hidden_dtype must be one of {HIDDEN_DTYPES}: {self.hidden_dtype!r}")
         if self.hidden_dtype != HIDDEN_DTYPES[0] and "hidden" not in outputs:
             raise BadRequest("hidden_dtype given but 'hidden' is not a requested output")
-        limit = _integer("max_result_bytes", self.max_result_bytes, 0, 2**62)
-        object.__setattr__(self, "max_result_bytes", limit)
+        _integer("max_result_bytes", self.max_result_bytes, 0, 2**62)
 
     def _check_gather(self) -> None:
         ids = () if self.gather_ids is None else self.gather_ids
@@ -249,16 +308,6 @@ class TokenOutputs:
     def extra(self) -> bool:
         """Whether anything beyond plain ``logps`` is asked for."""
         return self.outputs != LOGPS_ONLY.outputs or self.float16 or bool(self.max_result_bytes)
-
-    def without_hidden(self) -> TokenOutputs | None:
-        """This request less ``"hidden"`` (what the LM head computes); ``None`` when only
-        ``"hidden"`` was asked."""
-        if "hidden" not in self.outputs:
-            return self
-        rest = self.outputs - {"hidden"}
-        if not rest:
-            return None
-        return replace(self, outputs=rest, hidden_dtype=HIDDEN_DTYPES[0])
 
     def check_vocab(self, vocab: int) -> None:
         """Raise ``BadRequest`` when k or a shared gather id does not fit ``vocab`` tokens."""

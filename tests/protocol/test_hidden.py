@@ -23,8 +23,6 @@ def test_hidden_job_keys_round_trip_and_bad_values_are_refused() -> None:
     }  # fmt: skip
     assert decode_output_request(body, "reference") == spec
     assert TokenOutputs(("hidden",)).hidden_dtype == "bfloat16"
-    assert TokenOutputs(("hidden",)).without_hidden() is None
-    assert TokenOutputs(("hidden", "entropy")).without_hidden() == TokenOutputs(("entropy",))
     with pytest.raises(BadRequest, match="hidden_dtype must be one of"):
         TokenOutputs(("hidden",), hidden_dtype="int8")
     with pytest.raises(BadRequest, match="'hidden' is not a requested output"):

@@ -259,6 +259,14 @@ class AsyncScoringClient(ClientBase):
         as ``score`` (``timeout``, ``outputs``, ``adapter``, ...)."""
         return await self.score(list(completions), mode, temperature, prefix=prompt, **kwargs)
 
+    async def score_cross_tokenizer(
+        self, students: Sequence[Mapping[str, Any]], temperature: float = 1.0, **kwargs: Any
+    ) -> list[SeqScore]:
+        """``ScoringClient.score_cross_tokenizer``: student views scored by a teacher with its
+        own tokenizer (docs/distillation.md, *A teacher with its own tokenizer*)."""
+        seqs = [{"student": dict(s)} for s in students]
+        return await self.score(seqs, "reference", temperature, **kwargs)
+
     async def score_many(
         self,
         jobs: Iterable[Any] | AsyncIterable[Any],

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from worker import errors, protocol
+from worker.protocol.student import student_seq
 from worker.request import Sampling, ScoreOptions, TokenOutputs
 
 
@@ -35,6 +36,8 @@ def normalize_seq(seq: Any, index: int = 0) -> protocol.SeqSpec:
     prompt_len)`` tuple or a ``SeqSpec``; tokens may be a list, numpy array or torch tensor."""
     if isinstance(seq, protocol.SeqSpec):
         return seq
+    if isinstance(seq, Mapping) and seq.get("student") is not None:  # a teacher's own tokens
+        return student_seq(seq, index)
     if isinstance(seq, Mapping) and any(seq.get(k) is not None for k in _REWARD_KEYS):
         # reward inputs: a conversation for the reward model's template, a templated text the
         # worker tokenizes, step positions

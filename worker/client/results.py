@@ -37,6 +37,11 @@ TEACHER_ARRAYS = (
     "processed_logps",
     "rank",
     "hidden",
+    "teacher_ids",
+    "teacher_spans",
+    "span_logps",
+    "span_student",
+    "span_teacher",
 )
 
 
@@ -115,6 +120,15 @@ class SeqScore:
     # very bits that travelled
     hidden: Any = None
     hidden_dtype: str | None = None  # the dtype the rows travelled in
+    # a teacher with its own tokenizer (docs/distillation.md): the rows above are the teacher's
+    # tokens, with their ids [n_t] and [start, end) UTF-8 bytes in the completion [n_t, 2]; per
+    # span of whole student and teacher tokens: its log-prob [n_r] (the sum over its teacher
+    # tokens), student token range [a, b) [n_r, 2] and teacher token range [c, d) [n_r, 2]
+    teacher_ids: Any = None
+    teacher_spans: Any = None
+    span_logps: Any = None
+    span_student: Any = None
+    span_teacher: Any = None
 
     @property
     def num_tokens(self) -> int:

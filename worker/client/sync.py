@@ -255,6 +255,17 @@ class ScoringClient(ClientBase):
         as ``score`` (``timeout``, ``outputs``, ``adapter``, ...)."""
         return self.score(list(completions), mode, temperature, prefix=prompt, **kwargs)
 
+    def score_cross_tokenizer(
+        self, students: Sequence[Mapping[str, Any]], temperature: float = 1.0, **kwargs: Any
+    ) -> list[SeqScore]:
+        """Score student completions under a teacher with its own tokenizer (docs/distillation.md,
+        *A teacher with its own tokenizer*): each item is a student view, ``prompt`` (text) or
+        ``messages``, and ``tokens`` (the student's token strings) or ``completion`` with
+        ``offsets`` (UTF-8 byte starts). One ``SeqScore`` each: teacher-token rows, and the
+        ``span_*`` arrays aligned to the student's tokens. ``kwargs``: as ``score``."""
+        seqs = [{"student": dict(s)} for s in students]
+        return self.score(seqs, "reference", temperature, **kwargs)
+
     def score_many(
         self,
         jobs: Iterable[Any],

@@ -38,6 +38,7 @@ def seq_inputs(job: Job) -> list[SequenceInput]:
                 messages=s.messages,  # reward inputs: rendered by the scorer's prepare
                 text=s.text,  # tokenized by the scorer's prepare
                 step_positions=s.step_positions,
+                student=s.student,  # tokenized by the scorer's prepare (its own tokenizer)
             )
         )  # fmt: skip
     return out
@@ -89,6 +90,9 @@ def prepare_entry(
         check_limits(
             options.outputs, n_scored, max_topk=cfg.max_topk, max_bytes=cfg.max_result_bytes,
             hidden_size=hidden_size(ctx) if "hidden" in options.outputs.outputs else 0,
+            extra_bytes=sum(  # student text: per teacher token its id and span, per run 5 ints
+                12 * s.num_scored + 20 * len(s.student.cuts()) for s in job.seqs if s.student
+            ),
         )  # fmt: skip
         # validated and planned once: render messages / tokenize text for the reward model,
         # check every sequence, decide the calls (off the forward); what runs is this plan

@@ -17,6 +17,7 @@ from worker.daemon.weights import record_weights, weights_info
 from worker.errors import KVCacheRejected, ScoringError
 from worker.protocol import Result, SeqResult, error_result
 from worker.protocol.outputs import ARRAY_DTYPES
+from worker.protocol.student import STUDENT_ARRAYS
 from worker.request import ScoreOptions
 from worker.scorer import ScoreOutput, SequenceScore
 from worker.scorer.teacher import array_layout
@@ -112,7 +113,9 @@ def _results(
                 ctx.metrics.step_scores.inc(steps)
             res = Result(id=p.job.id, ok=True, seqs=seq_results, meta=p.job.meta, info=info)
             res.layout = layout  # teacher outputs: the arrays each seqs entry carries
-            ctx.metrics.result_bytes.observe(array_bytes(scores, layout))
+            if any(s.student is not None for s in p.job.seqs):  # and the aligned spans
+                res.layout = {**(layout or {}), **STUDENT_ARRAYS}
+            ctx.metrics.result_bytes.observe(array_bytes(scores, res.layout))
         replies.append(Reply(p.entry, p.job.reply_to, res, p.read_at_s))
     log.info(
         "batch: %d jobs, %d seqs, %d tokens, %.1f ms, backend %s%s",

@@ -34,6 +34,7 @@ from worker.executor.memory import device_total_bytes, read_peak, reset_peak
 from worker.executor.rewards.pooling import RewardAdapter, backbone_of
 from worker.executor.rewards.surface import merge_outputs, resolve_head, reward_surface
 from worker.executor.selfcheck import allowed_layouts
+from worker.executor.student import students
 from worker.executor.tree.check import sharing_check
 from worker.executor.weights.loading import (
     load_models,
@@ -105,16 +106,14 @@ class StatelessExecutor(DirectScoring):
         self._last_fallback: FallbackEvent | None = None
         models = self.reference_model, self.reward_model
         forward = self.forward_type(config, self.device, *models, reward_adapter)
-        self._head = head_info(ref, forward.transform)  # info["head"]: fixed for its life
         backend, events = backends.resolve_all(
             forward.models, config.attention_backend, self.device
         )
         for fallback in events:
             log.warning("attention backend fallback at load: %s", fallback.message)
             self._on_load_fallback(fallback)
-        self._guard = KVGuard(
-            {id(m): m for model in forward.models for m in (model, backbone_of(model))}.values()
-        )
+        hooked = {id(m): m for model in forward.models for m in (model, backbone_of(model))}
+        self._guard = KVGuard(hooked.values())
         with timed(self.startup_seconds, "self_check"):
             packed, unmasked, refused = allowed_layouts(forward, modes=self.modes, backend=backend)
         for event in refused:
@@ -130,6 +129,7 @@ class StatelessExecutor(DirectScoring):
             notify=self._on_fallback, share_min=config.min_shared_tokens if why_not is None else 0,
         )  # fmt: skip
         self._rewards = reward_surface(self.reward_model, head, tokenizers, forward)
+        self._head, self._tokenizer = head_info(ref, forward.transform), (tokenizers or [None])[0]
         # per-job adapters and versions (docs/models.md); None: base weights only
         self._weights = (
             WeightsRouter(
@@ -289,12 +289,13 @@ class StatelessExecutor(DirectScoring):
             self._listeners.append(callback)
 
     def prepare(self, request: ScoreRequest) -> Prepared:
-        """Validate ``request`` and plan it once (``Scorer.prepare``): messages rendered, each
-        sequence checked, the calls decided (``plan_calls``) and costed, an adapter or version
-        checked. Raises BadRequest, TooLong, UnsupportedMode or ModelNotFound."""
+        """Validate and plan ``request`` once (``Scorer.prepare``): student text tokenized,
+        messages rendered, sequences checked, the calls decided (``plan_calls``) and costed,
+        weights checked. Raises BadRequest, TooLong, UnsupportedMode or ModelNotFound."""
         mode, temp = call_args(self.config, self.modes, request)
         options = request.options
-        seqs = self._rewards.prepare(request.seqs, mode, options)
+        seqs = students(self._tokenizer, request.seqs, options.outputs, mode)
+        seqs = self._rewards.prepare(seqs, mode, options)
         plan = plan_calls(
             self._rewards, seqs, mode, options, vocab=self.vocab_size, limit=self.max_positions
         )

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from worker.errors import ProtocolError
+from worker.request import StudentView
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _LITTLE = sys.byteorder == "little"
@@ -40,10 +41,15 @@ class SeqSpec:
     # text in: an already-templated string the worker tokenizes with its own tokenizer, as
     # given (add_special_tokens=False), scored instead of tokens like messages
     text: str | None = None
+    # a teacher with its own tokenizer: the student's view as text (worker.protocol.student)
+    student: StudentView | None = None
 
     @property
     def num_scored(self) -> int:
-        """How many tokens of this sequence are scored."""
+        """How many tokens of this sequence are scored (a student sequence: at most its
+        completion's UTF-8 bytes + 1, the most teacher tokens it can have)."""
+        if self.student is not None:
+            return len(self.student.completion.encode()) + 1
         if self.mask is not None:
             return sum(self.mask)
         if self.prompt_len is None:  # a messages- or text-only reward sequence

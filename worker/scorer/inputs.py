@@ -35,6 +35,8 @@ class PreparedSequence:
     steps: np.ndarray | None = None  # [k] int64 positions in [0, L)
     rm_tokens: int | None = None
     gather_ids: np.ndarray | None = None  # [n, K] int64 (teacher outputs), checked
+    # a student sequence: where its student and teacher tokens cut the completion alike
+    aligned: Any = None  # worker.scorer.align.Alignment
 
 
 def _is_tensor(value: Any) -> bool:

@@ -120,16 +120,23 @@ def array_layout(spec: TokenOutputs, hidden_size: int = 0) -> dict[str, tuple[st
 
 
 def check_limits(
-    spec: TokenOutputs, n_scored: int, *, max_topk: int, max_bytes: int, hidden_size: int = 0
+    spec: TokenOutputs,
+    n_scored: int,
+    *,
+    max_topk: int,
+    max_bytes: int,
+    hidden_size: int = 0,
+    extra_bytes: int = 0,
 ) -> None:
     """A worker's limits on one job: k at most ``max_topk`` (``BadRequest``), a result of at most
     ``max_bytes`` and of at most the job's own ``spec.max_result_bytes`` (``result_bytes`` over
-    the job's ``n_scored`` positions, ``hidden`` rows ``hidden_size`` wide; ``TooLarge``)."""
+    the job's ``n_scored`` positions, ``hidden`` rows ``hidden_size`` wide, plus ``extra_bytes``
+    of other arrays; ``TooLarge``)."""
     if "topk" in spec.outputs and spec.topk > max_topk:
         raise BadRequest(f"topk k={spec.topk} is over this worker's limit of {max_topk}")
     if "hidden" in spec.outputs and hidden_size < 1:
         raise BadRequest("this worker's scorer serves no 'hidden' rows (no LM head)")
-    size = result_bytes(n_scored, spec, hidden_size=hidden_size)
+    size = result_bytes(n_scored, spec, hidden_size=hidden_size) + extra_bytes
     own = spec.max_result_bytes
     if size > max_bytes or (own and size > own):
         whose = (

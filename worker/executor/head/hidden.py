@@ -10,17 +10,28 @@ per executor, for the result's ``info["head"]``. Naive equivalent of a row:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from worker.executor.head.logprobs import LogitTransform
+from worker.request import TokenOutputs
 
-__all__ = ["HIDDEN_TORCH", "head_info", "host_array"]
+__all__ = ["HIDDEN_TORCH", "head_info", "head_request", "host_array"]
 
 HIDDEN_TORCH = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 """The torch dtype of each ``TokenOutputs.hidden_dtype``."""
+
+
+def head_request(spec: TokenOutputs) -> TokenOutputs | None:
+    """What the LM head computes for ``spec``: ``spec`` less ``"hidden"``; ``None`` when only
+    ``"hidden"`` was asked (no head at all)."""
+    if "hidden" not in spec.outputs:
+        return spec
+    rest = spec.outputs - {"hidden"}
+    return replace(spec, outputs=rest, hidden_dtype="bfloat16") if rest else None
 
 
 def host_array(value: torch.Tensor) -> np.ndarray:
