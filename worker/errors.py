@@ -38,6 +38,12 @@ class BadRequest(ScoringError):
     code = "bad_request"
 
 
+class TooLarge(BadRequest):
+    """The job's result would be larger than the job's or the worker's byte limit."""
+
+    code = "too_large"
+
+
 class TooLong(ScoringError):
     """A sequence exceeds the model's positions or cannot fit on the device even alone."""
 
@@ -138,6 +144,7 @@ class ErrorKind:
 ERROR_TABLE: tuple[ErrorKind, ...] = (
     ErrorKind(BadRequest, job_failed="BadRequestError"),
     ErrorKind(TooLong, job_failed="TooLongError"),
+    ErrorKind(TooLarge, job_failed="TooLargeError"),
     ErrorKind(UnsupportedMode, job_failed="UnsupportedModeError"),
     ErrorKind(ModelNotFound, job_failed="ModelNotFoundError"),  # per-job adapters/versions
     ErrorKind(Expired, job_failed="ExpiredError"),

@@ -50,8 +50,9 @@ def _calls() -> dict[str, list[Any]]:
     from worker.scorer.teacher import TokenOutputs
 
     spec = TokenOutputs(
-        frozenset({"logps", "entropy", "topk", "gather"}), topk=6, gather_ids=(2, 47, 95)
-    )
+        frozenset({"logps", "entropy", "topk", "gather", "hidden"}), topk=6,
+        gather_ids=(2, 47, 95), hidden_dtype="float32",  # hidden: rank 0's replicated rows
+    )  # fmt: skip
     ragged = [SequenceInput([1, 5, 9, 14, 2, 77, 8], 2), SequenceInput(list(range(3, 30)), 5)]
     equal = [SequenceInput(ids, prompt_len=5) for ids in EQUAL]
     rng = np.random.default_rng(0)

@@ -159,6 +159,7 @@ class AsyncScoringClient(ClientBase):
         gather_ids: Any = None,
         sampling: Mapping[str, Any] | None = None,
         float16: bool = False,
+        hidden_dtype: str | None = None,
         adapter: str | None = None,
         version: str | None = None,
         step: Mapping[str, Any] | None = None,
@@ -170,7 +171,7 @@ class AsyncScoringClient(ClientBase):
         """Enqueue one job (see ``ScoringClient.submit``, teacher outputs too)."""
         self._ensure_reader()
         job_id = job_id or new_job_id()
-        request = teacher_settings(outputs, topk, gather_ids, sampling, float16)
+        request = teacher_settings(outputs, topk, gather_ids, sampling, float16, hidden_dtype)
         job = self._core.prepare(
             seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id, outputs=request,
             adapter=adapter, version=version, step=step, options=options, prefix=prefix,
@@ -228,6 +229,7 @@ class AsyncScoringClient(ClientBase):
         gather_ids: Any = None,
         sampling: Mapping[str, Any] | None = None,
         float16: bool = False,
+        hidden_dtype: str | None = None,
         adapter: str | None = None,
         version: str | None = None,
         step: Mapping[str, Any] | None = None,
@@ -239,7 +241,7 @@ class AsyncScoringClient(ClientBase):
         """Submit one job and await its scores; forgotten on a timeout or cancellation."""
         self._ensure_reader()
         job_id = new_job_id()
-        request = teacher_settings(outputs, topk, gather_ids, sampling, float16)
+        request = teacher_settings(outputs, topk, gather_ids, sampling, float16, hidden_dtype)
         job = self._core.prepare(
             seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s, job_id=job_id,
             outputs=request, adapter=adapter, version=version, step=step, options=options,
@@ -263,6 +265,14 @@ class AsyncScoringClient(ClientBase):
         ``images`` are sent once and shown by every completion that names none of its own."""
         seqs = group_seqs(completions, kwargs.get("images"))  # the prompt's images, once
         return await self.score(seqs, mode, temperature, prefix=prompt, **kwargs)
+
+    async def score_cross_tokenizer(
+        self, students: Sequence[Mapping[str, Any]], temperature: float = 1.0, **kwargs: Any
+    ) -> list[SeqScore]:
+        """``ScoringClient.score_cross_tokenizer``: student views scored by a teacher with its
+        own tokenizer (docs/distillation.md, *A teacher with its own tokenizer*)."""
+        seqs = [{"student": dict(s)} for s in students]
+        return await self.score(seqs, "reference", temperature, **kwargs)
 
     async def score_many(
         self,

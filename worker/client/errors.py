@@ -64,6 +64,11 @@ class TooLongError(JobFailed, errors.TooLong):
     """A sequence is longer than the worker's model accepts (``too_long``)."""
 
 
+class TooLargeError(JobFailed, errors.TooLarge):
+    """The job's result would exceed the job's or the worker's byte limit (``too_large``);
+    ``except worker.errors.BadRequest`` catches it too."""
+
+
 class UnsupportedModeError(JobFailed, errors.UnsupportedMode):
     """The worker does not serve the requested mode (``unsupported_mode``)."""
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from worker import errors, protocol
+from worker.protocol.student import student_seq
 from worker.request import Sampling, ScoreOptions, TokenOutputs
 
 
@@ -35,6 +36,8 @@ def normalize_seq(seq: Any, index: int = 0) -> protocol.SeqSpec:
     prompt_len)`` tuple or a ``SeqSpec``; tokens may be a list, numpy array or torch tensor."""
     if isinstance(seq, protocol.SeqSpec):
         return seq
+    if isinstance(seq, Mapping) and seq.get("student") is not None:  # a teacher's own tokens
+        return student_seq(seq, index)
     if isinstance(seq, Mapping) and any(seq.get(k) is not None for k in _REWARD_KEYS):
         # reward inputs: a conversation for the reward model's template, a templated text the
         # worker tokenizes, step positions
@@ -141,14 +144,15 @@ def teacher_settings(
     gather_ids: Any = None,
     sampling: Mapping[str, Any] | None = None,
     float16: bool = False,
+    hidden_dtype: str | None = None,
 ) -> dict[str, Any] | None:
     """The teacher-output arguments of a job as given (``None``: none given, a plain job);
     ``output_request`` builds them into the job's ``TokenOutputs`` once its sequences are
-    known."""
-    if all(x is None for x in (outputs, topk, gather_ids, sampling)) and not float16:
+    known. ``hidden_dtype``: of the ``"hidden"`` rows (default bfloat16)."""
+    if all(x is None for x in (outputs, topk, gather_ids, sampling, hidden_dtype)) and not float16:
         return None
     return {"outputs": outputs, "topk": topk, "gather_ids": gather_ids, "sampling": sampling,
-            "float16": float16}  # fmt: skip
+            "float16": float16, "hidden_dtype": hidden_dtype}  # fmt: skip
 
 
 def output_request(
@@ -175,6 +179,7 @@ def output_request(
         gather_width=width,
         sampling=Sampling(**sampling) if isinstance(sampling, Mapping) else sampling,
         float16=bool(settings.get("float16")),
+        hidden_dtype=settings.get("hidden_dtype") or "bfloat16",
     )
 
 

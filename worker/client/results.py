@@ -36,7 +36,23 @@ TEACHER_ARRAYS = (
     "gather_logps",
     "processed_logps",
     "rank",
+    "hidden",
+    "teacher_ids",
+    "teacher_spans",
+    "span_logps",
+    "span_student",
+    "span_teacher",
 )
+
+
+def _bf16_rows(data: bytes, width: int) -> Any:
+    """bfloat16 bits (LE uint16) as float32 ``[n, width]``, exactly (each value is the float32
+    whose upper half the bits are); without numpy a flat ``array('f')``."""
+    if _np is not None:
+        bits = _np.frombuffer(data, dtype="<u2").astype("<u4") << 16
+        return bits.view("<f4").reshape(-1, width)
+    wide = array("I", (b << 16 for b in memoryview(data).cast("H")))
+    return array("f", wide.tobytes())
 
 
 def _teacher_arrays(
@@ -49,6 +65,12 @@ def _teacher_arrays(
         if name not in TEACHER_ARRAYS or arrays is None or name not in arrays:
             continue
         data = arrays[name]
+        if dtype == "bf16":  # no numpy bfloat16: the exact float32 upcast (bits << 16)
+            out[name] = _bf16_rows(data, width)
+            out["hidden_dtype"] = "bfloat16"
+            continue
+        if name == "hidden":
+            out["hidden_dtype"] = "float32" if dtype == "<f4" else "float16"
         if _np is not None:
             value = _np.frombuffer(data, dtype=dtype)
             out[name] = value if width == 1 else value.reshape(-1, width)
@@ -92,6 +114,21 @@ class SeqScore:
     gather_logps: Any = None
     processed_logps: Any = None
     rank: Any = None  # [n] int32, 1-based (vLLM's prompt-token rank)
+    # [n, H]: the vector the LM head reads at each scored position (docs/distillation.md,
+    # *Hidden states*): numpy float32 / float16 as asked; bfloat16 rows (numpy has none) come
+    # as their exact float32 upcast, so ``torch.tensor(hidden).bfloat16()`` gives back the
+    # very bits that travelled
+    hidden: Any = None
+    hidden_dtype: str | None = None  # the dtype the rows travelled in
+    # a teacher with its own tokenizer (docs/distillation.md): the rows above are the teacher's
+    # tokens, with their ids [n_t] and [start, end) UTF-8 bytes in the completion [n_t, 2]; per
+    # span of whole student and teacher tokens: its log-prob [n_r] (the sum over its teacher
+    # tokens), student token range [a, b) [n_r, 2] and teacher token range [c, d) [n_r, 2]
+    teacher_ids: Any = None
+    teacher_spans: Any = None
+    span_logps: Any = None
+    span_student: Any = None
+    span_teacher: Any = None
 
     @property
     def num_tokens(self) -> int:

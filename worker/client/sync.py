@@ -147,6 +147,7 @@ class ScoringClient(ClientBase):
         gather_ids: Any = None,
         sampling: Mapping[str, Any] | None = None,
         float16: bool = False,
+        hidden_dtype: str | None = None,
         adapter: str | None = None,
         version: str | None = None,
         step: Mapping[str, Any] | None = None,
@@ -180,7 +181,7 @@ class ScoringClient(ClientBase):
         """
         self._ensure_reader()
         job_id = job_id or new_job_id()
-        request = teacher_settings(outputs, topk, gather_ids, sampling, float16)
+        request = teacher_settings(outputs, topk, gather_ids, sampling, float16, hidden_dtype)
         job = self._core.prepare(
             seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id, outputs=request,
             adapter=adapter, version=version, step=step, options=options, prefix=prefix,
@@ -230,6 +231,7 @@ class ScoringClient(ClientBase):
         gather_ids: Any = None,
         sampling: Mapping[str, Any] | None = None,
         float16: bool = False,
+        hidden_dtype: str | None = None,
         adapter: str | None = None,
         version: str | None = None,
         step: Mapping[str, Any] | None = None,
@@ -242,7 +244,7 @@ class ScoringClient(ClientBase):
         (or an interrupt) the job is forgotten: its late result is dropped."""
         self._ensure_reader()
         job_id = new_job_id()
-        request = teacher_settings(outputs, topk, gather_ids, sampling, float16)
+        request = teacher_settings(outputs, topk, gather_ids, sampling, float16, hidden_dtype)
         job = self._core.prepare(
             seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s, job_id=job_id,
             outputs=request, adapter=adapter, version=version, step=step, options=options,
@@ -266,6 +268,17 @@ class ScoringClient(ClientBase):
         ``images`` are sent once and shown by every completion that names none of its own."""
         seqs = group_seqs(completions, kwargs.get("images"))  # the prompt's images, once
         return self.score(seqs, mode, temperature, prefix=prompt, **kwargs)
+
+    def score_cross_tokenizer(
+        self, students: Sequence[Mapping[str, Any]], temperature: float = 1.0, **kwargs: Any
+    ) -> list[SeqScore]:
+        """Score student completions under a teacher with its own tokenizer (docs/distillation.md,
+        *A teacher with its own tokenizer*): each item is a student view, ``prompt`` (text) or
+        ``messages``, and ``tokens`` (the student's token strings) or ``completion`` with
+        ``offsets`` (UTF-8 byte starts). One ``SeqScore`` each: teacher-token rows, and the
+        ``span_*`` arrays aligned to the student's tokens. ``kwargs``: as ``score``."""
+        seqs = [{"student": dict(s)} for s in students]
+        return self.score(seqs, "reference", temperature, **kwargs)
 
     def score_many(
         self,

@@ -14,7 +14,9 @@ gloo ranks), ``fairness`` (a steady producer's latency while another bursts 20,0
 worker: one queue, two queues with equal weights, two with weights), ``autoscale`` (the KEDA/HPA
 simulation's sweep over RL workloads: the settings ``ops/k8s`` ships), ``coldstart`` (process
 start to ``/readyz`` and to the first result, by phase, for a safetensors and a GGUF checkpoint,
-with and without ``--warmup``). Extra arguments after ``--`` go to the suite's own ``main``.
+with and without ``--warmup``), ``teacher`` (``hidden`` rows and student text for a teacher with
+its own tokenizer, next to a plain log-prob job). Extra arguments after ``--`` go to the suite's
+own ``main``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ SUITES = {
     "autoscale": "worker.devtools.autoscale.sweep",
     "coldstart": "worker.devtools.bench.coldstart",
     "groups": "worker.devtools.bench.groups",
+    "teacher": "worker.devtools.bench.distill",
 }
 
 HEADLINE: dict[str, tuple[str, ...]] = {

@@ -39,9 +39,16 @@ def seq_inputs(job: Job) -> list[SequenceInput]:
                 text=s.text,  # tokenized by the scorer's prepare
                 step_positions=s.step_positions,
                 images=s.images,  # indices into the job's images
+                student=s.student,  # tokenized by the scorer's prepare (its own tokenizer)
             )
         )  # fmt: skip
     return out
+
+
+def hidden_size(ctx: JobContext) -> int:
+    """H of the scorer's ``hidden`` rows (its ``info["head"]``; 0 when it serves none)."""
+    head = ctx.scorer.info.get("head")
+    return int(head.get("hidden_size") or 0) if isinstance(head, dict) else 0
 
 
 def prepare_entry(
@@ -82,8 +89,12 @@ def prepare_entry(
     try:
         n_scored = sum(s.num_scored for s in job.seqs)
         check_limits(
-            options.outputs, n_scored, max_topk=cfg.max_topk, max_bytes=cfg.max_result_bytes
-        )
+            options.outputs, n_scored, max_topk=cfg.max_topk, max_bytes=cfg.max_result_bytes,
+            hidden_size=hidden_size(ctx) if "hidden" in options.outputs.outputs else 0,
+            extra_bytes=sum(  # student text: per teacher token its id and span, per run 5 ints
+                12 * s.num_scored + 20 * len(s.student.cuts()) for s in job.seqs if s.student
+            ),
+        )  # fmt: skip
         # validated and planned once: render messages / tokenize text for the reward model,
         # check every sequence, decide the calls (off the forward); what runs is this plan
         started = time.perf_counter()

@@ -12,12 +12,12 @@ import logging
 import time
 from typing import Any, cast
 
-import numpy as np
-
 from worker.daemon.context import JobContext, Pending, Reply
 from worker.daemon.weights import record_weights, weights_info
 from worker.errors import KVCacheRejected, ScoringError
 from worker.protocol import Result, SeqResult, error_result
+from worker.protocol.outputs import ARRAY_DTYPES
+from worker.protocol.student import STUDENT_ARRAYS
 from worker.request import ScoreOptions
 from worker.scorer import ScoreOutput, SequenceScore
 from worker.scorer.teacher import array_layout
@@ -84,7 +84,13 @@ def _results(
         "compute_ms": round(compute_ms, 3),
         **weights_info(m.weights),
     }
-    layout = result_layout(batch[0].prepared.options)
+    options = batch[0].prepared.options
+    head = None
+    if "hidden" in options.outputs.outputs:  # how the trainer turns the rows into logits
+        head = dict(ctx.scorer.info.get("head") or {})
+        head["temperature"] = batch[0].prepared.temperature
+        common["head"] = head
+    layout = result_layout(options, int(head["hidden_size"]) if head else 0)
     replies: list[Reply] = []
     i = 0
     for p in batch:
@@ -115,7 +121,9 @@ def _results(
                 ctx.metrics.step_scores.inc(steps)
             res = Result(id=p.job.id, ok=True, seqs=seq_results, meta=p.job.meta, info=info)
             res.layout = layout  # teacher outputs: the arrays each seqs entry carries
-            ctx.metrics.result_bytes.observe(array_bytes(scores, layout))
+            if any(s.student is not None for s in p.job.seqs):  # and the aligned spans
+                res.layout = {**(layout or {}), **STUDENT_ARRAYS}
+            ctx.metrics.result_bytes.observe(array_bytes(scores, res.layout))
         replies.append(Reply(p.entry, p.job.reply_to, res, p.read_at_s))
     log.info(
         "batch: %d jobs, %d seqs, %d tokens, %.1f ms, backend %s%s",
@@ -131,9 +139,10 @@ def _results(
     return replies
 
 
-def result_layout(options: ScoreOptions) -> dict[str, tuple[str, int]] | None:
-    """The teacher arrays a result carries besides ``logps`` (None: none, an old result)."""
-    layout = array_layout(options.outputs)
+def result_layout(options: ScoreOptions, hidden_size: int = 0) -> dict[str, tuple[str, int]] | None:
+    """The teacher arrays a result carries besides ``logps`` (None: none, an old result);
+    ``hidden`` rows are ``hidden_size`` wide."""
+    layout = array_layout(options.outputs, hidden_size)
     layout.pop("logps", None)
     return layout or None
 
@@ -144,7 +153,7 @@ def array_bytes(scores: list[SequenceScore], layout: dict[str, tuple[str, int]] 
     for s in scores:
         total += 4 * len(s.logps) if s.logps is not None else 0
         for name, (dtype, _) in (layout or {}).items():
-            total += int((s.arrays or {})[name].size) * np.dtype(dtype).itemsize
+            total += int((s.arrays or {})[name].size) * ARRAY_DTYPES[dtype]
     return total
 
 

@@ -131,6 +131,8 @@ def check_sequences(
     for i, seq in enumerate(seqs):
         try:
             prepared = prepare_sequence(seq, vocab, limit, needs_scored)
+            if getattr(seq, "aligned", None) is not None:  # a student sequence
+                prepared = replace(prepared, aligned=seq.aligned)
             ids = getattr(seq, "gather_ids", None)
             if needs_scored and (ids is not None or spec.gather_width):
                 n = len(prepared.scored) if prepared.scored is not None else 0

@@ -27,12 +27,14 @@ from worker.executor.call import ScoreCall, call_args, concat_outputs, merge_pla
 from worker.executor.config import ExecutorConfig, Layout
 from worker.executor.fallback import BatchRunner
 from worker.executor.forward import BatchForward
+from worker.executor.head.hidden import head_info
 from worker.executor.head.tiles import lm_head_path
 from worker.executor.kvcache import KVGuard
 from worker.executor.memory import device_total_bytes, read_peak, reset_peak
 from worker.executor.rewards.pooling import RewardAdapter, backbone_of
 from worker.executor.rewards.surface import merge_outputs, resolve_head, reward_surface
 from worker.executor.selfcheck import allowed_layouts
+from worker.executor.student import students
 from worker.executor.tree.check import sharing_check
 from worker.executor.vision.check import checked_intake
 from worker.executor.vision.intake import plan_images
@@ -96,11 +98,9 @@ class StatelessExecutor(DirectScoring):
         self.reward_adapter = reward_adapter
         self.model_name = model_name or _name_of(reference_model or reward_model)
         self.reward_model_name = reward_model_name or _name_of(reward_model)
-        if (
-            self.reference_model is not None
-            and self.reference_model.get_output_embeddings() is None
-        ):
-            raise ConfigError(f"{type(self.reference_model).__name__} has no LM head")
+        ref = self.reference_model
+        if ref is not None and ref.get_output_embeddings() is None:
+            raise ConfigError(f"{type(ref).__name__} has no LM head")
         if config.mode not in self.modes:
             raise ConfigError(
                 f"ExecutorConfig.mode={config.mode!r} but this executor serves {self.modes}"
@@ -117,9 +117,8 @@ class StatelessExecutor(DirectScoring):
         for fallback in events:
             log.warning("attention backend fallback at load: %s", fallback.message)
             self._on_load_fallback(fallback)
-        self._guard = KVGuard(
-            {id(m): m for model in forward.models for m in (model, backbone_of(model))}.values()
-        )
+        hooked = {id(m): m for model in forward.models for m in (model, backbone_of(model))}
+        self._guard = KVGuard(hooked.values())
         with timed(self.startup_seconds, "self_check"):
             packed, unmasked, refused = allowed_layouts(forward, modes=self.modes, backend=backend)
         for event in refused:
@@ -136,6 +135,7 @@ class StatelessExecutor(DirectScoring):
         )  # fmt: skip
         self._rewards = reward_surface(self.reward_model, head, tokenizers, forward)
         self._vision = checked_intake(forward, image_processor, config)  # images, checked
+        self._head, self._tokenizer = head_info(ref, forward.transform), (tokenizers or [None])[0]
         # per-job adapters and versions (docs/models.md); None: base weights only
         self._weights = (
             WeightsRouter(
@@ -270,6 +270,7 @@ class StatelessExecutor(DirectScoring):
             "packing": self._runner.layout(),
             "prefix_sharing": self.prefix_sharing,
             "lm_head": lm_head_path(self.reference_model, self.config, self.device),
+            "head": self._head,  # what turns hidden rows into logits
             "modes": list(self.modes),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
@@ -289,12 +290,13 @@ class StatelessExecutor(DirectScoring):
             self._listeners.append(callback)
 
     def prepare(self, request: ScoreRequest) -> Prepared:
-        """Validate ``request`` and plan it once (``Scorer.prepare``): messages rendered, each
-        sequence checked, the calls decided (``plan_calls``) and costed, an adapter or version
-        checked. Raises BadRequest, TooLong, UnsupportedMode or ModelNotFound."""
+        """Validate and plan ``request`` once (``Scorer.prepare``): student text tokenized,
+        messages rendered, sequences checked, the calls decided (``plan_calls``) and costed,
+        weights checked. Raises BadRequest, TooLong, UnsupportedMode or ModelNotFound."""
         mode, temp = call_args(self.config, self.modes, request)
         options = request.options
-        seqs = self._rewards.prepare(request.seqs, mode, options)
+        seqs = students(self._tokenizer, request.seqs, options.outputs, mode)
+        seqs = self._rewards.prepare(seqs, mode, options)
         plan = plan_calls(
             self._rewards, seqs, mode, options, vocab=self.vocab_size, limit=self.max_positions
         )

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from worker.executor.config import ExecutorConfig, Layout
+from worker.executor.head.hidden import HIDDEN_TORCH, head_request, host_array
 from worker.executor.head.logprobs import chunked_token_logps, logit_transform_for
 from worker.executor.head.teacher import block_units, chunk_rows_for, chunked_token_outputs
 from worker.executor.head.tiles import tileable, tiled_token_logps
@@ -42,6 +43,7 @@ from worker.executor.tree.trie import SharedGroup
 from worker.executor.vision.features import image_inputs, vision_batch
 from worker.modes import LOGPROB_MODES, REWARD_MODES, Mode
 from worker.request import DEFAULT_OPTIONS, ScoreOptions
+from worker.scorer.align import span_arrays
 from worker.scorer.inputs import PreparedSequence, is_int
 from worker.scorer.outputs import SequenceScore
 from worker.scorer.teacher import LOGPS_ONLY, TokenOutputs
@@ -248,14 +250,26 @@ class BatchForward:
             rewarded = self.shared_adapter.from_hidden(model, batch, hidden)
         picked, labels, sizes = self._scored_rows(hidden, batch, ordered)
         del hidden  # the LM-head chunks below need only the scored rows
-        arrays = self.head_outputs(picked, labels, ordered, replace(spec, temperature=temp))
+        head_spec = head_request(spec)  # None: only the hidden rows, no LM head at all
+        arrays = (
+            {}
+            if head_spec is None
+            else self.head_outputs(picked, labels, ordered, replace(head_spec, temperature=temp))
+        )
+        if "hidden" in spec.outputs:  # what the head read, as the job asked it
+            arrays["hidden"] = picked.to(HIDDEN_TORCH[spec.hidden_dtype])  # [N, H]
+        del picked
         split = {name: torch.split(value, sizes) for name, value in arrays.items()}
         for k, j in enumerate(order):
             got = {name: parts[k] for name, parts in split.items()}
             if "logps" in got:
                 scores[j].logps = self._host(got.pop("logps"))
-            if spec != LOGPS_ONLY:
-                scores[j].arrays = {name: value.cpu().numpy() for name, value in got.items()}
+            if spec != LOGPS_ONLY or ordered[k].aligned is not None:
+                scores[j].arrays = {name: host_array(value) for name, value in got.items()}
+            aligned, logps = ordered[k].aligned, scores[j].logps
+            if aligned is not None and logps is not None:  # student text: the aligned spans
+                spans = span_arrays(aligned, ordered[k].ids[ordered[k].scored], logps)
+                scores[j].arrays = {**(scores[j].arrays or {}), **spans}
         return rewarded
 
     def head_outputs(

@@ -28,6 +28,7 @@ HTTP_STATUS: dict[str, int] = {
     "result_gone": 410,  # a Tinker future this gateway does not hold (expired): submit again
     "payload_too_large": 413,  # the body is over --max-body-bytes
     "too_long": 413,  # a sequence is over the model's positions
+    "too_large": 413,  # the job's result would be over its or the worker's byte limit
     "rate_limited": 429,  # too many Tinker samples pending (the SDK backs off and resends)
     "internal": 500,  # the worker failed on the job
     "dead_letter": 500,  # workers died on the job max_deliveries times

@@ -33,7 +33,14 @@ log = logging.getLogger(__name__)
 RETRIEVED_GRACE_S = 30.0
 #: Error codes that are the caller's error (``category: user``); every other is ``server``.
 USER_CODES = frozenset(
-    {"bad_request", "unsupported_mode", "too_long", "model_not_found", "payload_too_large"}
+    {
+        "bad_request",
+        "unsupported_mode",
+        "too_long",
+        "too_large",
+        "model_not_found",
+        "payload_too_large",
+    }
 )
 
 

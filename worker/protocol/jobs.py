@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -52,6 +52,7 @@ from worker.protocol.seqs import (
     validate_seq,
     with_gather_ids,
 )
+from worker.protocol.student import student_entry, student_only, student_seq
 from worker.protocol.weights import decode_weights, encode_weights
 from worker.request import (
     DEFAULT_OPTIONS,
@@ -158,7 +159,14 @@ def encode_job(
     specs: list[SeqSpec] = []
     for i, s in enumerate(seqs):
         if not isinstance(s, SeqSpec):
-            s = reward_seq(s, i) if messages_only(s) else with_reward_inputs(seq_spec(s, i), s, i)
+            if student_only(s):
+                s = student_seq(s, i)
+            elif messages_only(s):
+                s = reward_seq(s, i)
+            else:
+                s = with_reward_inputs(seq_spec(s, i), s, i)
+        elif s.student is not None:
+            pass  # checked where its StudentView was built
         elif not untokenized(s) or len(s.tokens):
             validate_seq(s.tokens, s.prompt_len, s.mask, i)
         specs.append(s)
@@ -169,6 +177,7 @@ def encode_job(
         elif s.mask is not None:
             entry["mask"] = s.mask
         entry.update(reward_entry(s))
+        entry.update(student_entry(s))
         if s.gather_ids is not None:
             entry["gather_ids"] = le_bytes(s.gather_ids)
         entry.update(encode_seq_images(s.images))
@@ -198,9 +207,10 @@ def encode_job(
     body.update(encode_images(images))
     check_reward_job(mode, specs, decode_step(body.get("step")))
     try:
-        check_image_refs(specs, images)  # type: ignore[arg-type]
+        check_image_refs(specs, images)
     except BadRequest as exc:
         raise ProtocolError(exc.message) from None
+    check_student_job(mode, specs, head)
     return msgpack.packb(body, use_bin_type=True)
 
 
@@ -250,6 +260,7 @@ def decode_job(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> Job:
     step = _raw(decode_step, body.get("step"), raw)
     _raw(check_reward_job, mode, seqs, step, raw)
     images = _raw(decode_images, body, raw)
+    _raw(check_student_job, mode, seqs, head, raw)
     if width and outputs is None:
         raise ProtocolError(
             "gather ids given per sequence but the job asks for no 'gather'", raw=raw
@@ -268,6 +279,23 @@ def decode_job(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> Job:
         options=options,
         images=images,
     )
+
+
+def check_student_job(mode: str, seqs: Sequence[SeqSpec], head: Any) -> None:
+    """A job's student sequences: all of its sequences or none, mode ``reference``, no
+    ``prefix`` (the worker tokenizes the whole prompt)."""
+    given = [s.student is not None for s in seqs]
+    if not any(given):
+        return
+    if not all(given):
+        raise ProtocolError(
+            f"seqs[{given.index(False)}] has no student view: a job's sequences are all "
+            "student text or all token ids"
+        )
+    if mode != "reference":
+        raise ProtocolError(f"student sequences are scored in mode reference, not {mode!r}")
+    if head is not None:
+        raise ProtocolError("a job of student sequences carries no prefix")
 
 
 def _raw(fn: Any, *args: Any) -> Any:
@@ -295,6 +323,10 @@ def _decode_seqs(
     for i, s in enumerate(raw_seqs):
         if not isinstance(s, dict):
             raise ProtocolError(f"seqs[{i}] must be a map", raw=raw)
+        if student_only(s):  # a teacher with its own tokenizer: the student's text
+            seqs.append(_raw(student_seq, s, i, raw))
+            total += len(s["student"].get("completion") or "")  # bounded by the payload too
+            continue
         if messages_only(s):  # reward inputs: a conversation or text the worker tokenizes
             if head is not None:
                 raise ProtocolError(f"seqs[{i}]: a job with a prefix needs tokens", raw=raw)

@@ -3,11 +3,14 @@ them (``docs/protocol.md``, "Teacher outputs").
 
 Job keys (all optional; modes ``reference`` and ``both`` only): ``outputs`` (array of names),
 ``topk`` (int k), ``gather_ids`` (array of K ids shared by every position), ``sampling`` (map of
-``top_k``/``top_p``/``min_p``), ``float16`` (bool). A sequence may carry its own ``gather_ids``:
+``top_k``/``top_p``/``min_p``), ``float16`` (bool), ``hidden_dtype`` (``"bfloat16"``,
+``"float32"`` or ``"float16"``, with ``"hidden"``), ``max_result_bytes`` (int, the job's own
+limit on its result's arrays). A sequence may carry its own ``gather_ids``:
 int32 LE bin, row-major ``[n_scored, K]``, the same K for every sequence of the job.
 
 A result that carries teacher arrays has a top-level ``layout`` map, name -> ``[dtype, width]``
-(dtype ``"<f4"``, ``"<f2"`` or ``"<i4"``); each ``seqs`` entry then holds every named array as
+(dtype ``"<f4"``, ``"<f2"``, ``"<i4"``, or ``"bf16"``: bfloat16, the upper 16 bits of a float32,
+as LE uint16); each ``seqs`` entry then holds every named array as
 LE bin of ``n_scored * width`` values, row-major ``[n_scored, width]``.
 
 Decoding checks the structure (types, shapes, sizes) and builds ``worker.request.TokenOutputs``,
@@ -24,10 +27,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from worker.errors import BadRequest, ProtocolError
-from worker.request import Sampling, TokenOutputs
+from worker.request import HIDDEN_WIRE_DTYPES, Sampling, TokenOutputs
 
 __all__ = [
     "ARRAY_DTYPES",
+    "HIDDEN_WIRE_DTYPES",
     "JOB_KEYS",
     "array_bin",
     "decode_layout",
@@ -36,9 +40,19 @@ __all__ = [
     "gather_width",
 ]
 
-JOB_KEYS: tuple[str, ...] = ("outputs", "topk", "gather_ids", "sampling", "float16")
-ARRAY_DTYPES: dict[str, int] = {"<f4": 4, "<f2": 2, "<i4": 4}
-"""Result array dtypes (numpy strings, little-endian) and their item sizes."""
+JOB_KEYS: tuple[str, ...] = (
+    "outputs",
+    "topk",
+    "gather_ids",
+    "sampling",
+    "float16",
+    "hidden_dtype",
+    "max_result_bytes",
+)
+ARRAY_DTYPES: dict[str, int] = {"<f4": 4, "<f2": 2, "<i4": 4, "bf16": 2}
+"""Result array dtypes (numpy strings, little-endian; ``bf16``: bfloat16 bits as LE uint16) and
+their item sizes."""
+
 _MAX_NAMES = 16
 _MAX_SHARED_IDS = 65536
 _SAMPLING_KEYS = ("top_k", "top_p", "min_p")
@@ -66,6 +80,10 @@ def encode_output_request(request: TokenOutputs) -> dict[str, Any]:
                             "min_p": sampling.min_p}  # fmt: skip
     if request.float16:
         body["float16"] = True
+    if "hidden" in request.outputs:
+        body["hidden_dtype"] = request.hidden_dtype
+    if request.max_result_bytes:
+        body["max_result_bytes"] = int(request.max_result_bytes)
     return body
 
 
@@ -107,12 +125,19 @@ def decode_output_request(
     float16 = body.get("float16", False)
     if not isinstance(float16, bool):
         raise ProtocolError("float16 must be true or false")
+    hidden_dtype = body.get("hidden_dtype", "bfloat16")
+    if not isinstance(hidden_dtype, str):
+        raise ProtocolError("hidden_dtype must be a string")
+    limit = body.get("max_result_bytes", 0)
+    if not _is_int(limit):
+        raise ProtocolError(f"max_result_bytes must be an integer, got {limit!r}")
     try:
         if sampling is not None:
             sampling = Sampling(**{k: v for k, v in sampling.items() if v is not None})
         return TokenOutputs(
             outputs=frozenset(names), topk=topk or 0, gather_ids=tuple(ids or ()),
-            gather_width=width, sampling=sampling, float16=float16,
+            gather_width=width, sampling=sampling, float16=float16, hidden_dtype=hidden_dtype,
+            max_result_bytes=int(limit),
         )  # fmt: skip
     except BadRequest as exc:
         raise ProtocolError(exc.message) from None
@@ -144,6 +169,10 @@ def array_bin(values: Any, dtype: str) -> bytes:
     they are) or an ``array`` of the matching typecode."""
     if isinstance(values, (bytes, bytearray, memoryview)):
         return bytes(values)
+    if dtype == "bf16":  # the bits as uint16 (a numpy array of them)
+        if not hasattr(values, "view") or getattr(values, "itemsize", 0) != 2:
+            raise ProtocolError("encoding bf16 needs its bits as a 2-byte numpy array")
+        return values.view("<u2").tobytes()
     if hasattr(values, "astype") and hasattr(values, "tobytes"):
         return values.astype(dtype, copy=False).tobytes()
     code = {"<f4": "f", "<i4": "i"}.get(dtype)

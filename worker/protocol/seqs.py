@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from worker.errors import ProtocolError
+from worker.request import StudentView
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _LITTLE = sys.byteorder == "little"
@@ -42,10 +43,15 @@ class SeqSpec:
     text: str | None = None
     # vision-language models: indices into the job's images (worker.protocol.images)
     images: tuple[int, ...] | None = None
+    # a teacher with its own tokenizer: the student's view as text (worker.protocol.student)
+    student: StudentView | None = None
 
     @property
     def num_scored(self) -> int:
-        """How many tokens of this sequence are scored."""
+        """How many tokens of this sequence are scored (a student sequence: at most its
+        completion's UTF-8 bytes + 1, the most teacher tokens it can have)."""
+        if self.student is not None:
+            return len(self.student.completion.encode()) + 1
         if self.mask is not None:
             return sum(self.mask)
         if self.prompt_len is None:  # a messages- or text-only reward sequence

@@ -38,6 +38,8 @@ class PreparedSequence:
     # vision-language models: the images this sequence shows and its positions, numpy only
     # (worker.executor.vision.intake.SequenceVision); None: text only
     vision: Any = None
+    # a student sequence: where its student and teacher tokens cut the completion alike
+    aligned: Any = None  # worker.scorer.align.Alignment
 
 
 def _is_tensor(value: Any) -> bool:

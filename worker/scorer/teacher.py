@@ -23,6 +23,8 @@ output                  arrays                    dtype, width
 ``rank``                ``rank``                  int32, 1 (1-based: how many tokens have a
                                                   log-prob >= the actual token's, as vLLM
                                                   ranks prompt tokens)
+``hidden``              ``hidden``                ``hidden_dtype`` (``bf16`` bits, ``<f4`` or
+                                                  ``<f2``), H: the vector the LM head reads
 ======================  ========================  ==========================================
 """
 
@@ -32,9 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from worker.errors import BadRequest
+from worker.errors import BadRequest, TooLarge
 from worker.modes import LOGPROB_MODES
 from worker.request import (
+    HIDDEN_WIRE_DTYPES,
     LOGPS_ONLY,
     MAX_GATHER_IDS,
     MAX_TOPK,
@@ -64,28 +67,36 @@ DEFAULT_MAX_RESULT_BYTES = 64 * 1024 * 1024
 """A worker's default limit on one result's arrays (``serve --max-result-bytes``)."""
 
 
-def result_bytes(n_scored: int, spec: TokenOutputs, *, half: bool | None = None) -> int:
+HIDDEN_ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def result_bytes(
+    n_scored: int, spec: TokenOutputs, *, half: bool | None = None, hidden_size: int = 0
+) -> int:
     """Bytes of the arrays ``spec`` asks for over ``n_scored`` positions, known before compute.
 
     ``half`` (default: ``spec.float16``): ``topk_logps`` and ``gather_logps`` travel as float16.
     Per position: 4 per scalar (``logps``, ``entropy``, ``processed_logps``, ``rank``,
     ``topk_tail_logp``),
     ``k * 8`` (or ``k * 6``) for top-k ids + log-probs, ``K * 4`` (or ``K * 2``) for gathered
-    log-probs.
+    log-probs, ``H * 2`` (or ``H * 4`` in float32) for ``hidden`` rows of ``hidden_size`` H.
     """
     value = 2 if (spec.float16 if half is None else half) else 4
     per = 4 * len(spec.outputs & {"logps", "entropy", "processed_logps", "rank"})
     if "topk" in spec.outputs:
         per += spec.topk * (4 + value) + 4
     per += spec.gather_k * value
+    if "hidden" in spec.outputs:
+        per += hidden_size * HIDDEN_ITEM_BYTES[spec.hidden_dtype]
     return n_scored * per
 
 
-def array_layout(spec: TokenOutputs) -> dict[str, tuple[str, int]]:
+def array_layout(spec: TokenOutputs, hidden_size: int = 0) -> dict[str, tuple[str, int]]:
     """Every array a result for ``spec`` carries per sequence: name -> (numpy dtype, width).
 
-    The dtype is a little-endian numpy string (``<f4``, ``<f2``, ``<i4``); an array of ``n``
-    scored positions has ``n * width`` elements, row-major ``[n, width]``.
+    The dtype is a little-endian numpy string (``<f4``, ``<f2``, ``<i4``) or ``bf16``; an array
+    of ``n`` scored positions has ``n * width`` elements, row-major ``[n, width]``; ``hidden``
+    rows are ``hidden_size`` wide.
     """
     value = "<f2" if spec.float16 else "<f4"
     out: dict[str, tuple[str, int]] = {}
@@ -103,20 +114,39 @@ def array_layout(spec: TokenOutputs) -> dict[str, tuple[str, int]]:
         out["processed_logps"] = ("<f4", 1)
     if "rank" in spec.outputs:
         out["rank"] = ("<i4", 1)
+    if "hidden" in spec.outputs:
+        out["hidden"] = (HIDDEN_WIRE_DTYPES[spec.hidden_dtype], hidden_size)
     return out
 
 
-def check_limits(spec: TokenOutputs, n_scored: int, *, max_topk: int, max_bytes: int) -> None:
-    """A worker's limits on one job: k at most ``max_topk``, a result of at most ``max_bytes``
-    (``result_bytes`` over the job's ``n_scored`` positions). Raises ``BadRequest``."""
+def check_limits(
+    spec: TokenOutputs,
+    n_scored: int,
+    *,
+    max_topk: int,
+    max_bytes: int,
+    hidden_size: int = 0,
+    extra_bytes: int = 0,
+) -> None:
+    """A worker's limits on one job: k at most ``max_topk`` (``BadRequest``), a result of at most
+    ``max_bytes`` and of at most the job's own ``spec.max_result_bytes`` (``result_bytes`` over
+    the job's ``n_scored`` positions, ``hidden`` rows ``hidden_size`` wide, plus ``extra_bytes``
+    of other arrays; ``TooLarge``)."""
     if "topk" in spec.outputs and spec.topk > max_topk:
         raise BadRequest(f"topk k={spec.topk} is over this worker's limit of {max_topk}")
-    size = result_bytes(n_scored, spec)
-    if size > max_bytes:
-        raise BadRequest(
-            f"the result would be {size} bytes ({n_scored} scored positions), over this "
-            f"worker's limit of {max_bytes} bytes: split the job into smaller ones, lower k, "
-            f"or ask for float16"
+    if "hidden" in spec.outputs and hidden_size < 1:
+        raise BadRequest("this worker's scorer serves no 'hidden' rows (no LM head)")
+    size = result_bytes(n_scored, spec, hidden_size=hidden_size) + extra_bytes
+    own = spec.max_result_bytes
+    if size > max_bytes or (own and size > own):
+        whose = (
+            f"the job's max_result_bytes of {own} bytes"
+            if own and own < max_bytes
+            else f"this worker's limit of {max_bytes} bytes"
+        )
+        raise TooLarge(
+            f"the result would be {size} bytes ({n_scored} scored positions), over {whose}: "
+            f"split the job into smaller ones, lower k, or ask for float16 / bfloat16"
         )
 
 

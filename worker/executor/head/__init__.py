@@ -7,5 +7,6 @@ block in main memory.
   slices); ``sums``, the running state both tile folds share; ``topk``, the torch fold's running
   top-k; ``native``, the compiled fold (``native_tiles.c``, built on first use).
 * ``teacher``: distillation outputs (entropy, top-k with its tail, log-probs at given ids);
-  ``sampling``, the sampler-processed distribution (top-k / top-p / min-p).
+  ``sampling``, the sampler-processed distribution (top-k / top-p / min-p); ``hidden``, the
+  rows the head reads (a job's ``hidden`` output) and what turns them into logits.
 """

@@ -303,10 +303,8 @@ def load_tokenizers(
     reward_gguf_file: str | None = None,
 ) -> tuple[Any, Any]:
     """``(reference tokenizer, reward tokenizer)`` stored with the checkpoints, each ``None``
-    when not named, or when the checkpoint carries none (logged); only loaded when a reward
-    model is served (its tokenizer renders ``messages``, the two are compared)."""
-    if not reward_model:
-        return None, None
+    when not named, or when the checkpoint carries none (logged): the reward model's renders
+    ``messages`` (the two are compared), the reference model's tokenizes student text."""
 
     def one(name: str | None, gguf: str | None) -> Any:
         if not name:

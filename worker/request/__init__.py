@@ -10,12 +10,17 @@ payload's head). Nothing here imports torch, numpy or redis: producers build the
 - ``TokenOutputs`` (with ``Sampling``): the per-position arrays a job wants beyond log-probs
   (teacher outputs, ``docs/distillation.md``); their sizes and wire layout are in
   ``worker.scorer.teacher``.
+- ``StudentView`` (``student``): a sequence as text, for a teacher with its own tokenizer.
 - ``StepOptions``: the ``step`` map of a process-reward job (``docs/rewards.md``).
 - ``ScoreOptions``: everything of a job beyond its mode and temperature (weights, outputs, step);
   jobs with equal options share one scorer call.
-- ``Images``: a job's images (encoded files, sent once per job) and its image-processor options
-  (``docs/protocol.md``, "Images"); a sequence names the ones its tokens show by index.
+- ``Images`` (``images``): a job's images (encoded files, sent once per job) and its
+  image-processor options (``docs/protocol.md``, "Images"); a sequence names the ones its tokens
+  show by index.
 - ``ScoreRequest``: one scorer request: sequences, mode, temperature, options and images.
+
+The sub-modules ``checks``, ``student`` and ``images`` hold the shared bounded-integer check and
+the two types above; every name is imported from here.
 """
 
 from __future__ import annotations
@@ -28,9 +33,14 @@ from typing import Any
 
 from worker.errors import BadRequest
 from worker.modes import MODES, Mode
+from worker.request.checks import integer as _integer
+from worker.request.images import IMAGE_OPTION_NAMES, Images, check_image_refs
+from worker.request.student import StudentView
 
 __all__ = [
     "DEFAULT_OPTIONS",
+    "HIDDEN_DTYPES",
+    "HIDDEN_WIRE_DTYPES",
     "IMAGE_OPTION_NAMES",
     "LOGPS_ONLY",
     "MAX_GATHER_IDS",
@@ -43,6 +53,7 @@ __all__ = [
     "ScoreRequest",
     "SequenceInput",
     "StepOptions",
+    "StudentView",
     "TokenOutputs",
     "check_temperature",
 ]
@@ -80,9 +91,10 @@ class SequenceInput:
     # vision-language models: the job's images this sequence's tokens show, one index into the
     # request's ``Images.files`` per run of the model's image token, in order (may repeat)
     images: tuple[int, ...] | None = None
+    # student text: ``Scorer.prepare`` fills ``tokens`` and ``aligned`` (StudentView below)
+    student: StudentView | None = None
+    aligned: Any = None
 
-
-# -- teacher outputs
 
 OUTPUT_NAMES: tuple[str, ...] = (
     "logps",
@@ -91,22 +103,16 @@ OUTPUT_NAMES: tuple[str, ...] = (
     "gather",
     "processed_logps",
     "rank",
+    "hidden",
 )
+# the dtypes of ``hidden`` rows (the first is the default) and their wire dtypes (protocol.md)
+HIDDEN_WIRE_DTYPES: dict[str, str] = {"bfloat16": "bf16", "float32": "<f4", "float16": "<f2"}
+HIDDEN_DTYPES: tuple[str, ...] = tuple(HIDDEN_WIRE_DTYPES)
 MAX_TOPK = 256
 """The largest k a job may ask for (a worker may lower it: ``serve --max-topk``)."""
 MAX_GATHER_IDS = 4096
 SORT_FREE_TOP_K = 256
 """Without top-p, a top-k up to this k is found with ``torch.topk``; a larger one with a sort."""
-
-
-def _integer(name: str, value: Any, lo: int, hi: int) -> int:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Integral)
-        or not lo <= int(value) <= hi
-    ):
-        raise BadRequest(f"{name} must be an integer in {lo}..{hi}, got {value!r}")
-    return int(value)
 
 
 def _real(name: str, value: Any) -> float:
@@ -159,8 +165,10 @@ class TokenOutputs:
     position) or ``gather_width`` K > 0, the width of the per-position ids each sequence carries
     (``[n_scored, K]``); K <= 4096. ``sampling`` is required with (and only with)
     ``"processed_logps"``. ``float16``: ``topk_logps`` and ``gather_logps`` travel as float16
-    (the math stays float32). ``temperature`` is the call's (the executor sets it). Raises
-    ``BadRequest`` with the reason.
+    (the math stays float32). ``temperature`` is the call's (the executor sets it).
+    ``hidden_dtype``: of the ``"hidden"`` rows (the vector the LM head reads at each scored
+    position). ``max_result_bytes``: the job's own limit on its result's arrays (0: only the
+    worker's). Raises ``BadRequest`` with the reason.
     """
 
     outputs: frozenset[str] = frozenset({"logps"})
@@ -170,6 +178,8 @@ class TokenOutputs:
     sampling: Sampling | None = None
     temperature: float = 1.0
     float16: bool = False
+    hidden_dtype: str = HIDDEN_DTYPES[0]
+    max_result_bytes: int = 0
 
     def __post_init__(self) -> None:
         names = (self.outputs,) if isinstance(self.outputs, str) else self.outputs
@@ -207,6 +217,11 @@ class TokenOutputs:
         object.__setattr__(self, "temperature", float(temperature))
         if not isinstance(self.float16, bool):
             raise BadRequest(f"float16 must be true or false, got {self.float16!r}")
+        if self.hidden_dtype not in HIDDEN_DTYPES:
+            raise BadRequest(f"hidden_dtype must be one of {HIDDEN_DTYPES}: {self.hidden_dtype!r}")
+        if self.hidden_dtype != HIDDEN_DTYPES[0] and "hidden" not in outputs:
+            raise BadRequest("hidden_dtype given but 'hidden' is not a requested output")
+        _integer("max_result_bytes", self.max_result_bytes, 0, 2**62)
 
     def _check_gather(self) -> None:
         ids = () if self.gather_ids is None else self.gather_ids
@@ -236,7 +251,7 @@ class TokenOutputs:
     @property
     def extra(self) -> bool:
         """Whether anything beyond plain ``logps`` is asked for."""
-        return self.outputs != LOGPS_ONLY.outputs or self.float16
+        return self.outputs != LOGPS_ONLY.outputs or self.float16 or bool(self.max_result_bytes)
 
     def check_vocab(self, vocab: int) -> None:
         """Raise ``BadRequest`` when k or a shared gather id does not fit ``vocab`` tokens."""
@@ -340,70 +355,6 @@ class ScoreOptions:
 
 
 DEFAULT_OPTIONS = ScoreOptions()
-
-
-# -- images
-
-IMAGE_OPTION_NAMES: tuple[str, ...] = ("min_pixels", "max_pixels")
-"""Image-processor size options a job may set; a worker refuses those its processor lacks."""
-
-
-@dataclass(frozen=True)
-class Images:
-    """A job's images: ``files``, encoded image files (PNG, JPEG or WebP bytes, decoded only by
-    the worker, never a path or URL), each sent once however many sequences show it;
-    ``processor``: the image processor's size options for this job, ``(name, int > 0)`` pairs
-    sorted by name (a mapping is accepted). Raises ``BadRequest`` with the reason."""
-
-    files: tuple[bytes, ...] = ()
-    processor: tuple[tuple[str, int], ...] = ()
-
-    def __post_init__(self) -> None:
-        if isinstance(self.files, (str, bytes)) or not isinstance(self.files, Iterable):
-            raise BadRequest("images must be a list of encoded image files (bytes)")
-        out = []
-        for i, f in enumerate(self.files):
-            if not isinstance(f, (bytes, bytearray, memoryview)) or not len(f):
-                raise BadRequest(f"images[{i}] must be the non-empty bytes of an image file")
-            out.append(bytes(f))
-        if not out:
-            raise BadRequest("images must hold at least one image file")
-        object.__setattr__(self, "files", tuple(out))
-        raw = self.processor
-        opts: dict[str, int] = {}
-        for pair in raw.items() if isinstance(raw, dict) else raw:
-            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-                raise BadRequest("processor must be a map of option name -> integer")
-            name, value = pair
-            if name not in IMAGE_OPTION_NAMES:
-                raise BadRequest(
-                    f"processor option {name!r} is not one of {list(IMAGE_OPTION_NAMES)}"
-                )
-            opts[name] = _integer(f"processor.{name}", value, 1, 2**31 - 1)
-        lo, hi = opts.get("min_pixels"), opts.get("max_pixels")
-        if lo is not None and hi is not None and lo > hi:
-            raise BadRequest(f"processor.min_pixels {lo} is above max_pixels {hi}")
-        object.__setattr__(self, "processor", tuple(sorted(opts.items())))
-
-
-def check_image_refs(seqs: Sequence[SequenceInput], images: Images | None) -> None:
-    """``BadRequest`` unless every index a sequence names is one of ``images``' files and every
-    file is named by some sequence (an unused image is a mistake, never silently decoded)."""
-    n = len(images.files) if images is not None else 0
-    used: set[int] = set()
-    for i, seq in enumerate(seqs):
-        refs = getattr(seq, "images", None)
-        if refs is not None and (isinstance(refs, (str, bytes)) or not isinstance(refs, Iterable)):
-            raise BadRequest(f"sequence {i}: images must be a list of image indices")
-        for r in refs or ():
-            if isinstance(r, bool) or not isinstance(r, numbers.Integral) or not 0 <= int(r) < n:
-                raise BadRequest(
-                    f"sequence {i}: image index {r!r} is out of range (the job has {n} images)"
-                )
-            used.add(int(r))
-    unused = sorted(set(range(n)) - used)
-    if unused:
-        raise BadRequest(f"images {unused} are not shown by any sequence")
 
 
 def check_temperature(value: Any) -> float:
