@@ -1,0 +1,129 @@
+"""The executor's image path in process for the fixed-count models (tiny LLaVA, tiny Gemma-3):
+each sequence equals transformers' own forward of it alone; Gemma-3's trap (``token_type_ids``
+not passed: image tokens run causally, no error) fails a test when reintroduced; the vision tower
+runs once per distinct image; a run that does not match its image's count is refused naming the
+sequence, the image and both counts; Gemma-3's pan-and-scan and any job option are refused."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.support.vision import image_file
+from tests.support.vision_fixed import fixed_placeholder, fixed_reference, image_count
+from worker.demo.tiny import FIXED_VLM_ARCHS, save_tiny_vlm, tiny_fixed_vlm
+from worker.errors import BadRequest, ConfigError
+from worker.executor import ExecutorConfig, StatelessExecutor
+from worker.executor.vision import features
+from worker.request import Images, ScoreRequest, SequenceInput
+
+A, B = image_file(90, 60, seed=1), image_file(50, 100, seed=2, fmt="WEBP")
+
+
+@pytest.fixture(scope="module", params=FIXED_VLM_ARCHS)
+def vlm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    path: Path = save_tiny_vlm(tmp_path_factory.mktemp(request.param), request.param, seed=5)
+    ex = StatelessExecutor.from_pretrained(ExecutorConfig(dtype="float32"), str(path))
+    yield ex
+    ex.close()
+
+
+def _processor(ex: StatelessExecutor) -> Any:
+    assert ex._vision is not None
+    return ex._vision.processing.processor
+
+
+def _job(ex: StatelessExecutor) -> tuple[ScoreRequest, list[tuple[list[int], list[int], int]]]:
+    """Three sequences showing A, A then B, and B twice, and a text-only one."""
+    model, proc = ex.reference_model, _processor(ex)
+    pa = fixed_placeholder(model, image_count(model, proc, A))
+    pb = fixed_placeholder(model, image_count(model, proc, B))
+    seqs = [
+        ([1, 2, *pa, 3, 4, 5], [0], len(pa) + 3),
+        ([6, *pa, 7, *pb, 8, 9], [0, 1], len(pa) + len(pb) + 2),
+        ([5, *pb, 6, *pb, 10, 11, 12], [1, 1], 2 * len(pb) + 3),
+        ([7, 8, 9, 10], [], 2),
+    ]
+    inputs = [SequenceInput(tokens=t, prompt_len=p, images=tuple(r)) for t, r, p in seqs]
+    return ScoreRequest(inputs, temperature=1.3, images=Images((A, B))), seqs
+
+
+def _max_error(ex: StatelessExecutor, *, token_types: bool = True) -> float:
+    """The largest |log-prob - transformers' own| over ``_job``'s scored tokens."""
+    request, seqs = _job(ex)
+    out = ex.run([ex.prepare(request)])
+    worst = 0.0
+    for (tokens, refs, p), score in zip(seqs, out.scores, strict=True):
+        want = fixed_reference(
+            ex.reference_model, _processor(ex), [A, B], tokens, refs, temperature=1.3,
+            token_types=token_types,
+        )  # fmt: skip
+        worst = max(worst, float(np.abs(score.logps - want["logps"][p - 1 :]).max()))
+    return worst
+
+
+def test_the_image_path_equals_each_sequence_alone(vlm: StatelessExecutor) -> None:
+    assert _max_error(vlm) < 2e-5
+
+
+def test_gemma3_without_token_type_ids_is_caught(
+    vlm: StatelessExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trap: without ``token_type_ids`` Gemma-3 runs image tokens causally, silently.
+    The reference with them differs from the one without (the mask really is bidirectional
+    within an image), and a forward that drops them fails the comparison."""
+    if vlm.reference_model.config.model_type != "gemma3":
+        pytest.skip("token types are Gemma-3's")
+    tokens, refs, _ = _job(vlm)[1][0]
+    model, proc = vlm.reference_model, _processor(vlm)
+    both = fixed_reference(model, proc, [A, B], tokens, refs)["logps"]
+    causal = fixed_reference(model, proc, [A, B], tokens, refs, token_types=False)["logps"]
+    assert np.abs(both - causal).max() > 1e-3
+    monkeypatch.setattr(features, "token_inputs", lambda vlm, input_ids: {})
+    assert _max_error(vlm) > 1e-3
+    assert _max_error(vlm, token_types=False) < 2e-5  # what was dropped: exactly the types
+
+
+def test_the_vision_tower_runs_once_per_distinct_image(
+    vlm: StatelessExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backbone = vlm.reference_model.model
+    calls: list[int] = []
+    tower = backbone.get_image_features
+
+    def counted(pixel_values: Any, *args: Any, **kw: Any) -> Any:
+        calls.append(len(pixel_values))
+        return tower(pixel_values, *args, **kw)
+
+    monkeypatch.setattr(backbone, "get_image_features", counted)
+    request, _ = _job(vlm)
+    out = vlm.run([vlm.prepare(request)])
+    assert calls == [2] and out.metrics.vision_images == 2  # A and B, shown five times
+
+
+def test_a_run_that_does_not_match_the_count_is_refused(vlm: StatelessExecutor) -> None:
+    model, proc = vlm.reference_model, _processor(vlm)
+    n = image_count(model, proc, A)
+    good = SequenceInput([1, *fixed_placeholder(model, n), 2, 3], 2, images=(0,))
+    short = SequenceInput([1, *fixed_placeholder(model, n - 1), 2, 3], 2, images=(0,))
+    request = ScoreRequest([good, short], images=Images((A,)))
+    message = f"sequence 1: image run 0 \\(images\\[0\\]\\) has {n - 1} image tokens but the "
+    with pytest.raises(BadRequest, match=message + f"processor makes {n} for that image"):
+        vlm.prepare(request)
+
+
+def test_job_options_and_pan_and_scan_are_refused(vlm: StatelessExecutor) -> None:
+    model, proc = vlm.reference_model, _processor(vlm)
+    seq = SequenceInput([1, *fixed_placeholder(model, image_count(model, proc, A))], 1, images=(0,))
+    options = {"do_pan_and_scan": 1} if model.config.model_type == "gemma3" else {"max_pixels": 9}
+    with pytest.raises(BadRequest, match="is not one of"):
+        vlm.prepare(ScoreRequest([seq], images=Images((A,), options)))
+    if model.config.model_type == "gemma3":
+        model, processor = tiny_fixed_vlm("gemma3")
+        processor.do_pan_and_scan = True
+        with pytest.raises(ConfigError, match="do_pan_and_scan is not served"):
+            StatelessExecutor(ExecutorConfig(dtype="float32"), model, image_processor=processor)
