@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.support.models import tiny_reward
 from tests.support.vision import image_file
 from tests.support.vision_fixed import fixed_placeholder, fixed_reference, image_count
 from worker.demo.tiny import FIXED_VLM_ARCHS, save_tiny_vlm, tiny_fixed_vlm
@@ -127,3 +128,14 @@ def test_job_options_and_pan_and_scan_are_refused(vlm: StatelessExecutor) -> Non
         processor.do_pan_and_scan = True
         with pytest.raises(ConfigError, match="do_pan_and_scan is not served"):
             StatelessExecutor(ExecutorConfig(dtype="float32"), model, image_processor=processor)
+
+
+def test_images_in_reward_mode_are_refused_with_the_reason() -> None:
+    model, processor = tiny_fixed_vlm("gemma3")
+    config = ExecutorConfig(dtype="float32", self_check=False)
+    ex = StatelessExecutor(config, model, tiny_reward(), image_processor=processor)
+    seq = SequenceInput([1, *fixed_placeholder(model, 4)], 1, images=(0,))
+    request = ScoreRequest([seq], mode="both", images=Images((A,)))
+    why = r"image-text reward models \(Gemma3ForSequenceClassification, \.\.\.\) are not"
+    with pytest.raises(BadRequest, match=why):
+        ex.prepare(request)

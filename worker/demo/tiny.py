@@ -191,7 +191,7 @@ def tiny_vlm(arch: str = "qwen2_vl", seed: int = 0) -> tuple[Any, Any]:
         Qwen2VLImageProcessorPil,
     )
 
-    text = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+    text: dict[str, Any] = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
             "max_position_embeddings": 512, "initializer_range": 0.2,
             "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1],
@@ -222,12 +222,13 @@ def tiny_fixed_vlm(arch: str = "llava", seed: int = 0) -> tuple[Any, Any]:
 
     sizes = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}
     vision = {**sizes, "num_hidden_layers": 2, "image_size": 28, "patch_size": 7}
-    text = {"vocab_size": VOCAB, **sizes, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "max_position_embeddings": 512,
-            "initializer_range": 0.2}  # fmt: skip
+    text: dict[str, Any] = {"vocab_size": VOCAB, **sizes, "num_hidden_layers": 2,
+                            "num_attention_heads": 4, "num_key_value_heads": 2,
+                            "max_position_embeddings": 512, "initializer_range": 0.2}  # fmt: skip
     if arch == "llava":
-        config = LlavaConfig(text_config={"model_type": "llama", **text}, vision_config=vision,
-                             image_token_index=VLM_TOKENS["image_token_id"])  # fmt: skip
+        config: Any = LlavaConfig(text_config={"model_type": "llama", **text},
+                                  vision_config=vision,
+                                  image_token_index=VLM_TOKENS["image_token_id"])  # fmt: skip
         processor: Any = CLIPImageProcessorPil(
             size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}
         )

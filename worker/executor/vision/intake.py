@@ -157,7 +157,10 @@ class VisionIntake:
         attached); images only in ``reference`` mode (log-probs of the served model)."""
         images = request.images
         if images is not None and any(call.mode != "reference" for call in plan):
-            raise BadRequest("images are scored in mode 'reference' only")
+            raise BadRequest(
+                "images are scored in mode 'reference' only: image-text reward models "
+                "(Gemma3ForSequenceClassification, ...) are not served with images"
+            )
         shown, counts = (
             process_images(
                 images, self.processing, max_pixels=self.max_pixels, max_images=self.max_images

@@ -29,7 +29,8 @@ SIZE_KEYS = {"min_pixels": "shortest_edge", "max_pixels": "longest_edge"}
 class Counter(Protocol):
     """The model's rule for an image's token count (``arch.VisionModel``)."""
 
-    mrope: bool
+    @property
+    def mrope(self) -> bool: ...
 
     def count(self, out: Any) -> tuple[tuple[int, int, int], int]: ...
 
