@@ -16,7 +16,7 @@ import pytest
 from tests.support.models import tiny_reward
 from tests.support.vision import image_file
 from tests.support.vision_fixed import fixed_placeholder, fixed_reference, image_count
-from worker.demo.tiny import FIXED_VLM_ARCHS, save_tiny_vlm, tiny_fixed_vlm
+from worker.demo.tiny import FIXED_VLM_ARCHS, random_model, save_tiny_vlm, tiny_fixed_vlm
 from worker.errors import BadRequest, ConfigError
 from worker.executor import ExecutorConfig, StatelessExecutor
 from worker.executor.vision import features
@@ -139,3 +139,23 @@ def test_images_in_reward_mode_are_refused_with_the_reason() -> None:
     why = r"image-text reward models \(Gemma3ForSequenceClassification, \.\.\.\) are not"
     with pytest.raises(BadRequest, match=why):
         ex.prepare(request)
+
+
+def test_llava_keeping_cls_from_two_layers_counts_one_more_token() -> None:
+    """``vision_feature_select_strategy`` ``full`` keeps CLS (one more token per image); a list
+    of ``vision_feature_layer`` s is concatenated; both equal the model's own forward."""
+    model, processor = tiny_fixed_vlm("llava")
+    model.config.vision_feature_select_strategy = "full"
+    model.config.vision_feature_layer = [-2, -1]
+    model = random_model("LlavaForConditionalGeneration", model.config, 4)
+    n = image_count(model, processor, A)
+    assert n == 17  # 4 x 4 patches and CLS
+    ex = StatelessExecutor(ExecutorConfig(dtype="float32"), model, image_processor=processor)
+    tokens = [1, 2, *fixed_placeholder(model, n), 3, 4, 5]
+    request = ScoreRequest([SequenceInput(tokens, n + 2, images=(0,))], images=Images((A,)))
+    got = ex.run([ex.prepare(request)]).scores[0].logps
+    want = fixed_reference(model, processor, [A], tokens, [0])["logps"][n + 1 :]
+    assert np.abs(got - want).max() < 2e-5
+    short = SequenceInput([1, *fixed_placeholder(model, 16), 2], 1, images=(0,))
+    with pytest.raises(BadRequest, match="has 16 image tokens but the processor makes 17"):
+        ex.prepare(ScoreRequest([short], images=Images((A,))))
