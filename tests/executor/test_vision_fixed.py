@@ -120,9 +120,10 @@ def test_a_run_that_does_not_match_the_count_is_refused(vlm: StatelessExecutor) 
 def test_job_options_and_pan_and_scan_are_refused(vlm: StatelessExecutor) -> None:
     model, proc = vlm.reference_model, _processor(vlm)
     seq = SequenceInput([1, *fixed_placeholder(model, image_count(model, proc, A))], 1, images=(0,))
-    options = {"do_pan_and_scan": 1} if model.config.model_type == "gemma3" else {"max_pixels": 9}
-    with pytest.raises(BadRequest, match="is not one of"):
-        vlm.prepare(ScoreRequest([seq], images=Images((A,), options)))
+    with pytest.raises(BadRequest, match="takes no job option"):  # Qwen2-VL's sizes only
+        vlm.prepare(ScoreRequest([seq], images=Images((A,), {"max_pixels": 9})))
+    with pytest.raises(BadRequest, match="'do_pan_and_scan' is not one of"):  # not on the wire
+        Images((A,), {"do_pan_and_scan": 1})
     if model.config.model_type == "gemma3":
         model, processor = tiny_fixed_vlm("gemma3")
         processor.do_pan_and_scan = True
@@ -159,3 +160,19 @@ def test_llava_keeping_cls_from_two_layers_counts_one_more_token() -> None:
     short = SequenceInput([1, *fixed_placeholder(model, 16), 2], 1, images=(0,))
     with pytest.raises(BadRequest, match="has 16 image tokens but the processor makes 17"):
         ex.prepare(ScoreRequest([short], images=Images((A,))))
+
+
+def test_an_image_text_reward_model_refuses_images_naming_itself() -> None:
+    """``Gemma3ForSequenceClassification`` as the reward model scores text; a job with images
+    is ``bad_request`` naming it (image-text reward models are not served with images)."""
+    model, _ = tiny_fixed_vlm("gemma3")
+    config = model.config
+    config.num_labels, config.pad_token_id, config.text_config.pad_token_id = 1, 0, 0
+    reward = random_model("Gemma3ForSequenceClassification", config, 1)
+    ex = StatelessExecutor(ExecutorConfig(dtype="float32", mode="reward"), None, reward)
+    text = ScoreRequest([SequenceInput([1, 2, 3, 4], 2)], mode="reward")
+    assert np.isfinite(ex.run([ex.prepare(text)]).scores[0].reward)
+    seq = SequenceInput([1, *fixed_placeholder(model, 4), 2], 1, images=(0,))
+    request = ScoreRequest([seq], mode="reward", images=Images((A,)))
+    with pytest.raises(BadRequest, match="image-text reward model Gemma3ForSequenceClassification"):
+        ex.prepare(request)

@@ -26,7 +26,7 @@ import numpy as np
 
 from worker.errors import BadRequest, ConfigError
 from worker.executor.call import CallPlan
-from worker.executor.vision.arch import VisionModel, vision_model
+from worker.executor.vision.arch import VisionModel, has_vision, vision_model
 from worker.executor.vision.decode import decode_image
 from worker.executor.vision.processor import ImageProcessing, ProcessedImage
 from worker.request import Images, ScoreRequest
@@ -183,13 +183,23 @@ class VisionIntake:
 
 
 def plan_images(
-    vision: VisionIntake | None, request: ScoreRequest, plan: tuple[CallPlan, ...]
+    vision: VisionIntake | None,
+    request: ScoreRequest,
+    plan: tuple[CallPlan, ...],
+    reward_model: Any = None,
 ) -> tuple[CallPlan, ...]:
-    """``plan`` through ``vision`` (``VisionIntake.plan``); a text-only executor (``None``)
-    refuses a request with images (``BadRequest``)."""
+    """``plan`` through ``vision`` (``VisionIntake.plan``); an executor without a served
+    vision-language reference model (``None``) refuses a request with images (``BadRequest``:
+    an image-text reward model, e.g. ``Gemma3ForSequenceClassification``, named as such)."""
     if vision is not None:
         return vision.plan(request, plan)
     if request.images is not None or any(s.images for s in request.seqs):
+        if reward_model is not None and has_vision(getattr(reward_model, "config", None)):
+            raise BadRequest(
+                f"images are not served for the image-text reward model "
+                f"{type(reward_model).__name__}: images are scored in mode 'reference' only, "
+                "by a served vision-language model"
+            )
         raise BadRequest("this worker serves a text-only model: a job with images is refused")
     return plan
 

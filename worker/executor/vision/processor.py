@@ -104,6 +104,12 @@ class ImageProcessing:
     def check(self, options: tuple[tuple[str, int], ...]) -> None:
         """``BadRequest`` for an option this processor does not take."""
         for name, _ in options:
+            if not self.keys:
+                raise BadRequest(
+                    f"processor option {name!r}: {type(self.processor).__name__} takes no job "
+                    "option (only Qwen2-VL's processor takes min_pixels / max_pixels; Gemma-3's "
+                    "do_pan_and_scan is not served)"
+                )
             if name not in self.keys:
                 raise BadRequest(
                     f"processor option {name!r} is not one of {type(self.processor).__name__}'s "
