@@ -71,14 +71,13 @@ def test_the_image_path_equals_each_sequence_alone(vlm: StatelessExecutor) -> No
     assert _max_error(vlm) < 2e-5
 
 
+@pytest.mark.parametrize("vlm", ["gemma3"], indirect=True)
 def test_gemma3_without_token_type_ids_is_caught(
     vlm: StatelessExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The trap: without ``token_type_ids`` Gemma-3 runs image tokens causally, silently.
     The reference with them differs from the one without (the mask really is bidirectional
     within an image), and a forward that drops them fails the comparison."""
-    if vlm.reference_model.config.model_type != "gemma3":
-        pytest.skip("token types are Gemma-3's")
     tokens, refs, _ = _job(vlm)[1][0]
     model, proc = vlm.reference_model, _processor(vlm)
     both = fixed_reference(model, proc, [A, B], tokens, refs)["logps"]
