@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 from transformers import (
-    Gemma3Config,
     Idefics3Config,
-    LlavaConfig,
+    LlavaNextConfig,
+    LlavaOnevisionConfig,
     Mistral3Config,
     Qwen3VLConfig,
 )
@@ -29,7 +29,7 @@ from worker.errors import BadRequest, ConfigError
 from worker.executor import ExecutorConfig, StatelessExecutor
 from worker.executor import forward as forward_module
 from worker.executor.vision import features
-from worker.executor.vision.arch import served_class
+from worker.executor.vision.arch import served_class, vision_model
 from worker.executor.vision.decode import decode_image
 from worker.executor.vision.processor import ImageProcessing
 from worker.request import Images, ScoreRequest, SequenceInput
@@ -184,8 +184,8 @@ def test_video_and_text_only_refusals(vlm: StatelessExecutor) -> None:
 @pytest.mark.parametrize(
     "config, name",
     [
-        (LlavaConfig, "LlavaForConditionalGeneration"),
-        (Gemma3Config, "Gemma3ForConditionalGeneration"),
+        (LlavaNextConfig, "LlavaNextForConditionalGeneration"),
+        (LlavaOnevisionConfig, "LlavaOnevisionForConditionalGeneration"),
         (Idefics3Config, "Idefics3ForConditionalGeneration"),
         (Mistral3Config, "Mistral3ForConditionalGeneration"),
         (Qwen3VLConfig, "Qwen3VLForConditionalGeneration"),
@@ -214,8 +214,10 @@ def test_the_load_check_refuses_an_image_path_that_disagrees(
 
 
 def test_the_processor_cache_is_bounded_in_bytes() -> None:
-    _, processor = tiny_vlm("qwen2_vl")
-    processing = ImageProcessing(processor, 2, cache_bytes=1)
+    model, processor = tiny_vlm("qwen2_vl")
+    rule = vision_model(model)
+    assert rule is not None
+    processing = ImageProcessing(processor, rule, cache_bytes=1)
     one = decode_image(A, 0, max_pixels=10**6)
     other = decode_image(B, 1, max_pixels=10**6)
     assert processing.process(one, ())[1] is False

@@ -174,18 +174,24 @@ def tiny_model(head: str, arch: str, seed: int, **extra: Any) -> Any:
 VLM_ARCHS: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
 VLM_TOKENS = {"vision_start_token_id": 92, "vision_end_token_id": 93, "image_token_id": 94,
               "video_token_id": 95}  # fmt: skip
-"""The placeholder ids of the tiny vision-language models (the top of ``VOCAB``)."""
+"""The placeholder ids of the tiny vision-language models (the top of ``VOCAB``; Gemma-3's
+``boi``/``eoi`` are the start and end ids)."""
+FIXED_VLM_ARCHS: tuple[str, ...] = ("llava", "gemma3")
+"""The tiny vision-language models with a fixed image-token count per image (16 and 4)."""
 
 
 def tiny_vlm(arch: str = "qwen2_vl", seed: int = 0) -> tuple[Any, Any]:
     """A tiny Qwen2-VL (``qwen2_vl``) or Qwen2.5-VL (``qwen2_5_vl``) ``*ForConditionalGeneration``
-    with random weights, and its image processor (PIL backend; images of 4 to 16 image tokens)."""
+    with random weights, and its image processor (PIL backend; images of 4 to 16 image tokens);
+    ``llava`` / ``gemma3``: ``tiny_fixed_vlm``."""
+    if arch in FIXED_VLM_ARCHS:
+        return tiny_fixed_vlm(arch, seed)
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
-    text = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+    text: dict[str, Any] = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
             "max_position_embeddings": 512, "initializer_range": 0.2,
             "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1],
@@ -204,6 +210,48 @@ def tiny_vlm(arch: str = "qwen2_vl", seed: int = 0) -> tuple[Any, Any]:
     model = random_model(cls, config(text_config=text, vision_config=vision, **VLM_TOKENS), seed)
     processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)
     return model, processor
+
+
+def tiny_fixed_vlm(arch: str = "llava", seed: int = 0) -> tuple[Any, Any]:
+    """A tiny LLaVA (a CLIP tower on 28 x 28 images of 7 x 7 patches: 16 image tokens) or
+    Gemma-3 (a SigLIP tower pooled to ``mm_tokens_per_image`` 4) with random weights and its
+    image processor (PIL backend)."""
+    from transformers import Gemma3Config, LlavaConfig
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}
+    vision = {**sizes, "num_hidden_layers": 2, "image_size": 28, "patch_size": 7}
+    text: dict[str, Any] = {"vocab_size": VOCAB, **sizes, "num_hidden_layers": 2,
+                            "num_attention_heads": 4, "num_key_value_heads": 2,
+                            "max_position_embeddings": 512, "initializer_range": 0.2}  # fmt: skip
+    if arch == "llava":
+        config: Any = LlavaConfig(text_config={"model_type": "llama", **text},
+                                  vision_config=vision,
+                                  image_token_index=VLM_TOKENS["image_token_id"])  # fmt: skip
+        processor: Any = CLIPImageProcessorPil(
+            size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}
+        )
+        return random_model("LlavaForConditionalGeneration", config, seed), processor
+    if arch != "gemma3":
+        raise ValueError(
+            f"unknown vision-language arch {arch!r}; expected one of {FIXED_VLM_ARCHS}"
+        )
+    text.update(
+        head_dim=8,
+        sliding_window=8,
+        query_pre_attn_scalar=8,
+        num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    )
+    config = Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4,
+        image_token_index=VLM_TOKENS["image_token_id"],
+        boi_token_index=VLM_TOKENS["vision_start_token_id"],
+        eoi_token_index=VLM_TOKENS["vision_end_token_id"],
+    )  # fmt: skip
+    processor = Gemma3ImageProcessorPil(size={"height": 28, "width": 28})
+    return random_model("Gemma3ForConditionalGeneration", config, seed), processor
 
 
 def save_tiny_vlm(directory: str | Path, arch: str = "qwen2_vl", seed: int = 0) -> Path:
@@ -236,6 +284,7 @@ def tiny_backbone(arch: str = "llama", seed: int = 2) -> Any:
 __all__ = [
     "ARCHS",
     "CHAT_TEMPLATE",
+    "FIXED_VLM_ARCHS",
     "VOCAB",
     "VOCAB_SIZE",
     "byte_tokenizer",
@@ -247,6 +296,7 @@ __all__ = [
     "tiny_backbone",
     "tiny_causal",
     "tiny_config",
+    "tiny_fixed_vlm",
     "tiny_model",
     "tiny_reward",
     "tiny_vlm",

@@ -301,7 +301,7 @@ class StatelessExecutor(DirectScoring):
             self._rewards, seqs, mode, options, vocab=self.vocab_size, limit=self.max_positions
         )
         self._weights.check(options) if self._weights is not None else refuse(options)
-        plan = plan_images(self._vision, request, plan)  # decoded, checked, positioned
+        plan = plan_images(self._vision, request, plan, self.reward_model)  # checked, positioned
         cost = self._runner.cost(plan)  # tokens through the backbone: shared prefixes once
         return Prepared(replace(request, seqs=tuple(seqs)), mode, temp, plan, cost)
 

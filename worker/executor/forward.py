@@ -40,7 +40,7 @@ from worker.executor.rewards.steps import head_kind, step_scores
 from worker.executor.tree.attention import tree_backend
 from worker.executor.tree.layout import tree_batch
 from worker.executor.tree.trie import SharedGroup
-from worker.executor.vision.features import image_inputs, vision_batch
+from worker.executor.vision.features import vision_batch, vision_inputs
 from worker.modes import LOGPROB_MODES, REWARD_MODES, Mode
 from worker.request import DEFAULT_OPTIONS, ScoreOptions
 from worker.scorer.align import span_arrays
@@ -185,11 +185,8 @@ class BatchForward:
             extra: dict[str, Any] = {}
             if batch.images:  # the vision tower once per distinct image of the batch
                 assert self.reference_model is not None
-                extra["mm_encoder_outputs"], *tower = image_inputs(
-                    self.reference_model, batch.images, self.device
-                )
+                extra, *tower = vision_inputs(self.reference_model, batch, self.device)
                 seen = (int(tower[0]), float(tower[1]))
-                extra["mm_encoder_outputs"] = {"image": extra["mm_encoder_outputs"]}
             if mode in LOGPROB_MODES:
                 spec = options.outputs
                 rewarded = self._logprobs(

@@ -1,24 +1,43 @@
 """Which vision-language models are served, and what the executor needs to know of one.
 
-Served exactly: Qwen2-VL and Qwen2.5-VL (``*ForConditionalGeneration``), whose positions are
-3-row mRoPE computed by the model's own ``get_rope_index``. Any other model with a vision tower
-(a config with ``vision_config``: Gemma-3, Idefics3, LLaVA, Mistral-3, Qwen3-VL, ...) is refused
-at load with its class named: its positions, token types or feature placement differ, and a
-forward that ran anyway would be silently wrong.
+Served exactly (``SERVED``), each with its own rule for the image-token count of an image,
+positions, the vision tower and any extra input:
+
+- Qwen2-VL, Qwen2.5-VL: ``t*h*w / merge**2`` tokens per image (the processor's grid), 3-row
+  mRoPE positions by the model's own ``get_rope_index``;
+- LLaVA: a fixed count per image, the vision tower's patch grid of the processed image (one more
+  with ``vision_feature_select_strategy`` ``full``, which keeps CLS), 1-D positions;
+- Gemma-3: ``mm_tokens_per_image`` tokens per image, 1-D positions, and ``token_type_ids`` (1 on
+  image tokens) always passed: without them transformers runs image tokens causally instead of
+  bidirectionally within their image, silently wrong.
+
+Any other model with a vision tower (a config with ``vision_config``: Idefics3, LLaVA-NeXT,
+LLaVA-OneVision, Mistral-3, Qwen3-VL, ...) is refused at load with its class named: its
+positions, token types or feature placement differ, and a forward that ran anyway would be
+silently wrong.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+import torch
 
 from worker.errors import ConfigError
 
 SERVED: dict[str, str] = {
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "llava": "LlavaForConditionalGeneration",
+    "gemma3": "Gemma3ForConditionalGeneration",
 }
 """model_type -> the class served for it."""
+
+MROPE = ("qwen2_vl", "qwen2_5_vl")
+"""The served model types with 3-row mRoPE positions (the others' are ``0 .. L-1``)."""
 
 
 def has_vision(config: Any) -> bool:
@@ -28,9 +47,9 @@ def has_vision(config: Any) -> bool:
 
 def served_class(config: Any, loaded: str | None = None) -> str | None:
     """The class to load a checkpoint's ``config`` with: ``None`` for a text-only model, the
-    served class of a Qwen2-VL / Qwen2.5-VL; ``ConfigError`` naming the class (``loaded``, the
-    checkpoint's architecture, or transformers' image-text class of its ``model_type``) for
-    any other image-text model."""
+    served class of a served image-text model (``SERVED``); ``ConfigError`` naming the class
+    (``loaded``, the checkpoint's architecture, or transformers' image-text class of its
+    ``model_type``) for any other image-text model."""
     if not has_vision(config):
         return None
     kind = str(getattr(config, "model_type", ""))
@@ -53,19 +72,96 @@ def served_class(config: Any, loaded: str | None = None) -> str | None:
 class VisionModel:
     """What intake and the forward read of a served vision-language model.
 
-    ``model``: the ``*ForConditionalGeneration``; ``image_token``, ``video_token``: the
-    placeholder ids; ``merge``: the vision tower's spatial merge size (an image of grid
-    ``t x h x w`` patches is ``t*h*w / merge**2`` image tokens)."""
+    ``model``: the ``*ForConditionalGeneration``; ``kind``: its ``model_type``;
+    ``image_token``, ``video_token``: the placeholder ids; ``merge``: Qwen's spatial merge size
+    (an image of grid ``t x h x w`` patches is ``t*h*w / merge**2`` image tokens; 0 for the
+    others); ``patch``: LLaVA's patch size; ``fixed``: Gemma-3's tokens per image."""
 
     model: Any
+    kind: str
     image_token: int
     video_token: int | None
-    merge: int
+    merge: int = 0
+    patch: int = 0
+    fixed: int = 0
 
     @property
     def name(self) -> str:
         """The model's class name."""
         return type(self.model).__name__
+
+    @property
+    def mrope(self) -> bool:
+        """Whether positions are 3-row mRoPE (``get_rope_index``) rather than ``0 .. L-1``."""
+        return self.kind in MROPE
+
+    @property
+    def token_types(self) -> bool:
+        """Whether the forward needs ``token_type_ids`` (Gemma-3's bidirectional image blocks)."""
+        return self.kind == "gemma3"
+
+    def count(self, out: Any) -> tuple[tuple[int, int, int], int]:
+        """``(grid, tokens)`` of one image from the processor's output ``out`` (numpy): Qwen's
+        ``image_grid_thw`` and ``t*h*w / merge**2``; LLaVA's patch grid ``(1, h, w)`` and
+        ``h*w`` (+1 with strategy ``full``); Gemma-3's pixel shape and ``mm_tokens_per_image``."""
+        if self.mrope:
+            t, h, w = (int(x) for x in np.asarray(out["image_grid_thw"])[0])
+            return (t, h, w), t * h * w // (self.merge * self.merge)
+        n, _, height, width = np.asarray(out["pixel_values"]).shape
+        if self.kind == "llava":
+            h, w = height // self.patch, width // self.patch
+            full = self.model.config.vision_feature_select_strategy == "full"
+            return (int(n), h, w), int(n) * (h * w + int(full))
+        return (int(n), int(height), int(width)), int(n) * self.fixed
+
+    def describe(self, grid: tuple[int, int, int]) -> str:
+        """How the token count of an image of ``grid`` comes about (``bad_request`` text)."""
+        if self.mrope:
+            return f"grid {grid}, merge {self.merge}"
+        if self.kind == "llava":
+            return f"patch grid {grid[1]}x{grid[2]} of patch {self.patch}"
+        return f"mm_tokens_per_image {self.fixed}"
+
+    def positions(self, ids: np.ndarray, grids: Sequence[tuple[int, int, int]]) -> np.ndarray:
+        """The positions of ``ids`` alone: ``[3, L]`` by Qwen's ``get_rope_index``, else
+        ``0 .. L-1`` ``[L]``."""
+        if not self.mrope:
+            return np.arange(len(ids), dtype=np.int64)
+        input_ids = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))[None]  # [1, L]
+        types = (input_ids == self.image_token).to(torch.int32)  # [1, L] 1 = image
+        thw = torch.tensor(list(grids), dtype=torch.int64)  # [n, 3]
+        with torch.inference_mode():
+            pos, _ = self.model.model.get_rope_index(input_ids, types, image_grid_thw=thw)
+        return pos[:, 0].numpy().astype(np.int64)  # [3, L]
+
+    def features(self, pixels: torch.Tensor, grids: torch.Tensor) -> list[torch.Tensor]:
+        """The vision tower (and projector) on the concatenated ``pixels`` of distinct images:
+        one ``[tokens, H]`` per image, in order."""
+        inner = self.model.model
+        if self.mrope:
+            return list(inner.get_image_features(pixels, grids, return_dict=True).pooler_output)
+        if self.kind == "llava":
+            config = self.model.config
+            out = inner.get_image_features(
+                pixel_values=pixels,
+                vision_feature_layer=config.vision_feature_layer,
+                vision_feature_select_strategy=config.vision_feature_select_strategy,
+                return_dict=True,
+            )
+            return list(out.pooler_output)
+        return list(inner.get_image_features(pixels, return_dict=True).pooler_output)
+
+    def placed(self, feats: Sequence[torch.Tensor]) -> Any:
+        """``feats`` (per image, in order of appearance) as the model's ``masked_scatter``
+        reads them: a tuple (Qwen, LLaVA concatenate it), a stacked tensor for Gemma-3."""
+        return torch.stack(list(feats)) if self.kind == "gemma3" else tuple(feats)
+
+    def extra(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Inputs beside the embeddings for rows ``input_ids`` ``[R, T]``: Gemma-3's
+        ``token_type_ids`` (1 on image tokens, each row its own sequence), none otherwise."""
+        if not self.token_types:
+            return {}
+        return {"token_type_ids": (input_ids == self.image_token).long()}  # [R, T]
 
 
 def vision_model(model: Any) -> VisionModel | None:
@@ -77,10 +173,20 @@ def vision_model(model: Any) -> VisionModel | None:
         return None
     if type(model).__name__ != name:
         raise ConfigError(f"{type(model).__name__}: images are served through {name} only")
-    video = getattr(config, "video_token_id", None)
+    kind = str(config.model_type)
+    video = getattr(config, "video_token_id", None) if kind in MROPE else None
+    vision = config.vision_config
+    if kind == "llava" and config.vision_feature_select_strategy not in ("default", "full"):
+        raise ConfigError(
+            f"{type(model).__name__}: vision_feature_select_strategy "
+            f"{config.vision_feature_select_strategy!r} is not served ('default' or 'full')"
+        )
     return VisionModel(
         model=model,
+        kind=kind,
         image_token=int(config.image_token_id),
         video_token=int(video) if video is not None else None,
-        merge=int(config.vision_config.spatial_merge_size),
+        merge=int(vision.spatial_merge_size) if kind in MROPE else 0,
+        patch=int(vision.patch_size) if kind == "llava" else 0,
+        fixed=int(config.mm_tokens_per_image) if kind == "gemma3" else 0,
     )

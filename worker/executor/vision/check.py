@@ -1,8 +1,10 @@
 """The load check of the image path: one probe image scored in a padded batch (beside a
 text-only sequence of another length, so the bucket pads) against the model's own forward of
-the image sequence alone (its ``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids``,
-positions by ``get_rope_index``). A disagreement refuses to start: images are never scored
-approximately. Runs on the executor's device and dtype (tolerance as the text probe's)."""
+the image sequence alone (``reference_inputs``: its ``pixel_values``; Qwen's
+``image_grid_thw``, ``mm_token_type_ids`` and positions by ``get_rope_index``; Gemma-3's
+``token_type_ids``, as its processor makes them). A disagreement refuses to start: images are
+never scored approximately. Runs on the executor's device and dtype (tolerance as the text
+probe's)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 
 from worker.errors import ConfigError
 from worker.executor.forward import BatchForward
+from worker.executor.vision.arch import VisionModel
 from worker.executor.vision.decode import Decoded
 from worker.executor.vision.intake import (
     VisionIntake,
@@ -18,6 +21,7 @@ from worker.executor.vision.intake import (
     rope_positions,
     vision_intake,
 )
+from worker.executor.vision.processor import ProcessedImage
 from worker.scorer.inputs import PreparedSequence
 
 
@@ -28,6 +32,26 @@ def probe_image() -> Decoded:
     y, x = np.mgrid[0:56, 0:84]
     pixels = np.stack([x * 3, y * 4, (x + y) * 2], axis=-1).astype("uint8")  # [56, 84, 3]
     return Decoded(image=Image.fromarray(pixels), digest="selfcheck-probe", format="PNG")
+
+
+def reference_inputs(
+    vlm: VisionModel, ids: np.ndarray, images: list[ProcessedImage], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """The inputs of the model's own forward of ``ids`` alone with ``images`` (its processor's
+    output), as transformers' processor and model documentation give them."""
+    input_ids = torch.from_numpy(ids)[None].to(device)  # [1, L]
+    positions = torch.from_numpy(rope_positions(vlm, ids, images)).to(device)  # [3, L] or [L]
+    pixels = torch.from_numpy(np.concatenate([img.pixel_values for img in images])).to(device)
+    out = {"input_ids": input_ids, "pixel_values": pixels}
+    if vlm.mrope:
+        out["position_ids"] = positions[:, None]  # [3, 1, L]
+        out["image_grid_thw"] = torch.tensor([img.grid for img in images], device=device)
+        out["mm_token_type_ids"] = (input_ids == vlm.image_token).int()
+    else:
+        out["position_ids"] = positions[None]  # [1, L]
+    if vlm.token_types:
+        out["token_type_ids"] = (input_ids == vlm.image_token).long()
+    return out
 
 
 def image_check(forward: BatchForward, intake: VisionIntake) -> None:
@@ -41,21 +65,10 @@ def image_check(forward: BatchForward, intake: VisionIntake) -> None:
     text = PreparedSequence(np.arange(1, 6, dtype=np.int64), np.arange(2, 5, dtype=np.int64))
     got = forward.compute([seq, text], [0, 1], "reference", 1.0, layout="padded", row_tokens=0)
     device = forward.device
-    input_ids = torch.from_numpy(ids)[None].to(device)  # [1, L]
-    positions = torch.from_numpy(rope_positions(vlm, ids, [processed]))[:, None].to(device)
+    inputs = reference_inputs(vlm, ids, [processed], device)
+    input_ids = inputs["input_ids"]
     with torch.inference_mode():
-        logits = (
-            model(
-                input_ids=input_ids,
-                position_ids=positions,  # [3, 1, L]
-                pixel_values=torch.from_numpy(processed.pixel_values).to(device),
-                image_grid_thw=torch.tensor([processed.grid], device=device),
-                mm_token_type_ids=(input_ids == vlm.image_token).int(),
-                use_cache=False,
-            )
-            .logits[0]
-            .float()
-        )  # [L, V]
+        logits = model(**inputs, use_cache=False).logits[0].float()  # [L, V]
     want = logits.log_softmax(-1)[scored - 1].gather(-1, input_ids[0, scored, None])[:, 0]
     tol = 1e-3 if next(model.parameters()).dtype == torch.float32 else 0.25
     have = got.scores[0].logps

@@ -4,13 +4,16 @@ every sequence's positions by the model's own rule.
 
 Checks, each a ``BadRequest`` naming the sequence (and the image): a video placeholder (video
 inputs are not served); the number of runs of the image token against the number of images the
-sequence names; each run's length against the processor's token count for its image
-(``t*h*w / merge**2``). The model's own check compares batch totals only, so a short run in one
-sequence and a long one in another would pass it and misplace every feature after them.
+sequence names; each run's length against the processor's token count for its image (the
+model's rule, ``arch.VisionModel.count``: Qwen's ``t*h*w / merge**2``, LLaVA's patch grid,
+Gemma-3's ``mm_tokens_per_image``). The model's own check compares batch totals only, so a
+short run in one sequence and a long one in another would pass it and misplace every feature
+after them.
 
-Positions: ``get_rope_index`` of the model on the sequence alone (its ``mm_token_type_ids`` from
-the image-token runs), the 3-row mRoPE positions the model computes for that sequence; the
-forward always passes them (``rope_deltas``, the model's cached state, is never read).
+Positions: for Qwen, ``get_rope_index`` of the model on the sequence alone (its
+``mm_token_type_ids`` from the image-token runs), the 3-row mRoPE positions the model computes
+for that sequence (``rope_deltas``, the model's cached state, is never read); for LLaVA and
+Gemma-3 ``0 .. L-1``. The forward always passes them.
 """
 
 from __future__ import annotations
@@ -20,11 +23,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
-import torch
 
 from worker.errors import BadRequest, ConfigError
 from worker.executor.call import CallPlan
-from worker.executor.vision.arch import VisionModel, vision_model
+from worker.executor.vision.arch import VisionModel, has_vision, vision_model
 from worker.executor.vision.decode import decode_image
 from worker.executor.vision.processor import ImageProcessing, ProcessedImage
 from worker.request import Images, ScoreRequest
@@ -33,10 +35,11 @@ from worker.scorer.inputs import PreparedSequence
 
 @dataclass(frozen=True)
 class SequenceVision:
-    """A sequence's images in order of appearance and its positions ``[3, L]`` (mRoPE)."""
+    """A sequence's images in order of appearance and its positions (``[3, L]`` mRoPE, or
+    ``[L]``)."""
 
     images: tuple[ProcessedImage, ...]
-    positions: np.ndarray  # [3, L] int64
+    positions: np.ndarray  # [3, L] or [L] int64
 
 
 @dataclass
@@ -98,7 +101,7 @@ def check_sequence(
         if n != img.tokens:
             raise BadRequest(
                 f"{where}: image run {k} (images[{ref}]) has {n} image tokens but the processor "
-                f"makes {img.tokens} for that image (grid {img.grid}, merge {model.merge})"
+                f"makes {img.tokens} for that image ({model.describe(img.grid)})"
             )
     if not runs:
         return seq
@@ -117,13 +120,8 @@ def check_sequence(
 def rope_positions(
     model: VisionModel, ids: np.ndarray, images: Sequence[ProcessedImage]
 ) -> np.ndarray:
-    """``[3, L]`` positions of ``ids`` alone by the model's ``get_rope_index``."""
-    input_ids = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))[None]  # [1, L]
-    types = (input_ids == model.image_token).to(torch.int32)  # [1, L] 1 = image
-    grids = torch.tensor([img.grid for img in images], dtype=torch.int64)  # [n, 3]
-    with torch.inference_mode():
-        pos, _ = model.model.model.get_rope_index(input_ids, types, image_grid_thw=grids)
-    return pos[:, 0].numpy().astype(np.int64)  # [3, L]
+    """Positions of ``ids`` alone by the model's rule (``VisionModel.positions``)."""
+    return model.positions(ids, [img.grid for img in images])
 
 
 class VisionIntake:
@@ -147,7 +145,10 @@ class VisionIntake:
         return {
             **self.processing.describe(),
             "model": self.model.name,
-            "layout": "padded (per-sequence mRoPE positions)",
+            "layout": "padded (per-sequence mRoPE positions)"
+            if self.model.mrope
+            else "padded (per-sequence positions 0 .. L-1)",
+            **({"token_type_ids": "1 on image tokens"} if self.model.token_types else {}),
             "prefix_sharing": "off for sequences with images",
         }
 
@@ -156,7 +157,10 @@ class VisionIntake:
         attached); images only in ``reference`` mode (log-probs of the served model)."""
         images = request.images
         if images is not None and any(call.mode != "reference" for call in plan):
-            raise BadRequest("images are scored in mode 'reference' only")
+            raise BadRequest(
+                "images are scored in mode 'reference' only: image-text reward models "
+                "(Gemma3ForSequenceClassification, ...) are not served with images"
+            )
         shown, counts = (
             process_images(
                 images, self.processing, max_pixels=self.max_pixels, max_images=self.max_images
@@ -179,13 +183,23 @@ class VisionIntake:
 
 
 def plan_images(
-    vision: VisionIntake | None, request: ScoreRequest, plan: tuple[CallPlan, ...]
+    vision: VisionIntake | None,
+    request: ScoreRequest,
+    plan: tuple[CallPlan, ...],
+    reward_model: Any = None,
 ) -> tuple[CallPlan, ...]:
-    """``plan`` through ``vision`` (``VisionIntake.plan``); a text-only executor (``None``)
-    refuses a request with images (``BadRequest``)."""
+    """``plan`` through ``vision`` (``VisionIntake.plan``); an executor without a served
+    vision-language reference model (``None``) refuses a request with images (``BadRequest``:
+    an image-text reward model, e.g. ``Gemma3ForSequenceClassification``, named as such)."""
     if vision is not None:
         return vision.plan(request, plan)
     if request.images is not None or any(s.images for s in request.seqs):
+        if reward_model is not None and has_vision(getattr(reward_model, "config", None)):
+            raise BadRequest(
+                f"images are not served for the image-text reward model "
+                f"{type(reward_model).__name__}: images are scored in mode 'reference' only, "
+                "by a served vision-language model"
+            )
         raise BadRequest("this worker serves a text-only model: a job with images is refused")
     return plan
 
@@ -201,7 +215,7 @@ def vision_intake(model: Any, processor: Any, config: Any) -> VisionIntake | Non
         raise ConfigError(f"{vlm.name} needs its image processor (preprocessor_config.json)")
     return VisionIntake(
         vlm,
-        ImageProcessing(processor, vlm.merge),
+        ImageProcessing(processor, vlm),
         max_pixels=config.max_image_pixels,
         max_images=config.max_images_per_job,
     )

@@ -1,9 +1,10 @@
 """The model's own image processor, run once per distinct image and options.
 
 ``ImageProcessing`` wraps the processor loaded from the checkpoint's ``preprocessor_config.json``
-(``AutoImageProcessor``): a job's size options (``min_pixels``, ``max_pixels``) are checked
-against what that processor has (an option it lacks is a ``BadRequest``), and each image's
-output (``pixel_values``, its grid ``t, h, w``) is cached by the file's content hash and the
+(``AutoImageProcessor``): a job's size options (``min_pixels``, ``max_pixels``; Qwen2-VL's
+processor only, the others take none) are checked against what that processor has (an option
+it lacks is a ``BadRequest``), and each image's output (``pixel_values``, its grid, its token
+count by the model's rule, ``arch.VisionModel.count``) is cached by the file's content hash and the
 options, so an image shown by many sequences, or sent again by the next job, is processed once.
 Outputs are host numpy arrays (a prepared request stays torch-free and picklable).
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -25,11 +26,21 @@ from worker.executor.vision.decode import Decoded
 SIZE_KEYS = {"min_pixels": "shortest_edge", "max_pixels": "longest_edge"}
 
 
+class Counter(Protocol):
+    """The model's rule for an image's token count (``arch.VisionModel``)."""
+
+    @property
+    def mrope(self) -> bool: ...
+
+    def count(self, out: Any) -> tuple[tuple[int, int, int], int]: ...
+
+
 @dataclass(frozen=True)
 class ProcessedImage:
-    """One image as the model's processor made it: ``pixel_values`` ``[patches, D]`` float32,
-    ``grid`` ``(t, h, w)`` in patches, ``tokens`` its image-token count
-    (``t*h*w / merge**2``), ``digest`` the content hash of its file."""
+    """One image as the model's processor made it: ``pixel_values`` float32 (Qwen's
+    ``[patches, D]``, the others' ``[1, 3, H, W]``), ``grid`` (Qwen's ``(t, h, w)`` in patches,
+    ``VisionModel.count`` for the others), ``tokens`` its image-token count, ``digest`` the
+    content hash of its file."""
 
     pixel_values: np.ndarray
     grid: tuple[int, int, int]
@@ -48,23 +59,30 @@ def backend_of(processor: Any) -> str:
 class ImageProcessing:
     """The model's image processor with a cache (see the module docstring); thread-safe.
 
-    ``processor``: a transformers image processor with ``size`` ``shortest_edge`` /
-    ``longest_edge`` (Qwen2-VL's); ``merge``: the vision tower's spatial merge size;
+    ``processor``: a transformers image processor (Qwen2-VL's: with ``size`` ``shortest_edge`` /
+    ``longest_edge``; the others' take no job option, and Gemma-3's pan-and-scan is refused);
+    ``rule``: the model's token-count rule (``arch.VisionModel``);
     ``cache_images`` / ``cache_bytes``: how many processed images, and how many bytes of their
     ``pixel_values``, are kept (least recently used dropped first; one image at the default
     ``max_pixels`` of Qwen2-VL is up to 77 MB)."""
 
     def __init__(
-        self, processor: Any, merge: int, *, cache_images: int = 256, cache_bytes: int = 2**30
+        self, processor: Any, rule: Counter, *, cache_images: int = 256, cache_bytes: int = 2**30
     ) -> None:
         size: Any = getattr(processor, "size", None)
-        if not all(_size(size, key) for key in SIZE_KEYS.values()):
+        self.keys = SIZE_KEYS if rule.mrope else {}  # the job options this processor takes
+        if rule.mrope and not all(_size(size, key) for key in SIZE_KEYS.values()):
             raise ConfigError(
                 f"{type(processor).__name__}: expected a size with shortest_edge and "
                 f"longest_edge (Qwen2-VL's processor), got {size!r}"
             )
+        if getattr(processor, "do_pan_and_scan", None):
+            raise ConfigError(
+                f"{type(processor).__name__}: do_pan_and_scan is not served (its crops add image "
+                "runs per image); save the processor with do_pan_and_scan off"
+            )
         self.processor = processor
-        self.merge = merge
+        self.rule = rule
         self.cache_images = cache_images
         self.cache_bytes = cache_bytes
         self._held = 0  # bytes of pixel_values in the cache
@@ -75,7 +93,7 @@ class ImageProcessing:
 
     def describe(self, options: tuple[tuple[str, int], ...] = ()) -> dict[str, Any]:
         """The processor's class, backend and the size options in force with ``options``."""
-        used = {name: _size(self.processor.size, key) for name, key in SIZE_KEYS.items()}
+        used = {name: _size(self.processor.size, key) for name, key in self.keys.items()}
         used.update(dict(options))
         return {
             "processor": type(self.processor).__name__,
@@ -86,10 +104,16 @@ class ImageProcessing:
     def check(self, options: tuple[tuple[str, int], ...]) -> None:
         """``BadRequest`` for an option this processor does not take."""
         for name, _ in options:
-            if name not in SIZE_KEYS:
+            if not self.keys:
+                raise BadRequest(
+                    f"processor option {name!r}: {type(self.processor).__name__} takes no job "
+                    "option (only Qwen2-VL's processor takes min_pixels / max_pixels; Gemma-3's "
+                    "do_pan_and_scan is not served)"
+                )
+            if name not in self.keys:
                 raise BadRequest(
                     f"processor option {name!r} is not one of {type(self.processor).__name__}'s "
-                    f"{sorted(SIZE_KEYS)}"
+                    f"{sorted(self.keys)}"
                 )
 
     def process(
@@ -103,19 +127,21 @@ class ImageProcessing:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit, True
-        size = {key: _size(self.processor.size, key) for key in SIZE_KEYS.values()}
-        for name, value in options:
-            size[SIZE_KEYS[name]] = value
+        sized: dict[str, Any] = {}
+        if self.keys:
+            size = {key: _size(self.processor.size, key) for key in self.keys.values()}
+            for name, value in options:
+                size[self.keys[name]] = value
+            sized["size"] = size
         try:
-            out = self.processor(images=[image.image], size=size, return_tensors="np")
+            out = self.processor(images=[image.image], return_tensors="np", **sized)
         except Exception as exc:
             raise BadRequest(f"the image processor refused an image: {exc}"[:300]) from None
-        grid = tuple(int(x) for x in np.asarray(out["image_grid_thw"])[0])
-        t, h, w = grid
+        grid, tokens = self.rule.count(out)
         done = ProcessedImage(
             pixel_values=np.ascontiguousarray(out["pixel_values"], dtype=np.float32),
-            grid=(t, h, w),
-            tokens=t * h * w // (self.merge * self.merge),
+            grid=grid,
+            tokens=tokens,
             digest=image.digest,
         )
         with self._lock:

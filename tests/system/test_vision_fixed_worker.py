@@ -1,0 +1,146 @@
+"""LLaVA and Gemma-3 images through a real worker (real Redis, the daemon in a thread, a tiny
+LLaVA and a tiny Gemma-3 loaded from checkpoints saved with their image processor): log-probs
+with a temperature and a mask, entropy and top-k of several sequences in one job (one image shown
+by several of them, one shown twice by one) equal transformers' own forward of each sequence
+alone (its processor's output; Gemma-3's ``token_type_ids``); a sequence whose image run does not
+match its image's count is answered ``bad_request`` naming it, the image and both counts, while
+the other jobs are answered."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import redis
+import transformers
+
+from tests.support.daemon import thread_worker
+from tests.support.vision import IMAGE, image_file
+from tests.support.vision_fixed import fixed_placeholder, fixed_reference, image_count
+from worker import keys
+from worker.client import ScoringClient
+from worker.demo.tiny import FIXED_VLM_ARCHS, save_tiny_vlm
+from worker.executor import ExecutorConfig, StatelessExecutor
+
+pytestmark = pytest.mark.redis
+
+A, B = image_file(90, 60, seed=1), image_file(50, 100, seed=2, fmt="JPEG")
+PROCESSORS = {"llava": "CLIPImageProcessor", "gemma3": "Gemma3ImageProcessor"}
+
+
+@pytest.fixture(scope="module", params=FIXED_VLM_ARCHS)
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_vlm(tmp_path_factory.mktemp(request.param), request.param, seed=3)
+
+
+@pytest.fixture(scope="module")
+def naive(checkpoint: Path) -> tuple[Any, Any]:
+    """The checkpoint loaded by transformers alone, with its processor."""
+    config = transformers.AutoConfig.from_pretrained(checkpoint)
+    cls = getattr(transformers, config.architectures[0])
+    model = cls.from_pretrained(checkpoint, dtype="float32").eval()
+    return model, transformers.AutoImageProcessor.from_pretrained(checkpoint)
+
+
+@pytest.fixture
+def served(checkpoint: Path, redis_url: str, key_prefix: str, cleanup_keys: None) -> Iterator[Any]:
+    config = ExecutorConfig(dtype="float32", max_image_pixels=200 * 200, max_images_per_job=3)
+    ex = StatelessExecutor.from_pretrained(config, str(checkpoint))
+    with thread_worker(redis_url, key_prefix, ex) as (_, registry):
+        yield registry
+
+
+def test_image_sequences_equal_the_model_alone_through_redis(
+    served: Any, naive: tuple[Any, Any], redis_url: str, key_prefix: str
+) -> None:
+    model, processor = naive
+    pa = fixed_placeholder(model, image_count(model, processor, A))
+    pb = fixed_placeholder(model, image_count(model, processor, B))
+    rng = np.random.RandomState(0)
+
+    def text(n: int) -> list[int]:
+        return [int(t) for t in rng.randint(1, 90, n)]
+
+    s0 = [*text(3), *pa, *text(4)]  # A
+    s1 = [*text(2), *pa, *text(2), *pb, *text(5)]  # A then B
+    s2 = [*text(2), *pb, *text(1), *pb, *text(3)]  # B twice
+    s3 = text(9)  # text only
+    mask1 = [0] * (len(s1) - 5) + [1, 0, 1, 1, 1]
+    seqs = [
+        {"tokens": s0, "prompt_len": len(s0) - 4, "images": [0]},
+        {"tokens": s1, "mask": mask1, "images": [0, 1]},
+        {"tokens": s2, "prompt_len": 2 + len(pb), "images": [1, 1]},
+        {"tokens": s3, "prompt_len": 4},
+    ]
+    temp, k = 0.7, 3
+    with ScoringClient(redis_url, queue=key_prefix, wait_for_unknown_queue=True) as client:
+        got = client.score(
+            seqs, temperature=temp, outputs=("logps", "entropy", "topk"), topk=k,
+            images=[A, B], timeout=60,
+        )  # fmt: skip
+    refs = [[0], [0, 1], [1, 1], []]
+    for seq, score, shown in zip(seqs, got, refs, strict=True):
+        tokens = seq["tokens"]
+        want = fixed_reference(model, processor, [A, B], tokens, shown, temperature=temp, topk=k)
+        if "mask" in seq:
+            scored = [t for t, m in enumerate(seq["mask"]) if m]
+        else:  # image tokens in a completion are never scored
+            scored = [t for t in range(seq["prompt_len"], len(tokens)) if tokens[t] != IMAGE]
+        at = np.array(scored) - 1  # the position that predicts each scored token
+        np.testing.assert_allclose(score.logps, want["logps"][at], atol=2e-5, rtol=0)
+        np.testing.assert_allclose(score.entropy, want["entropy"][at], atol=2e-5, rtol=0)
+        np.testing.assert_allclose(score.topk_logps, want["topk_logps"][at], atol=2e-5, rtol=0)
+        np.testing.assert_array_equal(score.topk_ids, want["topk_ids"][at])
+    assert served.get_sample_value("scoring_images_decoded_total") == 2
+
+
+REPLY = f"vision-fixed-test:reply:{uuid.uuid4().hex[:8]}"
+
+
+def _raw(job_id: str, seqs: list[dict[str, Any]], **more: Any) -> bytes:
+    """A job as docs/protocol.md spells it (msgpack only), answering to ``REPLY``."""
+    body = {"v": 1, "id": job_id, "mode": "reference", "reply_to": REPLY, "seqs": seqs, **more}
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def test_a_run_that_does_not_match_its_image_is_refused_naming_the_sequence(
+    served: Any, naive: tuple[Any, Any], redis_url: str, key_prefix: str
+) -> None:
+    model, processor = naive
+    n = image_count(model, processor, A)
+    good = {"tokens": [1, 2, *fixed_placeholder(model, n), 3, 4], "prompt_len": 2, "images": [0]}
+    short = {**good, "tokens": [1, 2, *fixed_placeholder(model, n - 1), 3, 4]}
+    jobs = {
+        "ok-1": _raw("ok-1", [good, good], images=[A]),
+        "bad": _raw("bad", [good, short, good], images=[A]),
+        "ok-2": _raw("ok-2", [good], images=[A]),
+    }
+    r = redis.Redis.from_url(redis_url)
+    r.delete(REPLY)
+    for payload in jobs.values():
+        r.xadd(keys.job_streams(key_prefix)[0], {"payload": payload})
+    got: dict[str, dict[str, Any]] = {}
+    last, deadline = "0", time.monotonic() + 60
+    while len(got) < len(jobs) and time.monotonic() < deadline:
+        for _, entries in r.xread({REPLY: last}, block=100) or []:
+            for eid, fields in entries:
+                last = eid
+                body = msgpack.unpackb(fields[b"payload"], raw=False)
+                got[body["id"]] = body
+    assert sorted(got) == sorted(jobs)
+    bad = got["bad"]
+    assert bad["ok"] is False and bad["error"]["code"] == "bad_request"
+    message = bad["error"]["message"]
+    assert "sequence 1" in message and "images[0]" in message, message
+    assert f"{n - 1} image tokens" in message and f"makes {n}" in message, message
+    for job in ("ok-1", "ok-2"):
+        assert got[job]["ok"] is True, got[job]
+        info = got[job]["info"]["vision"]
+        assert info["processor"].startswith(PROCESSORS[model.config.model_type]), info
+        assert ("token_type_ids" in info) == (model.config.model_type == "gemma3"), info
