@@ -339,6 +339,8 @@ def run(args: argparse.Namespace) -> int:
     client_name = f"scoring-worker:{config.consumer}"[:100].replace(" ", "_")
     settings = redis_settings(args, client_name=client_name)
     check_models(args)  # a typo fails here, in a second, not after the endpoint is up
+    if tp_group.tp_size(args) > 1:
+        tp_group.check_tp_group(args)  # what the group cannot serve: refused before Redis is read
     redis_states = check_redis(settings, config)  # an evicting Redis: refused before the load
     tp_leader = tp_group.start_leader(args, flag_defaults()) if tp_group.tp_size(args) > 1 else None
     try:

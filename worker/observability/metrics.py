@@ -31,7 +31,7 @@ BATCH_TOKENS_BUCKETS = tuple(float(2**p) for p in range(6, 21))  # 64 .. 1M toke
 
 JOB_OUTCOMES: tuple[str, ...] = ("ok", *ERROR_CODES)  # the table in worker.errors
 #: Per-token outputs a job may ask for (``worker.request.OUTPUT_NAMES``; a test checks).
-OUTPUT_KINDS: tuple[str, ...] = ("logps", "entropy", "topk", "gather", "processed_logps", "rank")
+OUTPUT_KINDS = ("logps", "entropy", "topk", "gather", "processed_logps", "rank", "hidden")
 RESULT_BYTES_BUCKETS = tuple(float(2**p) for p in range(10, 31, 2))  # 1 KiB .. 1 GiB
 
 
