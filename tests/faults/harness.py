@@ -429,7 +429,10 @@ def sigterm_drain(after_s: float) -> Callable[..., None]:
 
 def redis_restart(times: int, after_s: float, down_s: float) -> Callable[..., None]:
     """``kill -9`` redis-server mid-load and restart it on the same AOF; record which entries
-    were pending before and check they are all still in the stream after the restart."""
+    were pending at the kill and check they are all still in the stream after the restart.
+    ``CLIENT PAUSE ... WRITE`` holds every client's writes from the snapshot to the kill: a worker
+    acks and trims (``XTRIM MINID``) entries as it answers them, so without the pause an entry
+    pending at the snapshot may be answered and trimmed before the kill, and read as lost."""
 
     def run(fleet: Fleet, done: threading.Event, out: list[str]) -> None:
         for _ in range(times):
@@ -437,6 +440,7 @@ def redis_restart(times: int, after_s: float, down_s: float) -> Callable[..., No
                 return
             admin = fleet.admin()
             try:
+                admin.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")  # reads still answer
                 pending = admin.xpending_range(fleet.stream, "scoring", "-", "+", 10000)
             except redis.RedisError:
                 pending = []
