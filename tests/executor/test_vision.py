@@ -19,7 +19,6 @@ from transformers import (
     LlavaNextConfig,
     LlavaOnevisionConfig,
     Mistral3Config,
-    Qwen3VLConfig,
 )
 
 from tests.support.models import tiny_causal
@@ -29,7 +28,7 @@ from worker.errors import BadRequest, ConfigError
 from worker.executor import ExecutorConfig, StatelessExecutor
 from worker.executor import forward as forward_module
 from worker.executor.vision import features
-from worker.executor.vision.arch import served_class, vision_model
+from worker.executor.vision.arch import DEEPSTACK, served_class, vision_model
 from worker.executor.vision.decode import decode_image
 from worker.executor.vision.processor import ImageProcessing
 from worker.request import Images, ScoreRequest, SequenceInput
@@ -104,6 +103,36 @@ def test_one_dimensional_positions_are_caught(
 
     monkeypatch.setattr(forward_module, "vision_batch", flat)
     assert _max_error(vlm) > 1e-3
+
+
+def test_qwen3_vl_deepstack_features_misplaced_or_dropped_are_caught(
+    vlm: StatelessExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Qwen3-VL's tower gives deepstack features per image beside the main ones: dropped (the
+    model then adds nothing at the early layers: zeros) or one image's given to every image,
+    the comparison fails."""
+    vlm_rule = vision_model(vlm.reference_model)
+    assert vlm_rule is not None
+    if vlm_rule.kind not in DEEPSTACK:
+        assert not hasattr(vlm.reference_model.model.visual, "deepstack_merger_list")
+        return
+    placed = type(vlm_rule).placed
+
+    def dropped(self: Any, feats: Any) -> Any:
+        out = placed(self, feats)
+        zero = [tuple(torch.zeros_like(x) for x in layer) for layer in out.deepstack_features]
+        return replace(out, deepstack_features=zero)
+
+    def first_only(self: Any, feats: Any) -> Any:
+        out = placed(self, feats)  # every image given the first image's deepstack features
+        deep = [tuple(layer[0] for _ in layer) for layer in out.deepstack_features]
+        return replace(out, deepstack_features=deep)
+
+    assert _max_error(vlm) < 2e-5
+    for wrong in (dropped, first_only):
+        with monkeypatch.context() as patch:
+            patch.setattr(type(vlm_rule), "placed", wrong)
+            assert _max_error(vlm) > 1e-3
 
 
 def test_the_vision_tower_runs_once_per_distinct_image_and_never_for_text(
@@ -188,7 +217,6 @@ def test_video_and_text_only_refusals(vlm: StatelessExecutor) -> None:
         (LlavaOnevisionConfig, "LlavaOnevisionForConditionalGeneration"),
         (Idefics3Config, "Idefics3ForConditionalGeneration"),
         (Mistral3Config, "Mistral3ForConditionalGeneration"),
-        (Qwen3VLConfig, "Qwen3VLForConditionalGeneration"),
     ],
 )
 def test_other_image_text_models_are_refused_naming_the_class(config: Any, name: str) -> None:

@@ -171,7 +171,7 @@ def tiny_model(head: str, arch: str, seed: int, **extra: Any) -> Any:
     return random_model(name, tiny_config(arch, **extra), seed)
 
 
-VLM_ARCHS: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
+VLM_ARCHS: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 VLM_TOKENS = {"vision_start_token_id": 92, "vision_end_token_id": 93, "image_token_id": 94,
               "video_token_id": 95}  # fmt: skip
 """The placeholder ids of the tiny vision-language models (the top of ``VOCAB``; Gemma-3's
@@ -181,12 +181,13 @@ FIXED_VLM_ARCHS: tuple[str, ...] = ("llava", "gemma3")
 
 
 def tiny_vlm(arch: str = "qwen2_vl", seed: int = 0) -> tuple[Any, Any]:
-    """A tiny Qwen2-VL (``qwen2_vl``) or Qwen2.5-VL (``qwen2_5_vl``) ``*ForConditionalGeneration``
+    """A tiny Qwen2-VL (``qwen2_vl``), Qwen2.5-VL (``qwen2_5_vl``), Qwen3-VL (``qwen3_vl``, two
+    deepstack layers) or Qwen3-VL-MoE (``qwen3_vl_moe``, 4 experts) ``*ForConditionalGeneration``
     with random weights, and its image processor (PIL backend; images of 4 to 16 image tokens);
     ``llava`` / ``gemma3``: ``tiny_fixed_vlm``."""
     if arch in FIXED_VLM_ARCHS:
         return tiny_fixed_vlm(arch, seed)
-    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
@@ -205,10 +206,23 @@ def tiny_vlm(arch: str = "qwen2_vl", seed: int = 0) -> tuple[Any, Any]:
         cls, config = "Qwen2_5_VLForConditionalGeneration", cast(Any, Qwen2_5_VLConfig)
         vision.update(intermediate_size=64, out_hidden_size=32, window_size=56,
                       fullatt_block_indexes=[0])  # fmt: skip
+    elif arch in ("qwen3_vl", "qwen3_vl_moe"):
+        moe = arch == "qwen3_vl_moe"
+        cls = "Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration"
+        config = cast(Any, Qwen3VLMoeConfig if moe else Qwen3VLConfig)
+        vision.update(depth=2, patch_size=16, intermediate_size=64, out_hidden_size=32,
+                      num_position_embeddings=16, deepstack_visual_indexes=[0, 1])  # fmt: skip
+        text.update(head_dim=8)
+        text["rope_parameters"] = {**text["rope_parameters"], "mrope_interleaved": True}
+        if moe:
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     else:
         raise ValueError(f"unknown vision-language arch {arch!r}; expected one of {VLM_ARCHS}")
     model = random_model(cls, config(text_config=text, vision_config=vision, **VLM_TOKENS), seed)
-    processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)
+    side = int(vision["patch_size"]) * 2  # one image token: merge 2 x 2 patches
+    processor = Qwen2VLImageProcessorPil(
+        patch_size=vision["patch_size"], min_pixels=side * side * 4, max_pixels=side * side * 16
+    )
     return model, processor
 
 

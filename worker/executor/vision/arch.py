@@ -3,8 +3,11 @@
 Served exactly (``SERVED``), each with its own rule for the image-token count of an image,
 positions, the vision tower and any extra input:
 
-- Qwen2-VL, Qwen2.5-VL: ``t*h*w / merge**2`` tokens per image (the processor's grid), 3-row
-  mRoPE positions by the model's own ``get_rope_index``;
+- Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and its MoE): ``t*h*w / merge**2`` tokens per image (the
+  processor's grid), 3-row mRoPE positions by the model's own ``get_rope_index`` (Qwen3-VL's
+  advances by ``max(h, w) / merge`` after an image); Qwen3-VL's tower also gives deepstack
+  features, added to the first decoder layers' hidden states at the image tokens, placed per
+  image exactly as the main features;
 - LLaVA: a fixed count per image, the vision tower's patch grid of the processed image (one more
   with ``vision_feature_select_strategy`` ``full``, which keeps CLS), 1-D positions;
 - Gemma-3: ``mm_tokens_per_image`` tokens per image, 1-D positions, and ``token_type_ids`` (1 on
@@ -12,7 +15,7 @@ positions, the vision tower and any extra input:
   bidirectionally within their image, silently wrong.
 
 Any other model with a vision tower (a config with ``vision_config``: Idefics3, LLaVA-NeXT,
-LLaVA-OneVision, Mistral-3, Qwen3-VL, ...) is refused at load with its class named: its
+LLaVA-OneVision, Mistral-3, ...) is refused at load with its class named: its
 positions, token types or feature placement differ, and a forward that ran anyway would be
 silently wrong.
 """
@@ -33,11 +36,15 @@ SERVED: dict[str, str] = {
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "llava": "LlavaForConditionalGeneration",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
 }
 """model_type -> the class served for it."""
 
-MROPE = ("qwen2_vl", "qwen2_5_vl")
+MROPE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 """The served model types with 3-row mRoPE positions (the others' are ``0 .. L-1``)."""
+DEEPSTACK = ("qwen3_vl", "qwen3_vl_moe")
+"""The served model types whose vision tower also gives deepstack features (one per layer)."""
 
 
 def has_vision(config: Any) -> bool:
@@ -134,10 +141,18 @@ class VisionModel:
             pos, _ = self.model.model.get_rope_index(input_ids, types, image_grid_thw=thw)
         return pos[:, 0].numpy().astype(np.int64)  # [3, L]
 
-    def features(self, pixels: torch.Tensor, grids: torch.Tensor) -> list[torch.Tensor]:
+    def features(self, pixels: torch.Tensor, grids: torch.Tensor) -> list[Any]:
         """The vision tower (and projector) on the concatenated ``pixels`` of distinct images:
-        one ``[tokens, H]`` per image, in order."""
+        one ``[tokens, H]`` per image, in order; Qwen3-VL's: ``(main, deepstack)`` per image,
+        ``deepstack`` one ``[tokens, H]`` per deepstack layer."""
         inner = self.model.model
+        if self.kind in DEEPSTACK:
+            out = inner.get_image_features(pixels, grids, return_dict=True)
+            deep = out.deepstack_features  # per layer, per image [tokens, H]
+            return [
+                (main, tuple(layer[i] for layer in deep))
+                for i, main in enumerate(out.pooler_output)
+            ]
         if self.mrope:
             return list(inner.get_image_features(pixels, grids, return_dict=True).pooler_output)
         if self.kind == "llava":
@@ -151,10 +166,23 @@ class VisionModel:
             return list(out.pooler_output)
         return list(inner.get_image_features(pixels, return_dict=True).pooler_output)
 
-    def placed(self, feats: Sequence[torch.Tensor]) -> Any:
-        """``feats`` (per image, in order of appearance) as the model's ``masked_scatter``
-        reads them: a tuple (Qwen, LLaVA concatenate it), a stacked tensor for Gemma-3."""
-        return torch.stack(list(feats)) if self.kind == "gemma3" else tuple(feats)
+    def placed(self, feats: Sequence[Any]) -> Any:
+        """``feats`` (per image, in order of appearance) as the model reads them for its
+        ``mm_encoder_outputs``: ``pooler_output`` a tuple (Qwen, LLaVA concatenate it), a stacked
+        tensor for Gemma-3; Qwen3-VL's also ``deepstack_features``, per layer a tuple per image
+        (concatenated in the same order, so each lands on its own image's tokens)."""
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        if self.kind in DEEPSTACK:
+            from transformers.models.qwen3_vl.modeling_qwen3_vl import (
+                BaseModelOutputWithDeepstackFeatures as Deepstack,
+            )
+
+            layers = len(feats[0][1]) if feats else 0
+            deep = [tuple(f[1][k] for f in feats) for k in range(layers)]
+            return Deepstack(pooler_output=tuple(f[0] for f in feats), deepstack_features=deep)
+        out = torch.stack(list(feats)) if self.kind == "gemma3" else tuple(feats)
+        return BaseModelOutputWithPooling(pooler_output=out)
 
     def extra(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """Inputs beside the embeddings for rows ``input_ids`` ``[R, T]``: Gemma-3's
