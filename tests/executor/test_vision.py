@@ -1,5 +1,7 @@
-"""The executor's image path in process (tiny Qwen2-VL / Qwen2.5-VL): the traps each fail a test
-when reintroduced (positions not passed, 1-D positions, a count checked over the batch only),
+"""The executor's image path in process (tiny Qwen2-VL / Qwen2.5-VL / Qwen3-VL /
+Qwen3-VL-MoE): the traps each fail a test when reintroduced (positions not passed, 1-D
+positions, a count checked over the batch only, Qwen3-VL's deepstack features dropped or
+misplaced),
 the vision tower runs once per distinct image and never for text, the processor cache and its
 options, placeholders in a completion never scored, and the refusals (other image-text models,
 video, a text-only model given images, bad files)."""
