@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 from transformers import (
-    Idefics3Config,
     LlavaNextConfig,
     LlavaOnevisionConfig,
     Mistral3Config,
@@ -217,7 +216,6 @@ def test_video_and_text_only_refusals(vlm: StatelessExecutor) -> None:
     [
         (LlavaNextConfig, "LlavaNextForConditionalGeneration"),
         (LlavaOnevisionConfig, "LlavaOnevisionForConditionalGeneration"),
-        (Idefics3Config, "Idefics3ForConditionalGeneration"),
         (Mistral3Config, "Mistral3ForConditionalGeneration"),
     ],
 )

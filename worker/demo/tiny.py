@@ -176,8 +176,8 @@ VLM_TOKENS = {"vision_start_token_id": 92, "vision_end_token_id": 93, "image_tok
               "video_token_id": 95}  # fmt: skip
 """The placeholder ids of the tiny vision-language models (the top of ``VOCAB``; Gemma-3's
 ``boi``/``eoi`` are the start and end ids)."""
-FIXED_VLM_ARCHS: tuple[str, ...] = ("llava", "gemma3")
-"""The tiny vision-language models with a fixed image-token count per image (16 and 4)."""
+FIXED_VLM_ARCHS: tuple[str, ...] = ("llava", "gemma3", "smolvlm", "idefics3")
+"""The tiny vision-language models with a fixed image-token count per image (16, 4, 4, 4)."""
 
 
 def tiny_vlm(arch: str = "qwen2_vl", seed: int = 0) -> tuple[Any, Any]:
@@ -229,8 +229,9 @@ def tiny_vlm(arch: str = "qwen2_vl", seed: int = 0) -> tuple[Any, Any]:
 def tiny_fixed_vlm(arch: str = "llava", seed: int = 0) -> tuple[Any, Any]:
     """A tiny LLaVA (a CLIP tower on 28 x 28 images of 7 x 7 patches: 16 image tokens) or
     Gemma-3 (a SigLIP tower pooled to ``mm_tokens_per_image`` 4) with random weights and its
-    image processor (PIL backend)."""
-    from transformers import Gemma3Config, LlavaConfig
+    image processor (PIL backend); SmolVLM or Idefics3 (a SigLIP tower on 28 x 28 images, pixel
+    shuffle by 2: ``image_seq_len`` 4, image splitting off)."""
+    from transformers import Gemma3Config, Idefics3Config, LlavaConfig, SmolVLMConfig
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
@@ -247,6 +248,17 @@ def tiny_fixed_vlm(arch: str = "llava", seed: int = 0) -> tuple[Any, Any]:
             size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}
         )
         return random_model("LlavaForConditionalGeneration", config, seed), processor
+    if arch in ("smolvlm", "idefics3"):
+        smol = arch == "smolvlm"
+        tiled: Any = (SmolVLMConfig if smol else Idefics3Config)(
+            text_config={"model_type": "llama", **text}, vision_config=vision, scale_factor=2,
+            image_token_id=VLM_TOKENS["image_token_id"],
+        )  # fmt: skip
+        return random_model(
+            "SmolVLMForConditionalGeneration" if smol else "Idefics3ForConditionalGeneration",
+            tiled,
+            seed,
+        ), _tiled_processor(smol)
     if arch != "gemma3":
         raise ValueError(
             f"unknown vision-language arch {arch!r}; expected one of {FIXED_VLM_ARCHS}"
@@ -266,6 +278,20 @@ def tiny_fixed_vlm(arch: str = "llava", seed: int = 0) -> tuple[Any, Any]:
     )  # fmt: skip
     processor = Gemma3ImageProcessorPil(size={"height": 28, "width": 28})
     return random_model("Gemma3ForConditionalGeneration", config, seed), processor
+
+
+def _tiled_processor(smol: bool) -> Any:
+    """SmolVLM's or Idefics3's image processor (PIL) for 28 x 28 images, image splitting off."""
+    from transformers.models.idefics3.image_processing_pil_idefics3 import (
+        Idefics3ImageProcessorPil,
+    )
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import (
+        SmolVLMImageProcessorPil,
+    )
+
+    cls = SmolVLMImageProcessorPil if smol else Idefics3ImageProcessorPil
+    side = {"longest_edge": 28}
+    return cls(do_image_splitting=False, size=side, max_image_size=side)
 
 
 def save_tiny_vlm(directory: str | Path, arch: str = "qwen2_vl", seed: int = 0) -> Path:
