@@ -20,8 +20,11 @@ from tests.support.vision import END, IMAGE, START
 def image_count(model: Any, processor: Any, data: bytes) -> int:
     """The image tokens transformers' processor writes for ``data``: ``LlavaProcessor``'s
     ``(H // patch) * (W // patch)`` of the processed image (CLS dropped by strategy ``default``),
-    ``Gemma3Processor``'s ``image_seq_length`` (``mm_tokens_per_image``)."""
+    ``Gemma3Processor``'s ``image_seq_length`` (``mm_tokens_per_image``), ``SmolVLMProcessor``'s
+    and ``Idefics3Processor``'s ``image_seq_len`` (one tile: image splitting off)."""
     config = model.config
+    if config.model_type in ("smolvlm", "idefics3"):
+        return int(model.model.image_seq_len)
     if config.model_type == "gemma3":
         return int(config.mm_tokens_per_image)
     pixels = processed(processor, [data])["pixel_values"]  # [1, 3, H, W]
@@ -38,7 +41,11 @@ def processed(processor: Any, files: Sequence[bytes]) -> Any:
 
 def fixed_placeholder(model: Any, n: int) -> list[int]:
     """One image as its processor expands it: Gemma-3's ``boi``, ``n`` image tokens, ``eoi``;
-    LLaVA's ``n`` image tokens."""
+    LLaVA's ``n`` image tokens; SmolVLM's and Idefics3's ``<fake_token_around_image>``,
+    ``<global-img>``, ``n`` image tokens, ``<fake_token_around_image>`` (the tiny models' start
+    and end ids stand for the two)."""
+    if model.config.model_type in ("smolvlm", "idefics3"):
+        return [START, END, *[IMAGE] * n, START]
     if model.config.model_type == "gemma3":
         return [START, *[IMAGE] * n, END]
     return [IMAGE] * n
@@ -62,7 +69,10 @@ def fixed_reference(
     ids = torch.tensor([list(tokens)])
     extra: dict[str, Any] = {"position_ids": torch.arange(ids.shape[1])[None]}
     if refs:
-        extra["pixel_values"] = processed(processor, [files[r] for r in refs])["pixel_values"]
+        out = processed(processor, [files[r] for r in refs])
+        extra["pixel_values"] = out["pixel_values"]
+        if "pixel_attention_mask" in out:  # SmolVLM's, Idefics3's
+            extra["pixel_attention_mask"] = out["pixel_attention_mask"]
     if model.config.model_type == "gemma3" and token_types:
         extra["token_type_ids"] = (ids == IMAGE).long()
     with torch.no_grad():

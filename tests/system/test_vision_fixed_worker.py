@@ -1,5 +1,5 @@
-"""LLaVA and Gemma-3 images through a real worker (real Redis, the daemon in a thread, a tiny
-LLaVA and a tiny Gemma-3 loaded from checkpoints saved with their image processor): log-probs
+"""LLaVA, Gemma-3, SmolVLM and Idefics3 images through a real worker (real Redis, the daemon in
+a thread, each tiny model loaded from checkpoints saved with their image processor): log-probs
 with a temperature and a mask, entropy and top-k of several sequences in one job (one image shown
 by several of them, one shown twice by one) equal transformers' own forward of each sequence
 alone (its processor's output; Gemma-3's ``token_type_ids``); a sequence whose image run does not
@@ -31,7 +31,12 @@ from worker.executor import ExecutorConfig, StatelessExecutor
 pytestmark = pytest.mark.redis
 
 A, B = image_file(90, 60, seed=1), image_file(50, 100, seed=2, fmt="JPEG")
-PROCESSORS = {"llava": "CLIPImageProcessor", "gemma3": "Gemma3ImageProcessor"}
+PROCESSORS = {
+    "llava": "CLIPImageProcessor",
+    "gemma3": "Gemma3ImageProcessor",
+    "smolvlm": "SmolVLMImageProcessor",
+    "idefics3": "Idefics3ImageProcessor",
+}
 
 
 @pytest.fixture(scope="module", params=FIXED_VLM_ARCHS)

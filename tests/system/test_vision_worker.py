@@ -1,9 +1,10 @@
-"""Images through a real worker (real Redis, the daemon in a thread, a tiny Qwen2-VL and a tiny
-Qwen2.5-VL loaded from checkpoints saved with their image processor): log-probs with a
-temperature and a mask, entropy and top-k of several sequences in one job (one image shown by
-several of them, one shown twice by one) equal transformers' own forward of each sequence alone;
-a sequence whose image run does not match its image is answered ``bad_request`` naming it while
-the other jobs are answered; every bad image is ``bad_request`` in well under a second."""
+"""Images through a real worker (real Redis, the daemon in a thread, a tiny Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL and Qwen3-VL-MoE loaded from checkpoints saved with their image processor): log-probs
+with a temperature and a mask, entropy and top-k of several sequences in one job (one image
+shown by several of them, one shown twice by one) equal transformers' own forward of each
+sequence alone; a sequence whose image run does not match its image is answered ``bad_request``
+naming it while the other jobs are answered; every bad image is ``bad_request`` in well under a
+second."""
 
 from __future__ import annotations
 

@@ -171,22 +171,23 @@ def tiny_model(head: str, arch: str, seed: int, **extra: Any) -> Any:
     return random_model(name, tiny_config(arch, **extra), seed)
 
 
-VLM_ARCHS: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
+VLM_ARCHS: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 VLM_TOKENS = {"vision_start_token_id": 92, "vision_end_token_id": 93, "image_token_id": 94,
               "video_token_id": 95}  # fmt: skip
 """The placeholder ids of the tiny vision-language models (the top of ``VOCAB``; Gemma-3's
 ``boi``/``eoi`` are the start and end ids)."""
-FIXED_VLM_ARCHS: tuple[str, ...] = ("llava", "gemma3")
-"""The tiny vision-language models with a fixed image-token count per image (16 and 4)."""
+FIXED_VLM_ARCHS: tuple[str, ...] = ("llava", "gemma3", "smolvlm", "idefics3")
+"""The tiny vision-language models with a fixed image-token count per image (16, 4, 4, 4)."""
 
 
 def tiny_vlm(arch: str = "qwen2_vl", seed: int = 0) -> tuple[Any, Any]:
-    """A tiny Qwen2-VL (``qwen2_vl``) or Qwen2.5-VL (``qwen2_5_vl``) ``*ForConditionalGeneration``
+    """A tiny Qwen2-VL (``qwen2_vl``), Qwen2.5-VL (``qwen2_5_vl``), Qwen3-VL (``qwen3_vl``, two
+    deepstack layers) or Qwen3-VL-MoE (``qwen3_vl_moe``, 4 experts) ``*ForConditionalGeneration``
     with random weights, and its image processor (PIL backend; images of 4 to 16 image tokens);
     ``llava`` / ``gemma3``: ``tiny_fixed_vlm``."""
     if arch in FIXED_VLM_ARCHS:
         return tiny_fixed_vlm(arch, seed)
-    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
@@ -205,18 +206,32 @@ def tiny_vlm(arch: str = "qwen2_vl", seed: int = 0) -> tuple[Any, Any]:
         cls, config = "Qwen2_5_VLForConditionalGeneration", cast(Any, Qwen2_5_VLConfig)
         vision.update(intermediate_size=64, out_hidden_size=32, window_size=56,
                       fullatt_block_indexes=[0])  # fmt: skip
+    elif arch in ("qwen3_vl", "qwen3_vl_moe"):
+        moe = arch == "qwen3_vl_moe"
+        cls = "Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration"
+        config = cast(Any, Qwen3VLMoeConfig if moe else Qwen3VLConfig)
+        vision.update(depth=2, patch_size=16, intermediate_size=64, out_hidden_size=32,
+                      num_position_embeddings=16, deepstack_visual_indexes=[0, 1])  # fmt: skip
+        text.update(head_dim=8)
+        text["rope_parameters"] = {**text["rope_parameters"], "mrope_interleaved": True}
+        if moe:
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     else:
         raise ValueError(f"unknown vision-language arch {arch!r}; expected one of {VLM_ARCHS}")
     model = random_model(cls, config(text_config=text, vision_config=vision, **VLM_TOKENS), seed)
-    processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)
+    side = int(vision["patch_size"]) * 2  # one image token: merge 2 x 2 patches
+    processor = Qwen2VLImageProcessorPil(
+        patch_size=vision["patch_size"], min_pixels=side * side * 4, max_pixels=side * side * 16
+    )
     return model, processor
 
 
 def tiny_fixed_vlm(arch: str = "llava", seed: int = 0) -> tuple[Any, Any]:
     """A tiny LLaVA (a CLIP tower on 28 x 28 images of 7 x 7 patches: 16 image tokens) or
     Gemma-3 (a SigLIP tower pooled to ``mm_tokens_per_image`` 4) with random weights and its
-    image processor (PIL backend)."""
-    from transformers import Gemma3Config, LlavaConfig
+    image processor (PIL backend); SmolVLM or Idefics3 (a SigLIP tower on 28 x 28 images, pixel
+    shuffle by 2: ``image_seq_len`` 4, image splitting off)."""
+    from transformers import Gemma3Config, Idefics3Config, LlavaConfig, SmolVLMConfig
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
@@ -233,6 +248,17 @@ def tiny_fixed_vlm(arch: str = "llava", seed: int = 0) -> tuple[Any, Any]:
             size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}
         )
         return random_model("LlavaForConditionalGeneration", config, seed), processor
+    if arch in ("smolvlm", "idefics3"):
+        smol = arch == "smolvlm"
+        tiled: Any = (SmolVLMConfig if smol else Idefics3Config)(
+            text_config={"model_type": "llama", **text}, vision_config=vision, scale_factor=2,
+            image_token_id=VLM_TOKENS["image_token_id"],
+        )  # fmt: skip
+        return random_model(
+            "SmolVLMForConditionalGeneration" if smol else "Idefics3ForConditionalGeneration",
+            tiled,
+            seed,
+        ), _tiled_processor(smol)
     if arch != "gemma3":
         raise ValueError(
             f"unknown vision-language arch {arch!r}; expected one of {FIXED_VLM_ARCHS}"
@@ -252,6 +278,20 @@ def tiny_fixed_vlm(arch: str = "llava", seed: int = 0) -> tuple[Any, Any]:
     )  # fmt: skip
     processor = Gemma3ImageProcessorPil(size={"height": 28, "width": 28})
     return random_model("Gemma3ForConditionalGeneration", config, seed), processor
+
+
+def _tiled_processor(smol: bool) -> Any:
+    """SmolVLM's or Idefics3's image processor (PIL) for 28 x 28 images, image splitting off."""
+    from transformers.models.idefics3.image_processing_pil_idefics3 import (
+        Idefics3ImageProcessorPil,
+    )
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import (
+        SmolVLMImageProcessorPil,
+    )
+
+    cls = SmolVLMImageProcessorPil if smol else Idefics3ImageProcessorPil
+    side = {"longest_edge": 28}
+    return cls(do_image_splitting=False, size=side, max_image_size=side)
 
 
 def save_tiny_vlm(directory: str | Path, arch: str = "qwen2_vl", seed: int = 0) -> Path:

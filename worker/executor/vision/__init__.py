@@ -1,5 +1,5 @@
-"""Images beside tokens: vision-language models (Qwen2-VL, Qwen2.5-VL, LLaVA, Gemma-3) scored
-exactly.
+"""Images beside tokens: vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA,
+Gemma-3, SmolVLM, Idefics3) scored exactly.
 
 ``arch`` says which models are served (others refused at load, naming the class) and each one's
 rule (token count per image, positions, vision tower, extra inputs), ``decode`` turns a job's

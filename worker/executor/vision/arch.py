@@ -3,16 +3,22 @@
 Served exactly (``SERVED``), each with its own rule for the image-token count of an image,
 positions, the vision tower and any extra input:
 
-- Qwen2-VL, Qwen2.5-VL: ``t*h*w / merge**2`` tokens per image (the processor's grid), 3-row
-  mRoPE positions by the model's own ``get_rope_index``;
+- Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and its MoE): ``t*h*w / merge**2`` tokens per image (the
+  processor's grid), 3-row mRoPE positions by the model's own ``get_rope_index`` (Qwen3-VL's
+  advances by ``max(h, w) / merge`` after an image); Qwen3-VL's tower also gives deepstack
+  features, added to the first decoder layers' hidden states at the image tokens, placed per
+  image exactly as the main features;
 - LLaVA: a fixed count per image, the vision tower's patch grid of the processed image (one more
   with ``vision_feature_select_strategy`` ``full``, which keeps CLS), 1-D positions;
 - Gemma-3: ``mm_tokens_per_image`` tokens per image, 1-D positions, and ``token_type_ids`` (1 on
   image tokens) always passed: without them transformers runs image tokens causally instead of
-  bidirectionally within their image, silently wrong.
+  bidirectionally within their image, silently wrong;
+- SmolVLM, Idefics3: ``image_seq_len`` tokens per image (one run, between the processor's
+  ``<fake_token_around_image><global-img>`` and ``<fake_token_around_image>``), 1-D positions;
+  served with ``do_image_splitting`` off only (its tiles would add a run per tile per image).
 
-Any other model with a vision tower (a config with ``vision_config``: Idefics3, LLaVA-NeXT,
-LLaVA-OneVision, Mistral-3, Qwen3-VL, ...) is refused at load with its class named: its
+Any other model with a vision tower (a config with ``vision_config``: LLaVA-NeXT,
+LLaVA-OneVision, Mistral-3, ...) is refused at load with its class named: its
 positions, token types or feature placement differ, and a forward that ran anyway would be
 silently wrong.
 """
@@ -26,18 +32,27 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.errors import ConfigError
+from worker.errors import BadRequest, ConfigError
 
 SERVED: dict[str, str] = {
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "llava": "LlavaForConditionalGeneration",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+    "smolvlm": "SmolVLMForConditionalGeneration",
+    "idefics3": "Idefics3ForConditionalGeneration",
 }
 """model_type -> the class served for it."""
 
-MROPE = ("qwen2_vl", "qwen2_5_vl")
+MROPE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 """The served model types with 3-row mRoPE positions (the others' are ``0 .. L-1``)."""
+TILED = ("smolvlm", "idefics3")
+"""The served model types whose processor lays an image out as tiles of ``image_seq_len`` tokens
+(served with one tile per image: ``do_image_splitting`` off)."""
+DEEPSTACK = ("qwen3_vl", "qwen3_vl_moe")
+"""The served model types whose vision tower also gives deepstack features (one per layer)."""
 
 
 def has_vision(config: Any) -> bool:
@@ -75,7 +90,8 @@ class VisionModel:
     ``model``: the ``*ForConditionalGeneration``; ``kind``: its ``model_type``;
     ``image_token``, ``video_token``: the placeholder ids; ``merge``: Qwen's spatial merge size
     (an image of grid ``t x h x w`` patches is ``t*h*w / merge**2`` image tokens; 0 for the
-    others); ``patch``: LLaVA's patch size; ``fixed``: Gemma-3's tokens per image."""
+    others); ``patch``: LLaVA's patch size; ``fixed``: Gemma-3's tokens per image, SmolVLM's and
+    Idefics3's per tile (``image_seq_len``)."""
 
     model: Any
     kind: str
@@ -107,6 +123,11 @@ class VisionModel:
         if self.mrope:
             t, h, w = (int(x) for x in np.asarray(out["image_grid_thw"])[0])
             return (t, h, w), t * h * w // (self.merge * self.merge)
+        if self.kind in TILED:  # pixel_values [1, tiles, 3, H, W]
+            _, n, _, height, width = np.asarray(out["pixel_values"]).shape
+            if not np.asarray(out["pixel_attention_mask"]).all():
+                raise BadRequest(f"{self.name}: a padded image tile is not served")
+            return (int(n), int(height), int(width)), int(n) * self.fixed
         n, _, height, width = np.asarray(out["pixel_values"]).shape
         if self.kind == "llava":
             h, w = height // self.patch, width // self.patch
@@ -120,6 +141,8 @@ class VisionModel:
             return f"grid {grid}, merge {self.merge}"
         if self.kind == "llava":
             return f"patch grid {grid[1]}x{grid[2]} of patch {self.patch}"
+        if self.kind in TILED:
+            return f"{grid[0]} tile(s) of image_seq_len {self.fixed}"
         return f"mm_tokens_per_image {self.fixed}"
 
     def positions(self, ids: np.ndarray, grids: Sequence[tuple[int, int, int]]) -> np.ndarray:
@@ -134,10 +157,18 @@ class VisionModel:
             pos, _ = self.model.model.get_rope_index(input_ids, types, image_grid_thw=thw)
         return pos[:, 0].numpy().astype(np.int64)  # [3, L]
 
-    def features(self, pixels: torch.Tensor, grids: torch.Tensor) -> list[torch.Tensor]:
+    def features(self, pixels: torch.Tensor, grids: torch.Tensor) -> list[Any]:
         """The vision tower (and projector) on the concatenated ``pixels`` of distinct images:
-        one ``[tokens, H]`` per image, in order."""
+        one ``[tokens, H]`` per image, in order; Qwen3-VL's: ``(main, deepstack)`` per image,
+        ``deepstack`` one ``[tokens, H]`` per deepstack layer."""
         inner = self.model.model
+        if self.kind in DEEPSTACK:
+            out = inner.get_image_features(pixels, grids, return_dict=True)
+            deep = out.deepstack_features  # per layer, per image [tokens, H]
+            return [
+                (main, tuple(layer[i] for layer in deep))
+                for i, main in enumerate(out.pooler_output)
+            ]
         if self.mrope:
             return list(inner.get_image_features(pixels, grids, return_dict=True).pooler_output)
         if self.kind == "llava":
@@ -151,10 +182,23 @@ class VisionModel:
             return list(out.pooler_output)
         return list(inner.get_image_features(pixels, return_dict=True).pooler_output)
 
-    def placed(self, feats: Sequence[torch.Tensor]) -> Any:
-        """``feats`` (per image, in order of appearance) as the model's ``masked_scatter``
-        reads them: a tuple (Qwen, LLaVA concatenate it), a stacked tensor for Gemma-3."""
-        return torch.stack(list(feats)) if self.kind == "gemma3" else tuple(feats)
+    def placed(self, feats: Sequence[Any]) -> Any:
+        """``feats`` (per image, in order of appearance) as the model reads them for its
+        ``mm_encoder_outputs``: ``pooler_output`` a tuple (Qwen, LLaVA concatenate it), a stacked
+        tensor for Gemma-3; Qwen3-VL's also ``deepstack_features``, per layer a tuple per image
+        (concatenated in the same order, so each lands on its own image's tokens)."""
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        output: Any = BaseModelOutputWithPooling  # per-image tuples where it types a tensor
+        if self.kind in DEEPSTACK:
+            from transformers.models.qwen3_vl import modeling_qwen3_vl
+
+            output = modeling_qwen3_vl.BaseModelOutputWithDeepstackFeatures
+            layers = len(feats[0][1]) if feats else 0
+            deep = [tuple(f[1][k] for f in feats) for k in range(layers)]
+            return output(pooler_output=tuple(f[0] for f in feats), deepstack_features=deep)
+        out = torch.stack(list(feats)) if self.kind == "gemma3" else tuple(feats)
+        return output(pooler_output=out)
 
     def extra(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """Inputs beside the embeddings for rows ``input_ids`` ``[R, T]``: Gemma-3's
@@ -188,5 +232,12 @@ def vision_model(model: Any) -> VisionModel | None:
         video_token=int(video) if video is not None else None,
         merge=int(vision.spatial_merge_size) if kind in MROPE else 0,
         patch=int(vision.patch_size) if kind == "llava" else 0,
-        fixed=int(config.mm_tokens_per_image) if kind == "gemma3" else 0,
+        fixed=_fixed(model, kind),
     )
+
+
+def _fixed(model: Any, kind: str) -> int:
+    """Gemma-3's ``mm_tokens_per_image``, SmolVLM's / Idefics3's ``image_seq_len``, else 0."""
+    if kind == "gemma3":
+        return int(model.config.mm_tokens_per_image)
+    return int(model.model.image_seq_len) if kind in TILED else 0

@@ -7,7 +7,8 @@ sequence's are ``0 .. L-1`` in every row), ``[R, T]`` ``0 .. L-1`` for LLaVA and
 at 0. ``image_inputs`` runs the model's ``get_image_features`` once per distinct image
 (``VisionModel.features``) and lists the features in the order the image runs appear in the
 batch (row by row), which is the order the model's own ``masked_scatter`` places them; they
-reach the model as ``mm_encoder_outputs`` and the model itself puts them at the image tokens.
+reach the model as ``mm_encoder_outputs`` and the model itself puts them at the image tokens
+(Qwen3-VL's deepstack features too, per layer in the same order).
 Beside them go the model's extra inputs (``token_inputs``: Gemma-3's ``token_type_ids``, 1 on
 image tokens, each row its own sequence's, so every image block attends bidirectionally
 within itself). Naive equivalent: each sequence alone through the model with its processor's
@@ -71,8 +72,6 @@ def image_inputs(
 ) -> tuple[Any, int, float]:
     """``mm_encoder_outputs`` for ``images`` (``ProcessedImage`` s in order of appearance): the
     vision tower run once per distinct digest; also the number it ran on and its seconds."""
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-
     started = time.perf_counter()
     distinct: dict[str, Any] = {}
     for img in images:
@@ -82,8 +81,7 @@ def image_inputs(
     grids = torch.tensor([distinct[k].grid for k in keys], dtype=torch.int64)
     out = vlm.features(pixels.to(device), grids.to(device))
     by_key = dict(zip(keys, out, strict=True))  # each [tokens, H]
-    feats = vlm.placed([by_key[img.digest + repr(img.grid)] for img in images])
+    encoded = vlm.placed([by_key[img.digest + repr(img.grid)] for img in images])  # per image
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    encoded = BaseModelOutputWithPooling(pooler_output=feats)  # per image
     return encoded, len(keys), time.perf_counter() - started

@@ -81,6 +81,11 @@ class ImageProcessing:
                 f"{type(processor).__name__}: do_pan_and_scan is not served (its crops add image "
                 "runs per image); save the processor with do_pan_and_scan off"
             )
+        if getattr(processor, "do_image_splitting", None):
+            raise ConfigError(
+                f"{type(processor).__name__}: do_image_splitting is not served (its tiles add "
+                "image runs per image); save the processor with do_image_splitting off"
+            )
         self.processor = processor
         self.rule = rule
         self.cache_images = cache_images
