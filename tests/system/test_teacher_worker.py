@@ -50,6 +50,24 @@ def _worker(url: str, stream: str, scorer: Any, **cfg: Any) -> tuple[Worker, thr
     return worker, thread
 
 
+def _group_made(url: str, stream: str, timeout_s: float = 30.0) -> None:
+    """Wait until the worker started in a thread has created its consumer group on ``stream``."""
+    import time
+
+    import redis
+
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if client.exists(stream) and client.xinfo_groups(stream):
+                return
+            time.sleep(0.02)
+    finally:
+        client.close()
+    raise AssertionError(f"no consumer group on {stream} after {timeout_s} s")
+
+
 def _stop(worker: Worker, thread: threading.Thread) -> None:
     worker.request_stop()
     thread.join(30)
@@ -266,6 +284,7 @@ def test_distillation_example_runs_against_a_real_worker(
     stream = keys.job_streams(key_prefix)[0]
     worker, thread = _worker(redis_url, stream, executor)
     try:
+        _group_made(redis_url, stream)  # the example's client refuses a queue nobody serves yet
         losses = example.main(["--redis-url", redis_url, "--queue", key_prefix, "--vocab", "96"])
     finally:
         _stop(worker, thread)
