@@ -59,24 +59,3 @@ def test_bf16_rows_travel_as_bits_and_come_back_as_their_exact_float32() -> None
     got = ScoreResult.from_wire(wire)[0]
     assert got.hidden_dtype == "bfloat16" and got.hidden.dtype == np.float32
     np.testing.assert_array_equal(got.hidden, rows)
-
-
-def test_hidden_tensor_gives_the_rows_in_the_dtype_that_travelled() -> None:
-    """``SeqScore.hidden_tensor()``: bfloat16 rows as a bfloat16 tensor with the bits that
-    travelled; float16 rows as float16."""
-    torch = pytest.importorskip("torch")
-    rows = torch.randn(3, 4).bfloat16()
-    bits = rows.view(torch.int16).numpy().view(np.uint16)
-    result = Result(
-        id="j", ok=True, seqs=[SeqResult(arrays={"hidden": bits})], layout={"hidden": ("bf16", 4)}
-    )
-    got = ScoreResult.from_wire(decode_result(encode_result(result)))[0].hidden_tensor()
-    assert got.dtype == torch.bfloat16 and torch.equal(
-        got.view(torch.int16), rows.view(torch.int16)
-    )
-    half = np.arange(8, dtype=np.float16).reshape(2, 4)
-    result = Result(
-        id="j", ok=True, seqs=[SeqResult(arrays={"hidden": half})], layout={"hidden": ("<f2", 4)}
-    )
-    got = ScoreResult.from_wire(decode_result(encode_result(result)))[0].hidden_tensor()
-    assert got.dtype == torch.float16 and got.tolist() == half.tolist()

@@ -130,16 +130,6 @@ class SeqScore:
     span_student: Any = None
     span_teacher: Any = None
 
-    def hidden_tensor(self) -> Any:
-        """``hidden`` as a torch tensor in the dtype it travelled in (bfloat16 rows bit-exact);
-        ``None`` without hidden rows. Needs torch (the client itself never imports it)."""
-        if self.hidden is None:
-            return None
-        import torch
-
-        dtype = getattr(torch, self.hidden_dtype or "float32")
-        return torch.as_tensor(self.hidden).to(dtype)
-
     @property
     def num_tokens(self) -> int:
         """How many completion tokens were scored (0 without log-probs)."""
