@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from worker.errors import BadRequest, TooLong, UnsupportedMode
 from worker.executor.config import ExecutorConfig, Layout
@@ -186,6 +187,9 @@ class ScoreCall:
     cache_hits: int = 0
     vision_images: int = 0
     vision_s: float = 0.0
+    # the vision tower's features by image (``vision.features.image_key``): an image shown in
+    # several forwards of the call runs through the tower once
+    features: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.results = [None] * len(self.prepared)

@@ -134,7 +134,10 @@ class StatelessExecutor(DirectScoring):
             notify=self._on_fallback, share_min=config.min_shared_tokens if why_not is None else 0,
         )  # fmt: skip
         self._rewards = reward_surface(self.reward_model, head, tokenizers, forward)
-        self._vision = checked_intake(forward, image_processor, config)  # images, checked
+        self._vision, self._runner.vision = checked_intake(
+            forward, image_processor, config, packed=packed, unmasked=unmasked,
+            sharing=self._runner.share_min > 0, backend=backend,
+        )  # images, their path and layouts checked  # fmt: skip
         self._head, self._tokenizer = head_info(ref, forward.transform), (tokenizers or [None])[0]
         # per-job adapters and versions (docs/models.md); None: base weights only
         self._weights = (
@@ -275,8 +278,13 @@ class StatelessExecutor(DirectScoring):
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             **(self._rewards.info() if self.reward_model is not None else {}),
-            **({"vision": self._vision.info} if self._vision is not None else {}),
+            **({"vision": self._vision_info()} if self._vision is not None else {}),
         }
+
+    def _vision_info(self) -> dict[str, Any]:
+        """``info["vision"]``: the processor and the layouts image sequences run in."""
+        assert self._vision is not None
+        return {**self._vision.info, **self._runner.vision.describe()}
 
     def close(self) -> None:
         """Detach the executor's hooks from the models (they stay usable elsewhere)."""

@@ -44,6 +44,8 @@ from worker.executor.tree.trie import (
     shared_groups,
     tree_tokens,
 )
+from worker.executor.vision.layout import ImageLayouts, image_share_groups
+from worker.scorer.inputs import PreparedSequence
 from worker.scorer.outputs import FallbackEvent, SequenceScore
 
 log = logging.getLogger(__name__)
@@ -139,6 +141,7 @@ class BatchRunner:
         self._notify = notify
         self._gate = BackendGate()
         self.share_min = share_min
+        self.vision = ImageLayouts()  # image sequences: padded only until the image check
 
     def layout(self, backend: str | None = None) -> Layout:
         """The batch layout on ``backend`` (default: the active one), ``backends.layout_for``."""
@@ -152,15 +155,24 @@ class BatchRunner:
         backend."""
         trees: list[Forward] = []
         rest: list[int] | None = None
-        if any(p.vision is not None for p in call.prepared):  # images: padded, per bucket
-            return list(call.plan(self.config, layout="padded", backend=self.backend))
-        if self.share_min:
-            ids = [p.ids for p in call.prepared]
-            groups = shared_groups(ids, self.share_min)
+        groups = self._groups(call.prepared)
+        if groups:
             forwards = plan_trees(groups, call.lengths, self.config.max_batch_tokens)
             trees = [TreeForward(tuple(rows)) for rows in forwards]
-            rest = leftover(len(ids), forwards) if trees else None
+            rest = leftover(len(call.prepared), forwards) if trees else None
         return trees + list(self._plan_layout(call, rest))
+
+    def _groups(self, seqs: Sequence[PreparedSequence]) -> list[SharedGroup]:
+        """The prefix trees of ``seqs`` (none when sharing is off, or for image sequences
+        when their tree rows are not served: ``vision``); an image's tokens are compared by
+        the image they show (``vision.layout.share_keys``)."""
+        if not self.share_min or len(seqs) < 2:
+            return []
+        if not any(s.vision is not None for s in seqs):
+            return shared_groups([s.ids for s in seqs], self.share_min)
+        if not self.vision.tree:
+            return []
+        return image_share_groups(seqs, self.share_min, self.vision.image_token)
 
     def cost(self, plan: Sequence[CallPlan]) -> int | None:
         """Tokens a request's ``plan`` takes through the backbone when its one call's sequences
@@ -168,22 +180,28 @@ class BatchRunner:
         is off, the plan has two calls or nothing is shared: what the request counts for in a
         batch's token budget."""
         seqs = plan[0].seqs if len(plan) == 1 else ()
-        if not self.share_min or len(seqs) < 2 or any(s.vision is not None for s in seqs):
-            return None
-        groups = shared_groups([s.ids for s in seqs], self.share_min)
+        groups = self._groups(seqs)
         return tree_tokens(groups, [len(s.ids) for s in seqs]) if groups else None
 
     def _plan_layout(self, call: ScoreCall, subset: list[int] | None) -> list[list[int]]:
-        """``call``'s forwards (of ``subset``, default all) in the active backend's layout."""
+        """``call``'s forwards (of ``subset``, default all) in the active backend's layout;
+        image sequences in packed rows only where the image check allowed them, else padded."""
         if subset is not None and not subset:
             return []
+        among = range(len(call.prepared)) if subset is None else subset
         return call.plan(
             self.config,
-            layout=self.layout(),
+            layout=self._allowed(self.layout(), [call.prepared[i] for i in among]),
             backend=self.backend,
             pad_fraction=self.config.pad_fraction(self.forward.device.type),
             subset=subset,
         )
+
+    def _allowed(self, layout: Layout, seqs: Sequence[PreparedSequence]) -> Layout:
+        """``layout`` for ``seqs``; with image sequences among them, masked padded buckets
+        unless the image check allowed ``layout`` for them (``vision``)."""
+        images = any(s.vision is not None for s in seqs)
+        return "padded" if images and not getattr(self.vision, layout, False) else layout
 
     def run_group(self, group: Forward, call: ScoreCall) -> None:
         """Run one planned batch into ``call``; on device OOM split it in halves.
@@ -274,7 +292,7 @@ class BatchRunner:
             with self.guard.scope(drop=not reject) as kv:
                 computed = self.forward.compute_tree(
                     seqs, members, rows, call.mode, call.temperature,
-                    kernel=kernel_for(backend), options=call.options,
+                    kernel=kernel_for(backend), options=call.options, features=call.features,
                 )  # fmt: skip
             if self.forward.device.type == "cuda":
                 torch.cuda.synchronize(self.forward.device)
@@ -294,6 +312,8 @@ class BatchRunner:
             kv_bytes=kv.nbytes,
             forward_tokens=unique,
             shared_tokens=sum(r.shared_tokens for r in rows),
+            vision_images=computed.vision_images,
+            vision_s=computed.vision_s,
         )
 
     def _check_kv(self, tensors: int, nbytes: int) -> None:
@@ -360,7 +380,7 @@ class BatchRunner:
     def _run_batch(self, group: list[int], call: ScoreCall, backend: str) -> BatchResult:
         """One forward of ``group`` on ``backend``, timed, inside a KV-guard scope."""
         seqs = [call.prepared[i] for i in group]
-        layout = self.layout(backend)
+        layout = self._allowed(self.layout(backend), seqs)
         reject = self.config.reject_kv_cache_outputs
         t0 = time.perf_counter()
         with self.guard.scope(drop=not reject) as kv:
@@ -372,6 +392,7 @@ class BatchRunner:
                 layout=layout,
                 row_tokens=self.config.row_tokens(backend),
                 options=call.options,
+                features=call.features,
             )
         if self.forward.device.type == "cuda":
             torch.cuda.synchronize(self.forward.device)

@@ -40,7 +40,9 @@ from worker.executor.rewards.steps import head_kind, step_scores
 from worker.executor.tree.attention import tree_backend
 from worker.executor.tree.layout import tree_batch
 from worker.executor.tree.trie import SharedGroup
-from worker.executor.vision.features import vision_batch, vision_inputs
+from worker.executor.vision.arch import vision_model
+from worker.executor.vision.features import vision_inputs
+from worker.executor.vision.layout import vision_layout
 from worker.modes import LOGPROB_MODES, REWARD_MODES, Mode
 from worker.request import DEFAULT_OPTIONS, ScoreOptions
 from worker.scorer.align import span_arrays
@@ -93,6 +95,8 @@ class BatchForward:
             logit_transform_for(reference_model) if reference_model is not None else None
         )
         self.out_dtype = np.float64 if config.output_dtype == "float64" else np.float32
+        #: The served vision-language reference model (``None``: text-only).
+        self.vision = vision_model(reference_model) if reference_model is not None else None
         found = [m for m in (reference_model, reward_model) if m is not None]
         #: Distinct models served (the same object twice counts once).
         self.models: tuple[Any, ...] = tuple({id(m): m for m in found}.values())
@@ -125,15 +129,13 @@ class BatchForward:
         layout: Layout,
         row_tokens: int,
         options: ScoreOptions = DEFAULT_OPTIONS,
+        features: dict[str, Any] | None = None,
     ) -> Computed:
         """One backbone forward per distinct model for ``seqs`` (``group``: their indices in the
         call, carried as the batch's sequence ids) in ``layout``; packed rows hold at most
         ``row_tokens``; ``options.outputs``: the per-position arrays to read besides (or instead
-        of) logps."""
+        of) logps; ``features``: the call's vision-tower features by image (``_tower``)."""
         ids = [s.ids for s in seqs]
-        if any(s.vision is not None for s in seqs):  # images: padded, 3-row positions
-            batch = vision_batch(seqs, group)
-            return self._run(batch, seqs, list(range(len(seqs))), mode, temp, options)
         if layout == "packed":
             rows = plan_packed([len(x) for x in ids], row_tokens)
             order = [j for row in rows for j in row]  # batch order -> index into seqs
@@ -141,7 +143,15 @@ class BatchForward:
         else:
             order = list(range(len(seqs)))
             batch = pad_unmasked(ids, group) if layout == "unmasked" else pad(ids, group)
-        return self._run(batch, seqs, order, mode, temp, options)
+        batch = self._with_images(batch, [seqs[j] for j in order]).to(self.device)
+        return self._run(batch, seqs, order, mode, temp, options, self._tower(batch, features))
+
+    def _with_images(self, batch: ForwardBatch, ordered: list[PreparedSequence]) -> ForwardBatch:
+        """``batch`` with its image sequences' positions and images (``vision.layout``)."""
+        vlm = self.vision
+        if vlm is None:
+            return batch
+        return vision_layout(batch, ordered, vlm.image_token, mrope=vlm.mrope)
 
     def compute_tree(
         self,
@@ -154,17 +164,21 @@ class BatchForward:
         kernel: str,
         options: ScoreOptions = DEFAULT_OPTIONS,
         windows: list[int | None] | None = None,
+        features: dict[str, Any] | None = None,
     ) -> Computed:
         """``compute`` for tree rows (``tree.layout``): ``rows``' members index ``seqs``, each
         row one shared prefix and its continuations, the attention ``tree_attention`` in
         ``kernel`` math (``sdpa``/``eager``/``flex``). The models run on the ``scoring_tree``
         backend for this forward; the caller holds them alone. ``slot_tokens``: the rows' slots.
-        ``windows``: filled with the sliding window of every attention call (the load check)."""
+        ``windows``: filled with the sliding window of every attention call (the load check);
+        ``features`` as in ``compute``."""
         batch, order = tree_batch([s.ids for s in seqs], rows, group)
         seen = windows if windows is not None else []
         batch = replace(batch, tree=replace(batch.tree, kernel=kernel, windows=seen))  # type: ignore[type-var]
+        batch = self._with_images(batch, [seqs[j] for j in order]).to(self.device)
+        tower = self._tower(batch, features)  # on the model's own attention, before the switch
         with tree_backend(self.models):
-            return self._run(batch, seqs, order, mode, temp, options)
+            return self._run(batch, seqs, order, mode, temp, options, tower)
 
     def _run(
         self,
@@ -174,19 +188,15 @@ class BatchForward:
         mode: Mode,
         temp: float,
         options: ScoreOptions,
+        tower: tuple[dict[str, Any], int, float],
     ) -> Computed:
-        """The forward of a laid-out ``batch`` (``order``: batch order -> index into ``seqs``)."""
+        """The forward of a laid-out ``batch`` on the device (``order``: batch order -> index
+        into ``seqs``); ``tower``: its image inputs (``_tower``)."""
         slots = batch.slot_tokens
-        batch = batch.to(self.device)
         scores = [SequenceScore() for _ in seqs]
-        seen = (0, 0.0)
+        extra, *seen = tower
         with torch.inference_mode():
             rewarded: RewardOutput | None = None
-            extra: dict[str, Any] = {}
-            if batch.images:  # the vision tower once per distinct image of the batch
-                assert self.reference_model is not None
-                extra, *tower = vision_inputs(self.reference_model, batch, self.device)
-                seen = (int(tower[0]), float(tower[1]))
             if mode in LOGPROB_MODES:
                 spec = options.outputs
                 rewarded = self._logprobs(
@@ -206,7 +216,22 @@ class BatchForward:
                         scores[j].rewards = rewarded.objectives[k].cpu().numpy()
             for j, s in enumerate(seqs):
                 scores[j].rm_tokens = s.rm_tokens
-        return Computed(scores=scores, slot_tokens=slots, vision_images=seen[0], vision_s=seen[1])
+        return Computed(
+            scores=scores, slot_tokens=slots, vision_images=int(seen[0]), vision_s=float(seen[1])
+        )
+
+    def _tower(
+        self, batch: ForwardBatch, features: dict[str, Any] | None
+    ) -> tuple[dict[str, Any], int, float]:
+        """The image inputs of ``batch`` (on the device): the vision tower once per distinct
+        image not yet in ``features`` (the call's, filled here), the model's extra inputs;
+        with the images the tower ran on and its seconds. Nothing for a batch without
+        images."""
+        if not batch.images:
+            return {}, 0, 0.0
+        assert self.reference_model is not None
+        with torch.inference_mode():
+            return vision_inputs(self.reference_model, batch, self.device, features)
 
     def _steps(
         self,

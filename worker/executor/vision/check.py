@@ -1,18 +1,30 @@
-"""The load check of the image path: one probe image scored in a padded batch (beside a
-text-only sequence of another length, so the bucket pads) against the model's own forward of
-the image sequence alone (``reference_inputs``: its ``pixel_values``; Qwen's
-``image_grid_thw``, ``mm_token_type_ids`` and positions by ``get_rope_index``; Gemma-3's
-``token_type_ids``, as its processor makes them). A disagreement refuses to start: images are
-never scored approximately. Runs on the executor's device and dtype (tolerance as the text
-probe's)."""
+"""The load check of the image path, on the executor's device and dtype (tolerance as the text
+probe's).
+
+``image_check``: one probe image scored in a padded batch (beside a text-only sequence of
+another length, so the bucket pads) against the model's own forward of the image sequence
+alone (``reference_inputs``: its ``pixel_values``; Qwen's ``image_grid_thw``,
+``mm_token_type_ids`` and positions by ``get_rope_index``; Gemma-3's ``token_type_ids``, as its
+processor makes them). A disagreement refuses to start: images are never scored approximately.
+
+``layout_check``: a GRPO-like probe (two sequences sharing a prompt with an image, one with
+another image, one text-only) in packed rows and in tree rows against each sequence alone in
+the checked padded path. A layout that disagrees (or cannot run) is not used for image
+sequences, with its reason (``ImageLayouts``, in the results' ``info``); they run padded.
+Gemma-3's image blocks attend bidirectionally (``token_type_ids``), which tree attention does
+not reproduce: its image sequences never run in tree rows."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from worker.errors import ConfigError
 from worker.executor.forward import BatchForward
+from worker.executor.tree.check import kernel_for
 from worker.executor.vision.arch import VisionModel
 from worker.executor.vision.decode import Decoded
 from worker.executor.vision.intake import (
@@ -21,17 +33,20 @@ from worker.executor.vision.intake import (
     rope_positions,
     vision_intake,
 )
+from worker.executor.vision.layout import ImageLayouts, image_share_groups
 from worker.executor.vision.processor import ProcessedImage
 from worker.scorer.inputs import PreparedSequence
+from worker.scorer.outputs import SequenceScore
 
 
-def probe_image() -> Decoded:
-    """A 84 x 56 RGB gradient (never read from a file)."""
+def probe_image(width: int = 84, height: int = 56) -> Decoded:
+    """A ``width x height`` RGB gradient (never read from a file)."""
     from PIL import Image
 
-    y, x = np.mgrid[0:56, 0:84]
-    pixels = np.stack([x * 3, y * 4, (x + y) * 2], axis=-1).astype("uint8")  # [56, 84, 3]
-    return Decoded(image=Image.fromarray(pixels), digest="selfcheck-probe", format="PNG")
+    y, x = np.mgrid[0:height, 0:width]
+    pixels = np.stack([x * 3, y * 4, (x + y) * 2], axis=-1).astype("uint8")  # [H, W, 3]
+    digest = f"selfcheck-probe-{width}x{height}"
+    return Decoded(image=Image.fromarray(pixels), digest=digest, format="PNG")
 
 
 def reference_inputs(
@@ -80,10 +95,146 @@ def image_check(forward: BatchForward, intake: VisionIntake) -> None:
         )
 
 
-def checked_intake(forward: BatchForward, processor: object, config: object) -> VisionIntake | None:
-    """``intake.vision_intake`` of the forward's reference model, its image path checked at
-    load (``image_check``) unless ``config.self_check`` is off; ``None`` for a text-only model."""
+def probe_layout_sequences(intake: VisionIntake) -> list[PreparedSequence]:
+    """Two sequences sharing a prompt with the probe image, one showing another image, one
+    text-only (every completion position scored)."""
+    vlm = intake.model
+    first, _ = intake.processing.process(probe_image(), ())
+    second, _ = intake.processing.process(probe_image(56, 84), ())
+    prompt = [3, 4, *[vlm.image_token] * first.tokens, 5, 6]
+    rows = [
+        ([*prompt, 7, 8, 9], [first]),
+        ([*prompt, 10, 11], [first]),
+        ([12, *[vlm.image_token] * second.tokens, 13, 14, 15], [second]),
+        ([16, 17, 18, 19, 20, 21], []),
+    ]
+    out = []
+    for i, (tokens, shown) in enumerate(rows):
+        ids = np.array(tokens, dtype=np.int64)
+        seq = PreparedSequence(ids, np.arange(1, len(ids), dtype=np.int64))
+        out.append(check_sequence(seq, list(range(len(shown))), shown, vlm, i))
+    return out
+
+
+def layout_check(
+    forward: BatchForward,
+    intake: VisionIntake,
+    *,
+    packed: bool,
+    unmasked: bool,
+    sharing: bool,
+    backend: str,
+) -> ImageLayouts:
+    """Which of packed rows, unmasked buckets and tree rows image sequences may run in (module
+    docstring): ``packed`` / ``unmasked`` / ``sharing``: whether the text path runs them."""
+    vlm = intake.model
+    seqs = probe_layout_sequences(intake)
+    alone = [
+        forward.compute([s], [i], "reference", 1.0, layout="padded", row_tokens=0).scores[0]
+        for i, s in enumerate(seqs)
+    ]
+    tol = 1e-3 if next(forward.reference_model.parameters()).dtype == torch.float32 else 0.25
+    why: dict[str, str] = {}
+
+    def agrees(name: str, run: Callable[[], list[SequenceScore]]) -> bool:
+        try:
+            got = run()
+        except Exception as exc:  # a layout that cannot run image sequences is not used
+            why[name] = f"{type(exc).__name__}: {exc}"[:300]
+            return False
+        worst = max(_gap(a, b) for a, b in zip(got, alone, strict=True))
+        if not worst <= tol:
+            why[name] = f"disagrees with each sequence alone by {worst:.3g} (tolerance {tol})"
+            return False
+        return True
+
+    ids = list(range(len(seqs)))
+    total = sum(len(s.ids) for s in seqs)
+    pack_ok = packed and agrees(
+        "packed",
+        lambda: (
+            forward.compute(
+                list(seqs), ids, "reference", 1.0, layout="packed", row_tokens=total
+            ).scores
+        ),
+    )
+    if not packed:
+        why["packed"] = "packed rows are off for this model"
+    bucket_ok = unmasked and agrees(
+        "unmasked",
+        lambda: (
+            forward.compute(
+                list(seqs), ids, "reference", 1.0, layout="unmasked", row_tokens=0
+            ).scores
+        ),
+    )
+    if not unmasked:
+        why["unmasked"] = "unmasked buckets are off for this model"
+    tree_ok = False
+    if not sharing:
+        why["tree"] = "prefix sharing is off"
+    elif vlm.token_types:
+        why["tree"] = (
+            f"{vlm.name}: image blocks attend bidirectionally (token_type_ids), which tree "
+            "attention does not reproduce"
+        )
+    else:
+        groups = image_share_groups(seqs, 1, vlm.image_token)
+        tree_ok = agrees("tree", lambda: _tree_scores(forward, seqs, groups, backend))
+    return ImageLayouts(
+        packed=pack_ok, unmasked=bucket_ok, tree=tree_ok, image_token=vlm.image_token, why=why
+    )
+
+
+def _tree_scores(
+    forward: BatchForward, seqs: list[PreparedSequence], groups: list[Any], backend: str
+) -> list[SequenceScore]:
+    """Every sequence of ``seqs`` scored: the members of ``groups`` in one tree forward, the
+    rest alone; in the order of ``seqs``."""
+    if not groups:
+        raise RuntimeError("the probe's shared image prompt formed no tree")
+    members = [i for g in groups for i in g.members]
+    got = forward.compute_tree(
+        list(seqs), list(range(len(seqs))), groups, "reference", 1.0, kernel=kernel_for(backend)
+    )
+    out = list(got.scores)
+    for i, seq in enumerate(seqs):
+        if i not in members:
+            out[i] = forward.compute([seq], [i], "reference", 1.0, layout="padded", row_tokens=0)
+            out[i] = out[i].scores[0]
+    return out
+
+
+def _gap(a: SequenceScore, b: SequenceScore) -> float:
+    """The largest log-prob difference of two scores of one sequence (inf when one is
+    missing)."""
+    if a.logps is None or b.logps is None or a.logps.shape != b.logps.shape:
+        return float("inf")
+    return float(np.abs(a.logps - b.logps).max()) if a.logps.size else 0.0
+
+
+def checked_intake(
+    forward: BatchForward,
+    processor: object,
+    config: object,
+    *,
+    packed: bool = False,
+    unmasked: bool = False,
+    sharing: bool = False,
+    backend: str = "sdpa",
+) -> tuple[VisionIntake | None, ImageLayouts]:
+    """``intake.vision_intake`` of the forward's reference model (``None`` for a text-only
+    model), its image path checked at load (``image_check``) and the layouts image sequences
+    may run in (``layout_check``; both off when ``config.self_check`` is off)."""
     intake = vision_intake(forward.reference_model, processor, config)
-    if intake is not None and getattr(config, "self_check", True):
-        image_check(forward, intake)
-    return intake
+    if intake is None:
+        return None, ImageLayouts()
+    if not getattr(config, "self_check", True):
+        return intake, ImageLayouts(
+            image_token=intake.model.image_token,
+            why={k: "not checked (self_check off)" for k in ("packed", "unmasked", "tree")},
+        )
+    image_check(forward, intake)
+    return intake, layout_check(
+        forward, intake, packed=packed, unmasked=unmasked, sharing=sharing, backend=backend
+    )

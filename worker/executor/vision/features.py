@@ -1,10 +1,7 @@
-"""A padded batch of image sequences for a vision-language model: its positions, the vision
-tower run once per distinct image of the batch, and the model's extra inputs.
+"""What a batch of image sequences passes beside its ids (laid out by ``vision.layout``): the
+vision tower run once per distinct image of the batch, and the model's extra inputs.
 
-``vision_batch`` lays the sequences out as ``packing.pad`` does (right padding, a padding mask)
-with each sequence's own positions (``intake``): ``[3, R, T]`` for Qwen's mRoPE (a text-only
-sequence's are ``0 .. L-1`` in every row), ``[R, T]`` ``0 .. L-1`` for LLaVA and Gemma-3, pads
-at 0. ``image_inputs`` runs the model's ``get_image_features`` once per distinct image
+``image_inputs`` runs the model's ``get_image_features`` once per distinct image
 (``VisionModel.features``) and lists the features in the order the image runs appear in the
 batch (row by row), which is the order the model's own ``masked_scatter`` places them; they
 reach the model as ``mm_encoder_outputs`` and the model itself puts them at the image tokens
@@ -19,34 +16,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from worker.executor.packing import ForwardBatch, pad
+from worker.executor.packing import ForwardBatch
 from worker.executor.vision.arch import VisionModel, vision_model
-from worker.scorer.inputs import PreparedSequence
-
-
-def vision_batch(seqs: Sequence[PreparedSequence], seq_ids: Sequence[int]) -> ForwardBatch:
-    """``pad`` of ``seqs`` with their positions (``[3, R, T]`` when theirs are 3-row, else
-    ``[R, T]``) and the batch's images (in order)."""
-    batch = pad([s.ids for s in seqs], seq_ids)
-    rows, width = batch.input_ids.shape
-    mrope = any(s.vision is not None and s.vision.positions.ndim == 2 for s in seqs)
-    pos = np.zeros((3, rows, width), dtype=np.int64)  # [3, R, T]
-    images: list[Any] = []
-    for r, seq in enumerate(seqs):
-        n = len(seq.ids)
-        if seq.vision is None:
-            pos[:, r, :n] = np.arange(n)
-        else:
-            pos[:, r, :n] = seq.vision.positions
-            images.extend(seq.vision.images)
-    laid = torch.from_numpy(pos if mrope else pos[0])
-    return replace(batch, position_ids=laid, images=tuple(images))
 
 
 def token_inputs(vlm: VisionModel, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -55,33 +31,49 @@ def token_inputs(vlm: VisionModel, input_ids: torch.Tensor) -> dict[str, torch.T
 
 
 def vision_inputs(
-    model: Any, batch: ForwardBatch, device: torch.device
+    model: Any,
+    batch: ForwardBatch,
+    device: torch.device,
+    cache: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], int, float]:
     """Everything the forward passes beside a laid-out ``batch`` (on ``device``) with images:
-    ``mm_encoder_outputs`` (``image_inputs``) and the extra inputs (``token_inputs``); also the
-    number of images the tower ran on and its seconds."""
+    ``mm_encoder_outputs`` (``image_inputs``, ``cache`` its features by image) and the extra
+    inputs (``token_inputs``); also the number of images the tower ran on and its seconds."""
     vlm = vision_model(model)
     assert vlm is not None
-    encoded, ran, seconds = image_inputs(vlm, batch.images, device)
+    encoded, ran, seconds = image_inputs(vlm, batch.images, device, cache)
     extra = token_inputs(vlm, batch.input_ids)
     return {"mm_encoder_outputs": {"image": encoded}, **extra}, ran, seconds
 
 
+def image_key(img: Any) -> str:
+    """What identifies an image's features: its content digest and processed grid."""
+    return img.digest + repr(img.grid)
+
+
 def image_inputs(
-    vlm: VisionModel, images: Sequence[Any], device: torch.device
+    vlm: VisionModel,
+    images: Sequence[Any],
+    device: torch.device,
+    cache: dict[str, Any] | None = None,
 ) -> tuple[Any, int, float]:
     """``mm_encoder_outputs`` for ``images`` (``ProcessedImage`` s in order of appearance): the
-    vision tower run once per distinct digest; also the number it ran on and its seconds."""
+    vision tower run once per distinct image not already in ``cache`` (``image_key`` -> its
+    features; a call's forwards share one, so an image shown in several forwards of a call
+    runs through the tower once); also the number it ran on and its seconds."""
     started = time.perf_counter()
+    cache = {} if cache is None else cache
     distinct: dict[str, Any] = {}
     for img in images:
-        distinct.setdefault(img.digest + repr(img.grid), img)
+        if image_key(img) not in cache:
+            distinct.setdefault(image_key(img), img)
     keys = list(distinct)
-    pixels = torch.from_numpy(np.concatenate([distinct[k].pixel_values for k in keys]))
-    grids = torch.tensor([distinct[k].grid for k in keys], dtype=torch.int64)
-    out = vlm.features(pixels.to(device), grids.to(device))
-    by_key = dict(zip(keys, out, strict=True))  # each [tokens, H]
-    encoded = vlm.placed([by_key[img.digest + repr(img.grid)] for img in images])  # per image
+    if keys:
+        pixels = torch.from_numpy(np.concatenate([distinct[k].pixel_values for k in keys]))
+        grids = torch.tensor([distinct[k].grid for k in keys], dtype=torch.int64)
+        out = vlm.features(pixels.to(device), grids.to(device))
+        cache.update(zip(keys, out, strict=True))  # each [tokens, H]
+    encoded = vlm.placed([cache[image_key(img)] for img in images])  # per image
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return encoded, len(keys), time.perf_counter() - started

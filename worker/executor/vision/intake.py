@@ -141,15 +141,12 @@ class VisionIntake:
     @property
     def info(self) -> dict[str, Any]:
         """What results' ``info`` says of images: the processor, its backend and default
-        options, the layout image sequences run in, and why they skip prefix sharing."""
+        options, and the positions (the layouts: ``layout.ImageLayouts.describe``)."""
         return {
             **self.processing.describe(),
             "model": self.model.name,
-            "layout": "padded (per-sequence mRoPE positions)"
-            if self.model.mrope
-            else "padded (per-sequence positions 0 .. L-1)",
+            "positions": "per-sequence mRoPE" if self.model.mrope else "per-sequence 0 .. L-1",
             **({"token_type_ids": "1 on image tokens"} if self.model.token_types else {}),
-            "prefix_sharing": "off for sequences with images",
         }
 
     def plan(self, request: ScoreRequest, plan: tuple[CallPlan, ...]) -> tuple[CallPlan, ...]:
