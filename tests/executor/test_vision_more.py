@@ -81,7 +81,7 @@ def _max_error(ex: StatelessExecutor, temp: float = 1.3, k: int = 3) -> float:
     """The largest difference of log-probs, entropy and top-k log-probs to transformers' own
     (and top-k ids equal) over ``_job``."""
     seqs, expected = _job(ex)
-    spec = TokenOutputs(("logps", "entropy", "topk"), topk=k)
+    spec = TokenOutputs(frozenset({"logps", "entropy", "topk"}), topk=k)
     request = ScoreRequest(
         seqs, temperature=temp, options=ScoreOptions(outputs=spec), images=Images(tuple(FILES))
     )
