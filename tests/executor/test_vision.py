@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 from transformers import (
-    LlavaNextConfig,
-    LlavaOnevisionConfig,
-    Mistral3Config,
+    Idefics2Config,
+    InternVLConfig,
+    PaliGemmaConfig,
 )
 
 from tests.support.models import tiny_causal
@@ -215,9 +215,9 @@ def test_video_and_text_only_refusals(vlm: StatelessExecutor) -> None:
 @pytest.mark.parametrize(
     "config, name",
     [
-        (LlavaNextConfig, "LlavaNextForConditionalGeneration"),
-        (LlavaOnevisionConfig, "LlavaOnevisionForConditionalGeneration"),
-        (Mistral3Config, "Mistral3ForConditionalGeneration"),
+        (PaliGemmaConfig, "PaliGemmaForConditionalGeneration"),
+        (Idefics2Config, "Idefics2ForConditionalGeneration"),
+        (InternVLConfig, "InternVLForConditionalGeneration"),
     ],
 )
 def test_other_image_text_models_are_refused_naming_the_class(config: Any, name: str) -> None:

@@ -1,8 +1,9 @@
 """Images beside tokens: vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA,
-Gemma-3, SmolVLM, Idefics3) scored exactly.
+LLaVA-NeXT, LLaVA-OneVision, Gemma-3, SmolVLM, Idefics3, Mistral-3) scored exactly.
 
 ``arch`` says which models are served (others refused at load, naming the class) and each one's
-rule (token count per image, positions, vision tower, extra inputs), ``decode`` turns a job's
+rule (token count per run of each image, positions, vision tower, extra inputs; ``anyres`` and
+``pixtral`` hold LLaVA-NeXT's / OneVision's and Mistral-3's), ``decode`` turns a job's
 encoded files into images under the worker's limits, ``processor`` runs the model's own image
 processor once per distinct image (cached by content hash and options), ``intake`` checks each
 sequence's image-token runs against the processor's counts and computes its positions by the

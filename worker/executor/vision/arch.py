@@ -13,14 +13,21 @@ positions, the vision tower and any extra input:
 - Gemma-3: ``mm_tokens_per_image`` tokens per image, 1-D positions, and ``token_type_ids`` (1 on
   image tokens) always passed: without them transformers runs image tokens causally instead of
   bidirectionally within their image, silently wrong;
-- SmolVLM, Idefics3: ``image_seq_len`` tokens per image (one run, between the processor's
-  ``<fake_token_around_image><global-img>`` and ``<fake_token_around_image>``), 1-D positions;
-  served with ``do_image_splitting`` off only (its tiles would add a run per tile per image).
+- SmolVLM, Idefics3: ``image_seq_len`` tokens per tile, one run of the image token per tile
+  (the processor writes ``<fake_token_around_image><row_r_col_c>`` before each tile of a split
+  image and ``<fake_token_around_image><global-img>`` before the global image, last), 1-D
+  positions; image splitting on (their default) or off;
+- LLaVA-NeXT, LLaVA-OneVision (``anyres``): one run per image whose length depends on the image's
+  size (base view, unpadded tile grid, one ``image_newline`` per row), 1-D positions;
+- Mistral-3 (``pixtral``): one run of ``cols`` tokens per row of the image (``[IMG_BREAK]``
+  between rows, ``[IMG_END]`` after the last), ``image_sizes`` for the tower, 1-D positions.
 
-Any other model with a vision tower (a config with ``vision_config``: LLaVA-NeXT,
-LLaVA-OneVision, Mistral-3, ...) is refused at load with its class named: its
-positions, token types or feature placement differ, and a forward that ran anyway would be
-silently wrong.
+Each image owns an ordered list of runs (``VisionModel.count``): one run per image but for
+Mistral-3 and split SmolVLM / Idefics3 images.
+
+Any other model with a vision tower (a config with ``vision_config``: Idefics2, PaliGemma,
+Llama-4, ...) is refused at load with its class named: its positions, token types or feature
+placement differ, and a forward that ran anyway would be silently wrong.
 """
 
 from __future__ import annotations
@@ -33,6 +40,21 @@ import numpy as np
 import torch
 
 from worker.errors import BadRequest, ConfigError
+from worker.executor.vision.anyres import (
+    ANYRES,
+    anyres_count,
+    anyres_features,
+    anyres_inputs,
+    anyres_pixels,
+)
+from worker.executor.vision.pixtral import (
+    PIXTRAL,
+    pixtral_count,
+    pixtral_features,
+    pixtral_inputs,
+    pixtral_pixels,
+    process_options,
+)
 
 SERVED: dict[str, str] = {
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
@@ -43,6 +65,9 @@ SERVED: dict[str, str] = {
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     "smolvlm": "SmolVLMForConditionalGeneration",
     "idefics3": "Idefics3ForConditionalGeneration",
+    "llava_next": "LlavaNextForConditionalGeneration",
+    "llava_onevision": "LlavaOnevisionForConditionalGeneration",
+    "mistral3": "Mistral3ForConditionalGeneration",
 }
 """model_type -> the class served for it."""
 
@@ -50,7 +75,8 @@ MROPE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 """The served model types with 3-row mRoPE positions (the others' are ``0 .. L-1``)."""
 TILED = ("smolvlm", "idefics3")
 """The served model types whose processor lays an image out as tiles of ``image_seq_len`` tokens
-(served with one tile per image: ``do_image_splitting`` off)."""
+(one tile per image with ``do_image_splitting`` off, one per tile and the global image with it
+on)."""
 DEEPSTACK = ("qwen3_vl", "qwen3_vl_moe")
 """The served model types whose vision tower also gives deepstack features (one per layer)."""
 
@@ -116,24 +142,53 @@ class VisionModel:
         """Whether the forward needs ``token_type_ids`` (Gemma-3's bidirectional image blocks)."""
         return self.kind == "gemma3"
 
-    def count(self, out: Any) -> tuple[tuple[int, int, int], int]:
-        """``(grid, tokens)`` of one image from the processor's output ``out`` (numpy): Qwen's
-        ``image_grid_thw`` and ``t*h*w / merge**2``; LLaVA's patch grid ``(1, h, w)`` and
-        ``h*w`` (+1 with strategy ``full``); Gemma-3's pixel shape and ``mm_tokens_per_image``."""
+    def count(self, out: Any) -> tuple[tuple[int, int, int], tuple[int, ...]]:
+        """``(grid, runs)`` of one image from the processor's output ``out`` (numpy): ``runs``
+        its image-token count per run of the image token, in order. Qwen's ``image_grid_thw``
+        and one run of ``t*h*w / merge**2``; LLaVA's patch grid ``(1, h, w)`` and one run of
+        ``h*w`` (+1 with strategy ``full``); Gemma-3's pixel shape and one run of
+        ``mm_tokens_per_image``; SmolVLM's / Idefics3's ``(tiles, H, W)`` and one run of
+        ``image_seq_len`` per tile (the global image last); ``anyres`` / ``pixtral`` for
+        LLaVA-NeXT, LLaVA-OneVision and Mistral-3."""
+        if self.kind in ANYRES:
+            return anyres_count(self.model, out)
+        if self.kind in PIXTRAL:
+            return pixtral_count(self.model, out)
         if self.mrope:
             t, h, w = (int(x) for x in np.asarray(out["image_grid_thw"])[0])
-            return (t, h, w), t * h * w // (self.merge * self.merge)
+            return (t, h, w), (t * h * w // (self.merge * self.merge),)
         if self.kind in TILED:  # pixel_values [1, tiles, 3, H, W]
             _, n, _, height, width = np.asarray(out["pixel_values"]).shape
             if not np.asarray(out["pixel_attention_mask"]).all():
                 raise BadRequest(f"{self.name}: a padded image tile is not served")
-            return (int(n), int(height), int(width)), int(n) * self.fixed
+            return (int(n), int(height), int(width)), (self.fixed,) * int(n)
         n, _, height, width = np.asarray(out["pixel_values"]).shape
         if self.kind == "llava":
             h, w = height // self.patch, width // self.patch
             full = self.model.config.vision_feature_select_strategy == "full"
-            return (int(n), h, w), int(n) * (h * w + int(full))
-        return (int(n), int(height), int(width)), int(n) * self.fixed
+            return (int(n), h, w), (int(n) * (h * w + int(full)),)
+        return (int(n), int(height), int(width)), (int(n) * self.fixed,)
+
+    def kept(self, out: Any) -> np.ndarray:
+        """The ``pixel_values`` kept of one image's processor output (float32): Qwen's
+        ``[patches, D]``, LLaVA's and Gemma-3's ``[1, 3, H, W]``, SmolVLM's and Idefics3's tiles
+        ``[tiles, 3, H, W]``, LLaVA-NeXT's views ``[P, 3, S, S]``, Mistral-3's rows
+        ``[H * W, 3]``: the distinct images of a batch concatenate along the first axis."""
+        if self.kind in ANYRES:
+            pixels = anyres_pixels(out)
+        elif self.kind in PIXTRAL:
+            pixels = pixtral_pixels(out)
+        elif self.kind in TILED:
+            pixels = np.asarray(out["pixel_values"])[0]
+        else:
+            pixels = np.asarray(out["pixel_values"])
+        return np.ascontiguousarray(pixels, dtype=np.float32)
+
+    @property
+    def process_options(self) -> dict[str, Any]:
+        """Arguments the model's own processor passes its image processor (Mistral-3's
+        ``patch_size``), none for the others."""
+        return process_options(self.model) if self.kind in PIXTRAL else {}
 
     def describe(self, grid: tuple[int, int, int]) -> str:
         """How the token count of an image of ``grid`` comes about (``bad_request`` text)."""
@@ -142,7 +197,12 @@ class VisionModel:
         if self.kind == "llava":
             return f"patch grid {grid[1]}x{grid[2]} of patch {self.patch}"
         if self.kind in TILED:
-            return f"{grid[0]} tile(s) of image_seq_len {self.fixed}"
+            return f"{grid[0]} tile(s) of image_seq_len {self.fixed}, the global image last"
+        if self.kind in ANYRES:
+            return f"anyres: {grid[0]} views of a {grid[1]}x{grid[2]} image"
+        if self.kind in PIXTRAL:
+            side = process_options(self.model)["patch_size"]["height"]
+            return f"rows of a {grid[1]}x{grid[2]} image in {side}x{side} patches"
         return f"mm_tokens_per_image {self.fixed}"
 
     def positions(self, ids: np.ndarray, grids: Sequence[tuple[int, int, int]]) -> np.ndarray:
@@ -162,6 +222,13 @@ class VisionModel:
         one ``[tokens, H]`` per image, in order; Qwen3-VL's: ``(main, deepstack)`` per image,
         ``deepstack`` one ``[tokens, H]`` per deepstack layer."""
         inner = self.model.model
+        if self.kind in ANYRES:
+            return anyres_features(self.model, pixels, grids)
+        if self.kind in PIXTRAL:
+            return pixtral_features(self.model, pixels, grids)
+        if self.kind in TILED:  # one sample of all tiles: [sum tiles * seq, H], split per image
+            (flat,) = inner.get_image_features(pixels[None], return_dict=True).pooler_output
+            return list(flat.split([int(g[0]) * self.fixed for g in grids.tolist()]))
         if self.kind in DEEPSTACK:
             out = inner.get_image_features(pixels, grids, return_dict=True)
             deep = out.deepstack_features  # per layer, per image [tokens, H]
@@ -182,6 +249,24 @@ class VisionModel:
             return list(out.pooler_output)
         return list(inner.get_image_features(pixels, return_dict=True).pooler_output)
 
+    def model_inputs(self, images: Sequence[Any]) -> dict[str, torch.Tensor]:
+        """The pixel inputs of the model's own forward of one sequence showing ``images``
+        (``ProcessedImage`` s, in order) as its processor batches them: ``pixel_values``, and
+        Qwen's ``image_grid_thw``, LLaVA-NeXT's and Mistral-3's ``image_sizes``."""
+        if self.kind in ANYRES:
+            return anyres_inputs(list(images))
+        if self.kind in PIXTRAL:
+            return pixtral_inputs(list(images))
+        pixels = torch.from_numpy(np.concatenate([img.pixel_values for img in images]))
+        if self.kind in TILED:  # one sample: [1, tiles, 3, H, W]
+            return {"pixel_values": pixels[None]}
+        if self.mrope:
+            return {
+                "pixel_values": pixels,
+                "image_grid_thw": torch.tensor([img.grid for img in images], dtype=torch.int64),
+            }
+        return {"pixel_values": pixels}
+
     def placed(self, feats: Sequence[Any]) -> Any:
         """``feats`` (per image, in order of appearance) as the model reads them for its
         ``mm_encoder_outputs``: ``pooler_output`` a tuple (Qwen, LLaVA concatenate it), a stacked
@@ -197,7 +282,7 @@ class VisionModel:
             layers = len(feats[0][1]) if feats else 0
             deep = [tuple(f[1][k] for f in feats) for k in range(layers)]
             return output(pooler_output=tuple(f[0] for f in feats), deepstack_features=deep)
-        out = torch.stack(list(feats)) if self.kind == "gemma3" else tuple(feats)
+        out = torch.stack(list(feats)) if self.kind == "gemma3" else tuple(feats)  # per image
         return output(pooler_output=out)
 
     def extra(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -218,9 +303,12 @@ def vision_model(model: Any) -> VisionModel | None:
     if type(model).__name__ != name:
         raise ConfigError(f"{type(model).__name__}: images are served through {name} only")
     kind = str(config.model_type)
-    video = getattr(config, "video_token_id", None) if kind in MROPE else None
+    video = getattr(config, "video_token_id", None) if kind in (*MROPE, "llava_onevision") else None
     vision = config.vision_config
-    if kind == "llava" and config.vision_feature_select_strategy not in ("default", "full"):
+    if kind in ("llava", *ANYRES) and config.vision_feature_select_strategy not in (
+        "default",
+        "full",
+    ):
         raise ConfigError(
             f"{type(model).__name__}: vision_feature_select_strategy "
             f"{config.vision_feature_select_strategy!r} is not served ('default' or 'full')"

@@ -3,16 +3,18 @@ probe's).
 
 ``image_check``: one probe image scored in a padded batch (beside a text-only sequence of
 another length, so the bucket pads) against the model's own forward of the image sequence
-alone (``reference_inputs``: its ``pixel_values``; Qwen's ``image_grid_thw``,
-``mm_token_type_ids`` and positions by ``get_rope_index``; Gemma-3's ``token_type_ids``, as its
-processor makes them). A disagreement refuses to start: images are never scored approximately.
+alone (``reference_inputs``: its ``pixel_values`` as the processor batches them,
+``VisionModel.model_inputs``; Qwen's ``image_grid_thw``, LLaVA-NeXT's and Mistral-3's
+``image_sizes``; ``mm_token_type_ids`` and positions by ``get_rope_index``; Gemma-3's
+``token_type_ids``, as its processor makes them). A disagreement refuses to start: images are
+never scored approximately.
 
 ``layout_check``: a GRPO-like probe (two sequences sharing a prompt with an image, one with
-another image, one text-only) in packed rows and in tree rows against each sequence alone in
-the checked padded path. A layout that disagrees (or cannot run) is not used for image
-sequences, with its reason (``ImageLayouts``, in the results' ``info``); they run padded.
-Gemma-3's image blocks attend bidirectionally (``token_type_ids``), which tree attention does
-not reproduce: its image sequences never run in tree rows."""
+another image, one text-only) in packed rows, unmasked buckets and tree rows against each
+sequence alone in the checked padded path. A layout that disagrees (or cannot run) is not used
+for image sequences, with its reason (``ImageLayouts``, in the results' ``info``); they run
+padded. Gemma-3's image blocks attend bidirectionally (``token_type_ids``), which tree
+attention does not reproduce: its image sequences never run in tree rows."""
 
 from __future__ import annotations
 
@@ -56,11 +58,10 @@ def reference_inputs(
     output), as transformers' processor and model documentation give them."""
     input_ids = torch.from_numpy(ids)[None].to(device)  # [1, L]
     positions = torch.from_numpy(rope_positions(vlm, ids, images)).to(device)  # [3, L] or [L]
-    pixels = torch.from_numpy(np.concatenate([img.pixel_values for img in images])).to(device)
-    out = {"input_ids": input_ids, "pixel_values": pixels}
+    pixels = {k: v.to(device) for k, v in vlm.model_inputs(images).items()}
+    out = {"input_ids": input_ids, **pixels}
     if vlm.mrope:
         out["position_ids"] = positions[:, None]  # [3, 1, L]
-        out["image_grid_thw"] = torch.tensor([img.grid for img in images], device=device)
         out["mm_token_type_ids"] = (input_ids == vlm.image_token).int()
     else:
         out["position_ids"] = positions[None]  # [1, L]
@@ -73,9 +74,9 @@ def image_check(forward: BatchForward, intake: VisionIntake) -> None:
     """``ConfigError`` unless the image path gives the model's own log-probs (module docstring)."""
     model, vlm = forward.reference_model, intake.model
     processed, _ = intake.processing.process(probe_image(), ())
-    n = processed.tokens
-    ids = np.array([3, 4, *[vlm.image_token] * n, 5, 6, 7, 8], dtype=np.int64)  # [L]
-    scored = np.arange(n + 2, len(ids), dtype=np.int64)
+    runs = [[vlm.image_token] * n + [5] for n in processed.runs]  # a text token after each run
+    ids = np.array([3, 4, *[t for run in runs for t in run], 6, 7, 8], dtype=np.int64)  # [L]
+    scored = np.arange(len(ids) - 4, len(ids), dtype=np.int64)
     seq = check_sequence(PreparedSequence(ids, scored), [0], [processed], vlm, 0)
     text = PreparedSequence(np.arange(1, 6, dtype=np.int64), np.arange(2, 5, dtype=np.int64))
     got = forward.compute([seq, text], [0, 1], "reference", 1.0, layout="padded", row_tokens=0)

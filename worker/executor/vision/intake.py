@@ -3,12 +3,14 @@ each distinct image once, check every sequence against the processor's counts, a
 every sequence's positions by the model's own rule.
 
 Checks, each a ``BadRequest`` naming the sequence (and the image): a video placeholder (video
-inputs are not served); the number of runs of the image token against the number of images the
-sequence names; each run's length against the processor's token count for its image (the
+inputs are not served); the number of runs of the image token against the runs of the images
+the sequence names (each image owns an ordered list of runs, ``ProcessedImage.runs``: one for
+most models, one per tile and the global image for a split SmolVLM / Idefics3 image, one per
+row for Mistral-3); each run's length against the processor's token count for that run (the
 model's rule, ``arch.VisionModel.count``: Qwen's ``t*h*w / merge**2``, LLaVA's patch grid,
-Gemma-3's ``mm_tokens_per_image``). The model's own check compares batch totals only, so a
-short run in one sequence and a long one in another would pass it and misplace every feature
-after them.
+Gemma-3's ``mm_tokens_per_image``, LLaVA-NeXT's size-dependent anyres count, ...). The model's
+own check compares batch totals only, so a short run in one sequence and a long one in another
+would pass it and misplace every feature after them.
 
 Positions: for Qwen, ``get_rope_index`` of the model on the sequence alone (its
 ``mm_token_type_ids`` from the image-token runs), the 3-row mRoPE positions the model computes
@@ -92,16 +94,27 @@ def check_sequence(
     if model.video_token is not None and bool(np.any(ids == model.video_token)):
         raise BadRequest(f"{where}: video inputs are not supported (video token found)")
     runs = image_runs(ids, model.image_token)
-    if len(runs) != len(refs):
-        raise BadRequest(
-            f"{where}: {len(runs)} runs of the image token but {len(refs)} images named"
-        )
     shown = tuple(images[r] for r in refs)
-    for k, ((_, n), ref, img) in enumerate(zip(runs, refs, shown, strict=True)):
-        if n != img.tokens:
+    expected = sum(len(img.runs) for img in shown)
+    if len(runs) != expected:
+        made = "" if expected == len(refs) else f", which make {expected} runs"
+        raise BadRequest(
+            f"{where}: {len(runs)} runs of the image token but {len(refs)} images named{made}"
+        )
+    owners = [
+        (ref, img, q) for ref, img in zip(refs, shown, strict=True) for q in range(len(img.runs))
+    ]
+    for k, ((_, n), (ref, img, q)) in enumerate(zip(runs, owners, strict=True)):
+        want = img.runs[q]
+        if n != want:
+            which, of = (
+                (f"images[{ref}]", "that image")
+                if len(img.runs) == 1
+                else (f"images[{ref}], its run {q + 1} of {len(img.runs)}", "that run")
+            )
             raise BadRequest(
-                f"{where}: image run {k} (images[{ref}]) has {n} image tokens but the processor "
-                f"makes {img.tokens} for that image ({model.describe(img.grid)})"
+                f"{where}: image run {k} ({which}) has {n} image tokens but the processor "
+                f"makes {want} for {of} ({model.describe(img.grid)})"
             )
     if not runs:
         return seq

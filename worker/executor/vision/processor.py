@@ -32,20 +32,31 @@ class Counter(Protocol):
     @property
     def mrope(self) -> bool: ...
 
-    def count(self, out: Any) -> tuple[tuple[int, int, int], int]: ...
+    @property
+    def process_options(self) -> dict[str, Any]: ...
+
+    def count(self, out: Any) -> tuple[tuple[int, int, int], tuple[int, ...]]: ...
+
+    def kept(self, out: Any) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
 class ProcessedImage:
     """One image as the model's processor made it: ``pixel_values`` float32 (Qwen's
-    ``[patches, D]``, the others' ``[1, 3, H, W]``), ``grid`` (Qwen's ``(t, h, w)`` in patches,
-    ``VisionModel.count`` for the others), ``tokens`` its image-token count, ``digest`` the
-    content hash of its file."""
+    ``[patches, D]``, the others' per ``VisionModel.kept``), ``grid`` (Qwen's ``(t, h, w)`` in
+    patches, ``VisionModel.count`` for the others), ``tokens`` its image-token count,
+    ``digest`` the content hash of its file, ``runs`` its image-token count per run of the image
+    token in order (``(tokens,)``: one run, when not given)."""
 
     pixel_values: np.ndarray
     grid: tuple[int, int, int]
     tokens: int
     digest: str
+    runs: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.runs:
+            object.__setattr__(self, "runs", (self.tokens,))
 
 
 def backend_of(processor: Any) -> str:
@@ -60,7 +71,8 @@ class ImageProcessing:
     """The model's image processor with a cache (see the module docstring); thread-safe.
 
     ``processor``: a transformers image processor (Qwen2-VL's: with ``size`` ``shortest_edge`` /
-    ``longest_edge``; the others' take no job option, and Gemma-3's pan-and-scan is refused);
+    ``longest_edge``; the others' take no job option, and Gemma-3's pan-and-scan is refused;
+    SmolVLM's / Idefics3's image splitting is served: each tile a run);
     ``rule``: the model's token-count rule (``arch.VisionModel``);
     ``cache_images`` / ``cache_bytes``: how many processed images, and how many bytes of their
     ``pixel_values``, are kept (least recently used dropped first; one image at the default
@@ -80,11 +92,6 @@ class ImageProcessing:
             raise ConfigError(
                 f"{type(processor).__name__}: do_pan_and_scan is not served (its crops add image "
                 "runs per image); save the processor with do_pan_and_scan off"
-            )
-        if getattr(processor, "do_image_splitting", None):
-            raise ConfigError(
-                f"{type(processor).__name__}: do_image_splitting is not served (its tiles add "
-                "image runs per image); save the processor with do_image_splitting off"
             )
         self.processor = processor
         self.rule = rule
@@ -139,15 +146,18 @@ class ImageProcessing:
                 size[self.keys[name]] = value
             sized["size"] = size
         try:
-            out = self.processor(images=[image.image], return_tensors="np", **sized)
+            out = self.processor(
+                images=[image.image], return_tensors="np", **sized, **self.rule.process_options
+            )
         except Exception as exc:
             raise BadRequest(f"the image processor refused an image: {exc}"[:300]) from None
-        grid, tokens = self.rule.count(out)
+        grid, runs = self.rule.count(out)
         done = ProcessedImage(
-            pixel_values=np.ascontiguousarray(out["pixel_values"], dtype=np.float32),
+            pixel_values=self.rule.kept(out),
             grid=grid,
-            tokens=tokens,
+            tokens=sum(runs),
             digest=image.digest,
+            runs=runs,
         )
         with self._lock:
             if key not in self._cache:
