@@ -148,12 +148,19 @@ def image_share_groups(
 
 
 def cuts_image(group: SharedGroup, keys: Sequence[np.ndarray]) -> bool:
-    """Whether a node of ``group`` ends inside an image: the last token of the node and the
-    next token of one of its members belong to the same image."""
+    """Whether a node of ``group`` ends inside an image: after its first token and at or
+    before its last (an image of several runs, SmolVLM's tiles or Mistral-3's rows, spans the
+    text between them too)."""
     for k, i in enumerate(group.members):
         seq = keys[i]
+        where = np.flatnonzero(seq >= IMAGE_KEY_BASE)
+        if not where.size:
+            continue
+        change = np.flatnonzero(np.diff(seq[where])) + 1  # where the next image starts
+        firsts = where[np.concatenate([[0], change])]
+        lasts = where[np.concatenate([change - 1, [len(where) - 1]])]
         for j in group.path(k):
             end = group.nodes[j].end
-            if 0 < end < len(seq) and seq[end] >= IMAGE_KEY_BASE and seq[end - 1] == seq[end]:
+            if bool(np.any((firsts < end) & (end <= lasts))):
                 return True
     return False
