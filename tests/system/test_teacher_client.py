@@ -8,6 +8,7 @@ worker (this process, the machine's Redis) serving a tiny Llama with the demo's 
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -192,3 +193,59 @@ except ImportError as exc:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "refused", proc.stderr
+
+
+@pytest.mark.timeout(180)
+def test_enqueue_takes_hidden_rows_their_dtype_a_result_limit_and_student_text(
+    redis_url: str,
+    key_prefix: str,
+    cleanup_keys: None,
+    executor: StatelessExecutor,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from worker.cli import main
+
+    seq = _seqs()[0]
+    student = {"prompt": "<s>Q: sky?\nA:", "tokens": [" The", " sky", " is", " blue"]}
+    lines = [
+        {"id": "ids", **seq, "mode": "reference"},
+        {"id": "text", "student": student},  # mode reference, though --mode says both
+        {"id": "texts", "seqs": [{"student": student}] * 2},
+        {
+            "id": "small",
+            **seq,
+            "mode": "reference",
+            "max_result_bytes": 64,
+        },  # its own limit: too_large
+        {"id": "bad", **seq, "max_result_bytes": -1},  # refused before sending
+    ]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "out.jsonl"
+    common = ["enqueue", "--no-progress", "--wait-for-workers", "30", "--redis-url", redis_url,
+              "--queue", key_prefix, "--file", str(src), "--out", str(out)]  # fmt: skip
+    flags = ["--mode", "both", "--outputs", "logps,hidden", "--hidden-dtype", "float32",
+             "--max-result-bytes", str(1 << 20)]  # fmt: skip
+    with thread_worker(redis_url, key_prefix, executor):
+        rc = main([*common, *flags])
+        err = capsys.readouterr().err
+        assert main([*common, "--outputs", "logps", "--hidden-dtype", "float16"]) == 2
+        assert "--hidden-dtype needs --outputs ...,hidden" in capsys.readouterr().err
+        with pytest.raises(SystemExit):
+            main([*common, "--outputs", "hidden", "--hidden-dtype", "bf16"])
+        with pytest.raises(SystemExit):
+            main([*common, "--max-result-bytes", "0"])
+    assert rc == 1, err  # two lines failed
+    got = {d["id"]: d for d in map(json.loads, out.read_text().splitlines())}
+    own = _own_rows(executor, "float32")[0]
+    assert got["ids"]["hidden_dtype"] == "float32"
+    np.testing.assert_array_equal(np.asarray(got["ids"]["hidden"], np.float32), own)
+    text = got["text"]
+    assert text["ok"] and len(text["span_logps"]) == 4 and len(text["teacher_ids"]) > 0
+    assert np.asarray(text["hidden"]).shape == (len(text["logps"]), 32)
+    assert [len(s["span_logps"]) for s in got["texts"]["seqs"]] == [4, 4]
+    assert got["small"]["error"]["code"] == "too_large"
+    assert "max_result_bytes of 64" in got["small"]["error"]["message"]
+    assert got["bad"]["error"]["code"] == "bad_request"
+    assert "max_result_bytes must be an integer" in got["bad"]["error"]["message"]
