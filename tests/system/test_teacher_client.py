@@ -234,8 +234,8 @@ def test_enqueue_takes_hidden_rows_their_dtype_a_result_limit_and_student_text(
         assert "--hidden-dtype needs --outputs ...,hidden" in capsys.readouterr().err
         with pytest.raises(SystemExit):
             main([*common, "--outputs", "hidden", "--hidden-dtype", "bf16"])
-        with pytest.raises(SystemExit):
-            main([*common, "--max-result-bytes", "0"])
+        assert main([*common, "--max-result-bytes", "0"]) == 2
+        assert "--max-result-bytes must be a positive number" in capsys.readouterr().err
     assert rc == 1, err  # two lines failed
     got = {d["id"]: d for d in map(json.loads, out.read_text().splitlines())}
     own = _own_rows(executor, "float32")[0]

@@ -52,11 +52,10 @@ from worker.client import (
 from worker.client.images import images_from_base64
 from worker.commands._options import add_queue_args, add_redis_args, redis_settings
 from worker.config import env_get
-from worker.errors import BadRequest, ScoringError
+from worker.errors import ScoringError
 from worker.modes import MODES
 from worker.protocol.rewards import decode_step
 from worker.request import HIDDEN_DTYPES
-from worker.request.checks import integer
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -106,7 +105,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     teacher.add_argument(
         "--max-result-bytes",
-        type=_limit,
+        type=int,
         help="each job's own limit on its result's arrays (too_large over it) for lines without "
         "one; the workers' --max-result-bytes applies too",
     )
@@ -156,13 +155,6 @@ def _ids(text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"token ids must be integers: {exc}") from exc
-
-
-def _limit(text: str) -> int:
-    try:
-        return integer("--max-result-bytes", int(text), 1, 2**62)
-    except (ValueError, BadRequest) as exc:
-        raise argparse.ArgumentTypeError(f"a positive number of bytes: {exc}") from exc
 
 
 def _step(text: str) -> dict[str, Any]:
@@ -338,6 +330,9 @@ def run(args: argparse.Namespace) -> int:
     ``--timeout`` (scale from zero)."""
     if args.hidden_dtype and "hidden" not in (args.outputs or ()):
         print("error: --hidden-dtype needs --outputs ...,hidden", file=sys.stderr)
+        return 2
+    if args.max_result_bytes is not None and args.max_result_bytes < 1:
+        print("error: --max-result-bytes must be a positive number of bytes", file=sys.stderr)
         return 2
     earlier = _earlier(args.out, args.retry_errors)
     done = earlier.done
