@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
 __all__ = ["hidden_tensor", "hidden_tensors"]
 
-_NUMPY = {"float32": "float32", "float16": "float16"}
-"""The numpy dtype of each ``hidden_dtype`` numpy has (bfloat16 travels as uint16 bits)."""
+_NUMPY_DTYPES = ("float32", "float16")
+"""The ``hidden_dtype`` s numpy has (bfloat16 rows travel as uint16 bits)."""
 
 
 def _torch() -> Any:
@@ -52,8 +52,10 @@ def hidden_tensor(seq: SeqScore, device: Any = None) -> Any:
             raise ValueError("bfloat16 rows need their bits as uint16 [n, H] (hidden_bits)")
         owned = np.array(bits, dtype=np.uint16, copy=True)  # writable, native order
         rows = torch.from_numpy(owned.view(np.int16)).view(torch.bfloat16)  # the same bits
+    elif seq.hidden_dtype in _NUMPY_DTYPES:
+        rows = torch.from_numpy(np.array(seq.hidden, dtype=seq.hidden_dtype, copy=True))
     else:
-        rows = torch.from_numpy(np.array(seq.hidden, dtype=_NUMPY[seq.hidden_dtype], copy=True))
+        raise ValueError(f"unknown hidden_dtype {seq.hidden_dtype!r}")
     return rows if device is None else rows.to(device)
 
 
