@@ -93,6 +93,23 @@ def test_both_ranks_share_the_groups_prefixes(ranks: dict[str, Any]) -> None:
 
 
 @pytest.mark.slow
+def test_only_the_leader_copies_hidden_rows_to_the_host(ranks: dict[str, Any]) -> None:
+    """``hidden`` rows are the same on every rank: the leader's go into the result (equal to one
+    process, ``test_two_ranks_equal_one_process``), a follower neither casts nor copies its own,
+    with the LM head's outputs (``logps``, ``topk``...) or without any head."""
+    for phase, calls in (("outputs", (0, 3)), ("tree", (0,))):
+        for i in calls:
+            lead = ranks["leader"][phase]["outputs"][i]
+            follow = ranks["follower"][phase]["outputs"][i]
+            for mine, theirs in zip(lead.scores, follow.scores, strict=True):
+                assert mine.arrays["hidden"].shape[0] > 0
+                assert "hidden" not in (theirs.arrays or {}), (phase, i)
+                if i == 0:  # the LM head's outputs are still computed on both
+                    np.testing.assert_allclose(theirs.logps, mine.logps, atol=ATOL, rtol=0)
+                    assert "topk_ids" in theirs.arrays
+
+
+@pytest.mark.slow
 def test_an_oom_on_either_rank_halves_the_batch_on_both(ranks: dict[str, Any]) -> None:
     for phase in ("oom_head", "oom_backbone"):
         (lead,) = ranks["leader"][phase]["outputs"]

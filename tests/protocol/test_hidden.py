@@ -48,6 +48,8 @@ def test_sizes_and_limits_count_the_rows() -> None:
 
 
 def test_bf16_rows_travel_as_bits_and_come_back_as_their_exact_float32() -> None:
+    """... and as those bits (``hidden_bits``, what ``worker.tensors`` makes a bfloat16 tensor
+    of); float16 rows come as they travelled, with no bits beside them."""
     rows = np.array([[1.0, -2.5, 3.140625], [0.0, 0.0009765625, -65280.0]], np.float32)
     bits = (rows.view(np.uint32) >> 16).astype(np.uint16)  # exact: all are bfloat16 values
     result = Result(
@@ -59,3 +61,11 @@ def test_bf16_rows_travel_as_bits_and_come_back_as_their_exact_float32() -> None
     got = ScoreResult.from_wire(wire)[0]
     assert got.hidden_dtype == "bfloat16" and got.hidden.dtype == np.float32
     np.testing.assert_array_equal(got.hidden, rows)
+    assert got.hidden_bits.dtype == np.uint16 and got.hidden_bits.shape == (2, 3)
+    np.testing.assert_array_equal(got.hidden_bits, bits)  # the bits as they travelled
+    assert got.to_json()["hidden_dtype"] == "bfloat16"
+    half = ScoreResult.from_wire(
+        Result(id="j", ok=True, seqs=[SeqResult(arrays={"hidden": rows.astype(np.float16)})],
+               layout={"hidden": ("<f2", 3)})
+    )[0]  # fmt: skip
+    assert half.hidden.dtype == np.float16 and half.hidden_bits is None

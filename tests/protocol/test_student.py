@@ -4,11 +4,14 @@ token, a gap no token covers)."""
 
 from __future__ import annotations
 
+from array import array
+
+import msgpack
 import numpy as np
 import pytest
 
 from worker.errors import BadRequest, ProtocolError
-from worker.protocol import decode_job, encode_job
+from worker.protocol import SeqSpec, decode_job, encode_job
 from worker.request import StudentView
 from worker.scorer.align import align, byte_spans, cut_points, span_arrays
 
@@ -54,3 +57,22 @@ def test_cuts_fall_where_both_sides_agree() -> None:
     assert out["teacher_ids"].tolist() == [7, 8, 9, 10]
     with pytest.raises(BadRequest, match="no tokens"):
         align([0, 1], np.zeros((0, 2), np.int64), 1)
+
+
+def test_a_student_job_takes_no_prefix_nor_per_sequence_gather_ids() -> None:
+    """Refused when a producer encodes such a job and when a raw payload carries one (the
+    worker's intake answers ``bad_request``): a student view's prompt is its own text, and its
+    rows are teacher tokens, unknown before the worker tokenizes."""
+    seq = {"student": {"prompt": "Q", "tokens": ["a"]}}
+    with pytest.raises(ProtocolError, match="carries no prefix"):
+        encode_job("j", "reference", "r", [SeqSpec(array("i"), student=StudentView(
+            prompt="Q", tokens=("a",)))], prefix=[3])  # fmt: skip
+    with pytest.raises(ProtocolError, match="a student sequence carries no gather_ids"):
+        encode_job("j", "reference", "r", [{**seq, "gather_ids": [[1]]}])
+    body = {"v": 1, "id": "x", "mode": "reference", "reply_to": "r", "seqs": [seq]}
+    with pytest.raises(ProtocolError, match="carries no prefix"):
+        decode_job(msgpack.packb({**body, "prefix": [3]}))
+    with pytest.raises(ProtocolError, match="a student sequence carries no gather_ids"):
+        decode_job(msgpack.packb({**body, "seqs": [{**seq, "gather_ids": [[1]]}]}))
+    with pytest.raises(ProtocolError, match="mode reference"):
+        decode_job(msgpack.packb({**body, "mode": "both"}))

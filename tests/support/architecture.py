@@ -41,7 +41,7 @@ ROOT = "root"
 
 EVERYTHING = frozenset(
     {"protocol", "client", "streams", "scorer", "executor", "daemon", "observability"}
-    | {"gateway", "integrations"}
+    | {"gateway", "integrations", "tensors"}
     | {"processes", "demo", "commands", "devtools", ROOT}
     | KERNEL
 )
@@ -91,6 +91,8 @@ RULES: dict[str, Rule] = {
               why="an HTTP front over the asyncio client: a producer"),
         _rule("integrations", {"client", *KERNEL}, TORCH,
               why="drop-in reward functions imported by trainers: producers"),
+        _rule("tensors", {"client", *KERNEL}, {"redis", "msgpack", "transformers", "accelerate"},
+              why="a producer's results as torch tensors: torch when called, never the worker"),
         _rule("processes", {"executor", *KERNEL}, {"redis", "msgpack"},
               why="starts, watches and stops worker processes; never the queue nor the wire"),
         _rule("demo", {"processes", *KERNEL},

@@ -5,7 +5,8 @@ by ``worker.processes.tp_local.launch``). Both ranks run the same phases in the 
 order; each phase builds its executor on the group and serves a few calls (rank 0 broadcasts,
 rank 1 follows until rank 0 stops it), with faults injected on some ranks only:
 
-* ``outputs``: teacher outputs, rewards and plain log-probs (mode ``both``, ``reward``);
+* ``outputs``: teacher outputs, rewards and plain log-probs (mode ``both``, ``reward``), and
+  ``hidden`` rows alone;
 * ``oom_head``: rank 1 alone runs out of memory in its LM-head fold above 12 rows: both halve;
 * ``oom_backbone``: both ranks run out of memory in the last MLP above 40 tokens: both halve;
 * ``kernel``: sdpa fails on both ranks: both retry on eager;
@@ -53,6 +54,7 @@ def _calls() -> dict[str, list[Any]]:
         frozenset({"logps", "entropy", "topk", "gather", "hidden"}), topk=6,
         gather_ids=(2, 47, 95), hidden_dtype="float32",  # hidden: rank 0's replicated rows
     )  # fmt: skip
+    rows_only = TokenOutputs(frozenset({"hidden"}), hidden_dtype="float32")  # no LM head
     ragged = [SequenceInput([1, 5, 9, 14, 2, 77, 8], 2), SequenceInput(list(range(3, 30)), 5)]
     equal = [SequenceInput(ids, prompt_len=5) for ids in EQUAL]
     rng = np.random.default_rng(0)
@@ -67,6 +69,7 @@ def _calls() -> dict[str, list[Any]]:
             ScoreRequest(ragged, "both", 0.7, ScoreOptions(outputs=spec)),
             ScoreRequest(ragged, "reward", None, DEFAULT_OPTIONS),
             ScoreRequest(ragged, "reference", None, DEFAULT_OPTIONS),
+            ScoreRequest(ragged, "reference", None, ScoreOptions(outputs=rows_only)),
         ],
         "oom_head": [ScoreRequest(equal, "reference", None, DEFAULT_OPTIONS)],
         "oom_backbone": [ScoreRequest(equal, "reference", None, DEFAULT_OPTIONS)],

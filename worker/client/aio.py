@@ -25,8 +25,8 @@ import redis
 from worker.client.base import ClientBase
 from worker.client.core import new_job_id
 from worker.client.effects import END, Block, Command, Delivered, DurableAdd, Effect, Pause, Steps
-from worker.client.errors import ClientClosed, JobFailed, ScoringTimeout
-from worker.client.inputs import JobSpec, group_seqs, teacher_settings
+from worker.client.errors import ClientClosed, JobFailed, ScoringTimeout, client_checks
+from worker.client.inputs import JobSpec, group_seqs, student_seqs, teacher_settings
 from worker.client.results import JobHandle, ScoreResult, SeqScore, job_id_of, unwrap
 from worker.client.window import ScoreWindow
 from worker.client.workers import QueueState
@@ -160,6 +160,7 @@ class AsyncScoringClient(ClientBase):
         sampling: Mapping[str, Any] | None = None,
         float16: bool = False,
         hidden_dtype: str | None = None,
+        max_result_bytes: int | None = None,
         adapter: str | None = None,
         version: str | None = None,
         step: Mapping[str, Any] | None = None,
@@ -171,7 +172,9 @@ class AsyncScoringClient(ClientBase):
         """Enqueue one job (see ``ScoringClient.submit``, teacher outputs too)."""
         self._ensure_reader()
         job_id = job_id or new_job_id()
-        request = teacher_settings(outputs, topk, gather_ids, sampling, float16, hidden_dtype)
+        request = teacher_settings(
+            outputs, topk, gather_ids, sampling, float16, hidden_dtype, max_result_bytes
+        )
         job = self._core.prepare(
             seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id, outputs=request,
             adapter=adapter, version=version, step=step, options=options, prefix=prefix,
@@ -230,6 +233,7 @@ class AsyncScoringClient(ClientBase):
         sampling: Mapping[str, Any] | None = None,
         float16: bool = False,
         hidden_dtype: str | None = None,
+        max_result_bytes: int | None = None,
         adapter: str | None = None,
         version: str | None = None,
         step: Mapping[str, Any] | None = None,
@@ -241,7 +245,9 @@ class AsyncScoringClient(ClientBase):
         """Submit one job and await its scores; forgotten on a timeout or cancellation."""
         self._ensure_reader()
         job_id = new_job_id()
-        request = teacher_settings(outputs, topk, gather_ids, sampling, float16, hidden_dtype)
+        request = teacher_settings(
+            outputs, topk, gather_ids, sampling, float16, hidden_dtype, max_result_bytes
+        )
         job = self._core.prepare(
             seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s, job_id=job_id,
             outputs=request, adapter=adapter, version=version, step=step, options=options,
@@ -271,7 +277,8 @@ class AsyncScoringClient(ClientBase):
     ) -> list[SeqScore]:
         """``ScoringClient.score_cross_tokenizer``: student views scored by a teacher with its
         own tokenizer (docs/distillation.md, *A teacher with its own tokenizer*)."""
-        seqs = [{"student": dict(s)} for s in students]
+        with client_checks("(score_cross_tokenizer)", kwargs.get("meta")):
+            seqs = student_seqs(students, kwargs)
         return await self.score(seqs, "reference", temperature, **kwargs)
 
     async def score_many(
@@ -289,6 +296,8 @@ class AsyncScoringClient(ClientBase):
         gather_ids: Any = None,
         sampling: Mapping[str, Any] | None = None,
         float16: bool | None = None,
+        hidden_dtype: str | None = None,
+        max_result_bytes: int | None = None,
         step: Mapping[str, Any] | None = None,
     ) -> AsyncIterator[ScoreResult | JobFailed]:
         """Async generator twin of ``ScoringClient.score_many`` (sync or async iterable in).
@@ -296,7 +305,8 @@ class AsyncScoringClient(ClientBase):
         ``timeout=None`` waits as long as it takes; jobs still in flight when it stops are
         forgotten. Teacher outputs and ``step`` for every job as in the sync twin."""
         defaults = JobSpec(None, outputs=outputs, topk=topk, gather_ids=gather_ids,
-                           sampling=sampling, float16=float16, step=step)  # fmt: skip
+                           sampling=sampling, float16=float16, hidden_dtype=hidden_dtype,
+                           max_result_bytes=max_result_bytes, step=step)  # fmt: skip
         window = ScoreWindow(
             self._core, jobs, max_in_flight, ordered, timeout, mode, temperature, raise_errors,
             defaults,

@@ -98,6 +98,33 @@ def normalize_seqs(seqs: Any, prefix: Any = None) -> list[protocol.SeqSpec]:
     return out
 
 
+def student_seqs(students: Sequence[Mapping[str, Any]], kwargs: Mapping[str, Any]) -> list[Any]:
+    """``score_cross_tokenizer``'s sequences, one ``{"student": view}`` per student view.
+    Refused (``BadRequest``), since the worker tokenizes each whole prompt and completion
+    itself: a ``prefix`` (token ids; a shared prompt is text in each view), a ``mode`` (student
+    text is scored in ``reference``) and per-sequence ``gather_ids`` (rows are teacher tokens,
+    unknown before the worker tokenizes; shared ``gather_ids=`` work)."""
+    for key, why in (
+        ("prefix", "a prefix is token ids: give each view its prompt text"),
+        ("mode", "student text is scored in mode reference"),
+    ):
+        if kwargs.get(key) is not None:
+            raise errors.BadRequest(f"score_cross_tokenizer takes no {key}: {why}")
+    if isinstance(students, Mapping):
+        students = [students]
+    out: list[Any] = []
+    for i, view in enumerate(students):
+        if not isinstance(view, Mapping):
+            raise errors.BadRequest(f"students[{i}] must be a map (prompt or messages, tokens...)")
+        if view.get("gather_ids") is not None:
+            raise errors.BadRequest(
+                f"students[{i}]: student text takes no per-sequence gather_ids (its rows are the "
+                "teacher's tokens, known only once the worker tokenizes): give shared gather_ids="
+            )
+        out.append({"student": dict(view)})
+    return out
+
+
 def group_seqs(completions: Sequence[Any], images: Any) -> list[Any]:
     """``score_groups``' completions: with the prompt's ``images``, each completion that names
     none shows them all, in order (the prompt's image runs come first in every sequence)."""
@@ -129,6 +156,11 @@ def with_prefix(seqs: Any, prefix: Any) -> list[Any]:
             continue
         if not isinstance(seq, Mapping):
             seq = {"tokens": seq}
+        elif seq.get("student") is not None:
+            raise errors.BadRequest(
+                f"seqs[{i}]: a student-text sequence takes no prefix (token ids): its view "
+                "carries its whole prompt as text"
+            )
         elif seq.get("tokens") is None:
             raise errors.BadRequest(f"seqs[{i}]: with a prefix, a sequence needs 'tokens'")
         whole = dict(seq, tokens=head + protocol.as_int32_array(seq["tokens"]))
@@ -145,14 +177,18 @@ def teacher_settings(
     sampling: Mapping[str, Any] | None = None,
     float16: bool = False,
     hidden_dtype: str | None = None,
+    max_result_bytes: int | None = None,
 ) -> dict[str, Any] | None:
     """The teacher-output arguments of a job as given (``None``: none given, a plain job);
     ``output_request`` builds them into the job's ``TokenOutputs`` once its sequences are
-    known. ``hidden_dtype``: of the ``"hidden"`` rows (default bfloat16)."""
-    if all(x is None for x in (outputs, topk, gather_ids, sampling, hidden_dtype)) and not float16:
+    known. ``hidden_dtype``: of the ``"hidden"`` rows (default bfloat16); ``max_result_bytes``:
+    the job's own limit on its result's arrays (the worker answers ``too_large`` over it)."""
+    given = (outputs, topk, gather_ids, sampling, hidden_dtype, max_result_bytes)
+    if all(x is None for x in given) and not float16:
         return None
     return {"outputs": outputs, "topk": topk, "gather_ids": gather_ids, "sampling": sampling,
-            "float16": float16, "hidden_dtype": hidden_dtype}  # fmt: skip
+            "float16": float16, "hidden_dtype": hidden_dtype,
+            "max_result_bytes": max_result_bytes}  # fmt: skip
 
 
 def output_request(
@@ -165,6 +201,14 @@ def output_request(
     if settings is None or isinstance(settings, TokenOutputs):
         return settings
     names = settings.get("outputs")
+    names = (names,) if isinstance(names, str) else names or ("logps",)
+    hidden_dtype = settings.get("hidden_dtype")
+    if hidden_dtype is not None and "hidden" not in names:
+        raise errors.BadRequest(
+            f"hidden_dtype={hidden_dtype!r} given but 'hidden' is not a requested output: "
+            "ask for outputs=(..., 'hidden')"
+        )
+    limit = settings.get("max_result_bytes")
     ids = settings.get("gather_ids")
     if ids is not None and hasattr(ids, "tolist"):
         ids = ids.tolist()
@@ -173,13 +217,14 @@ def output_request(
         [(s.num_scored, None if s.gather_ids is None else len(s.gather_ids)) for s in specs]
     )
     return TokenOutputs(
-        outputs=frozenset((names,) if isinstance(names, str) else names or ("logps",)),
+        outputs=frozenset(names),
         topk=settings.get("topk") or 0,
         gather_ids=tuple(ids) if ids is not None else (),
         gather_width=width,
         sampling=Sampling(**sampling) if isinstance(sampling, Mapping) else sampling,
         float16=bool(settings.get("float16")),
-        hidden_dtype=settings.get("hidden_dtype") or "bfloat16",
+        hidden_dtype="bfloat16" if hidden_dtype is None else hidden_dtype,
+        max_result_bytes=0 if limit is None else limit,
     )
 
 
@@ -197,12 +242,15 @@ class JobSpec:
     adapter: str | None = None
     version: str | None = None
     # teacher outputs (docs/distillation.md), as ``client.score`` takes them; a job that sets
-    # none of these five takes score_many's, a job that sets any takes none of them
+    # none of these six takes score_many's, a job that sets any takes none of them
     outputs: Any = None
     topk: int | None = None
     gather_ids: Any = None
     sampling: Mapping[str, Any] | None = None
     float16: bool | None = None
+    hidden_dtype: str | None = None  # of the "hidden" rows: bfloat16 (default), float32, float16
+    # the job's own limit on its result's arrays (too_large over it); None takes score_many's
+    max_result_bytes: int | None = None
     # process rewards (docs/rewards.md): the job's step map; None takes score_many's
     step: Mapping[str, Any] | None = None
     # every job option as one ScoreOptions (instead of the separate settings above)
@@ -216,25 +264,30 @@ class JobSpec:
         return any(getattr(self, k) is not None for k in TEACHER_SETTINGS)
 
     def teacher(self) -> dict[str, Any] | None:
-        """This job's teacher-output settings (``teacher_settings`` of its five)."""
+        """This job's teacher-output settings (``teacher_settings`` of its six) and limit."""
         return teacher_settings(
-            self.outputs, self.topk, self.gather_ids, self.sampling, bool(self.float16)
-        )
+            self.outputs, self.topk, self.gather_ids, self.sampling, bool(self.float16),
+            self.hidden_dtype, self.max_result_bytes,
+        )  # fmt: skip
 
 
 #: The ``JobSpec`` (and job map) keys that name teacher outputs, taken or left as one group.
-TEACHER_SETTINGS = ("outputs", "topk", "gather_ids", "sampling", "float16")
+TEACHER_SETTINGS = ("outputs", "topk", "gather_ids", "sampling", "float16", "hidden_dtype")
 
 
 def with_defaults(spec: JobSpec, defaults: JobSpec, mode: str) -> JobSpec:
     """``spec`` with ``defaults``' teacher outputs (when ``spec`` sets none and its ``mode``,
-    as resolved by the caller, is not ``reward``, which has no log-probs) and ``step`` (when
+    as resolved by the caller, is not ``reward``, which has no log-probs), ``max_result_bytes``
+    (the same, when ``spec`` has none of its own) and ``step`` (when
     ``spec`` has none and is a ``reward`` job, the only mode with step scores)."""
     if spec.options is not None:  # the job's own options, whole
         return spec
     changes: dict[str, Any] = {}
     if not spec.sets_outputs() and defaults.sets_outputs() and mode != "reward":
         changes.update({k: getattr(defaults, k) for k in TEACHER_SETTINGS})
+    limit = defaults.max_result_bytes
+    if spec.max_result_bytes is None and limit is not None and mode != "reward":
+        changes["max_result_bytes"] = limit
     if spec.step is None and defaults.step is not None and mode == "reward":
         changes["step"] = defaults.step
     return replace(spec, **changes) if changes else spec
@@ -260,6 +313,7 @@ def as_job_spec(item: Any) -> JobSpec:
             options=item.get("options"),
             images=item.get("images"),
             processor=item.get("processor"),
+            max_result_bytes=item.get("max_result_bytes"),
             **{k: item.get(k) for k in TEACHER_SETTINGS},
         )
     return JobSpec(seqs=item)

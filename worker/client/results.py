@@ -55,6 +55,14 @@ def _bf16_rows(data: bytes, width: int) -> Any:
     return array("f", wide.tobytes())
 
 
+def _bf16_bits(data: bytes, width: int) -> Any:
+    """bfloat16 rows as they travelled: numpy uint16 ``[n, width]`` over the received bytes
+    (no copy); without numpy a flat ``array('H')``."""
+    if _np is not None:
+        return _np.frombuffer(data, dtype="<u2").reshape(-1, width)
+    return from_le("H", data)
+
+
 def _teacher_arrays(
     arrays: dict[str, bytes] | None, layout: dict[str, tuple[str, int]] | None
 ) -> dict[str, Any]:
@@ -68,6 +76,7 @@ def _teacher_arrays(
         if dtype == "bf16":  # no numpy bfloat16: the exact float32 upcast (bits << 16)
             out[name] = _bf16_rows(data, width)
             out["hidden_dtype"] = "bfloat16"
+            out["hidden_bits"] = _bf16_bits(data, width)
             continue
         if name == "hidden":
             out["hidden_dtype"] = "float32" if dtype == "<f4" else "float16"
@@ -116,10 +125,11 @@ class SeqScore:
     rank: Any = None  # [n] int32, 1-based (vLLM's prompt-token rank)
     # [n, H]: the vector the LM head reads at each scored position (docs/distillation.md,
     # *Hidden states*): numpy float32 / float16 as asked; bfloat16 rows (numpy has none) come
-    # as their exact float32 upcast, so ``torch.tensor(hidden).bfloat16()`` gives back the
-    # very bits that travelled
+    # as their exact float32 upcast, and as the bits that travelled in ``hidden_bits``;
+    # ``worker.tensors.hidden_tensor`` gives a torch tensor in ``hidden_dtype``
     hidden: Any = None
     hidden_dtype: str | None = None  # the dtype the rows travelled in
+    hidden_bits: Any = None  # bfloat16 rows only: their bits, uint16 [n, H] (little-endian)
     # a teacher with its own tokenizer (docs/distillation.md): the rows above are the teacher's
     # tokens, with their ids [n_t] and [start, end) UTF-8 bytes in the completion [n_t, 2]; per
     # span of whole student and teacher tokens: its log-prob [n_r] (the sum over its teacher
@@ -161,6 +171,8 @@ class SeqScore:
                 out[name] = value.tolist() if hasattr(value, "tolist") else list(value)
         if self.rm_tokens is not None:
             out["rm_tokens"] = self.rm_tokens
+        if self.hidden_dtype is not None:
+            out["hidden_dtype"] = self.hidden_dtype
         return out
 
 

@@ -13,8 +13,8 @@ import redis
 from worker.client.base import ClientBase
 from worker.client.core import WAKE_FIELD, new_job_id
 from worker.client.effects import END, Block, Command, Delivered, DurableAdd, Effect, Pause, Steps
-from worker.client.errors import ClientClosed, JobFailed
-from worker.client.inputs import JobSpec, group_seqs, teacher_settings
+from worker.client.errors import ClientClosed, JobFailed, client_checks
+from worker.client.inputs import JobSpec, group_seqs, student_seqs, teacher_settings
 from worker.client.results import JobHandle, ScoreResult, SeqScore, job_id_of, unwrap
 from worker.client.window import ScoreWindow
 from worker.client.workers import QueueState
@@ -148,6 +148,7 @@ class ScoringClient(ClientBase):
         sampling: Mapping[str, Any] | None = None,
         float16: bool = False,
         hidden_dtype: str | None = None,
+        max_result_bytes: int | None = None,
         adapter: str | None = None,
         version: str | None = None,
         step: Mapping[str, Any] | None = None,
@@ -156,32 +157,23 @@ class ScoringClient(ClientBase):
         images: Any = None,
         processor: Mapping[str, int] | None = None,
     ) -> JobHandle:
-        """Enqueue one job and return its handle (``result(handle)`` waits for it).
+        """Enqueue one job and return its handle (``result(handle)`` waits for it); every
+        argument is described in docs/client.md.
 
-        ``seqs``: sequences as dicts (``tokens`` + ``prompt_len`` or ``mask``) or
-        ``(tokens, prompt_len)`` tuples. ``deadline_ms`` (unix ms) or ``expires_in_s``: the worker
-        answers ``expired`` instead of scoring a job still queued after that.
-        Teacher outputs (``docs/distillation.md``): ``outputs`` names the per-token arrays
-        wanted (``logps``, ``entropy``, ``topk``, ``gather``, ``processed_logps``), with ``topk``
-        k, shared ``gather_ids`` (or ``gather_ids`` ``[n_scored, K]`` on each sequence),
-        ``sampling`` ``{top_k, top_p, min_p}`` and ``float16`` for top-k/gather log-probs.
-        Per-job weights (``docs/models.md``): ``adapter`` names a LoRA adapter under the
-        worker's ``--adapter-root`` (``"run42/step-120"``), ``version`` a checkpoint under its
-        ``--model-root``; ``None`` scores with the served base. Process rewards
-        (``docs/rewards.md``): ``step`` ``{tag_id, label_token_ids, positive_index}``; a sequence
-        may be ``{"messages": [...]}`` (the reward model's chat template renders it).
-        ``options``: the job's options as one ``worker.request.ScoreOptions`` (weights, teacher
-        outputs, step; every job option there is), instead of the separate arguments.
-        ``prefix``: token ids every sequence starts with, sent once (``score_groups``); each of
-        ``seqs`` is then what follows it (see ``normalize_seqs``). ``images``: the job's images
-        (bytes of a PNG/JPEG/WebP file, a path, or a PIL image), each sent once; a sequence
-        names those its tokens show with ``images`` (indices, one per image-token run, in
-        order). ``processor``: the image processor's size options (``min_pixels``,
-        ``max_pixels``). ``docs/client.md``, "Images".
-        """
+        ``seqs``: dicts (``tokens`` + ``prompt_len`` or ``mask``) or ``(tokens, prompt_len)``
+        tuples. ``deadline_ms`` (unix ms) or ``expires_in_s``: ``expired`` past it. Teacher
+        outputs (docs/distillation.md): ``outputs`` with ``topk``, shared ``gather_ids``,
+        ``sampling``, ``float16``, ``hidden_dtype`` (of ``"hidden"`` rows: ``"bfloat16"``,
+        ``"float32"``, ``"float16"``) and ``max_result_bytes`` (``too_large`` over it). Weights
+        (docs/models.md): ``adapter``, ``version``. Process rewards: ``step``. ``options``: all
+        job options as one ``ScoreOptions``. ``prefix``: token ids every sequence starts with,
+        sent once. ``images`` (bytes, paths, PIL images) and ``processor`` (docs/client.md,
+        "Images")."""
         self._ensure_reader()
         job_id = job_id or new_job_id()
-        request = teacher_settings(outputs, topk, gather_ids, sampling, float16, hidden_dtype)
+        request = teacher_settings(
+            outputs, topk, gather_ids, sampling, float16, hidden_dtype, max_result_bytes
+        )
         job = self._core.prepare(
             seqs, mode, temperature, deadline_ms, expires_in_s, meta, job_id, outputs=request,
             adapter=adapter, version=version, step=step, options=options, prefix=prefix,
@@ -232,6 +224,7 @@ class ScoringClient(ClientBase):
         sampling: Mapping[str, Any] | None = None,
         float16: bool = False,
         hidden_dtype: str | None = None,
+        max_result_bytes: int | None = None,
         adapter: str | None = None,
         version: str | None = None,
         step: Mapping[str, Any] | None = None,
@@ -244,7 +237,9 @@ class ScoringClient(ClientBase):
         (or an interrupt) the job is forgotten: its late result is dropped."""
         self._ensure_reader()
         job_id = new_job_id()
-        request = teacher_settings(outputs, topk, gather_ids, sampling, float16, hidden_dtype)
+        request = teacher_settings(
+            outputs, topk, gather_ids, sampling, float16, hidden_dtype, max_result_bytes
+        )
         job = self._core.prepare(
             seqs, mode, temperature, meta=meta, expires_in_s=expires_in_s, job_id=job_id,
             outputs=request, adapter=adapter, version=version, step=step, options=options,
@@ -276,8 +271,12 @@ class ScoringClient(ClientBase):
         *A teacher with its own tokenizer*): each item is a student view, ``prompt`` (text) or
         ``messages``, and ``tokens`` (the student's token strings) or ``completion`` with
         ``offsets`` (UTF-8 byte starts). One ``SeqScore`` each: teacher-token rows, and the
-        ``span_*`` arrays aligned to the student's tokens. ``kwargs``: as ``score``."""
-        seqs = [{"student": dict(s)} for s in students]
+        ``span_*`` arrays aligned to the student's tokens. ``kwargs``: as ``score``
+        (``outputs``, ``hidden_dtype``, ``max_result_bytes``...), less ``prefix`` and ``mode``
+        (``BadRequestError``: the worker tokenizes each whole prompt, in mode ``reference``); a
+        view carries no ``gather_ids`` (shared ``gather_ids=`` work)."""
+        with client_checks("(score_cross_tokenizer)", kwargs.get("meta")):
+            seqs = student_seqs(students, kwargs)
         return self.score(seqs, "reference", temperature, **kwargs)
 
     def score_many(
@@ -295,6 +294,8 @@ class ScoringClient(ClientBase):
         gather_ids: Any = None,
         sampling: Mapping[str, Any] | None = None,
         float16: bool | None = None,
+        hidden_dtype: str | None = None,
+        max_result_bytes: int | None = None,
         step: Mapping[str, Any] | None = None,
     ) -> Iterator[ScoreResult | JobFailed]:
         """Score many jobs with at most ``max_in_flight`` submitted and not yet answered.
@@ -307,14 +308,13 @@ class ScoringClient(ClientBase):
         job yields its ``JobFailed`` instead of raising it. Jobs still in flight when the iterator
         stops (a timeout, a raised error, ``break``) are forgotten (see ``forget``).
 
-        ``outputs``, ``topk``, ``gather_ids`` (shared), ``sampling``, ``float16`` (teacher
-        outputs, as in ``score``) and ``step`` (process rewards) apply to every job that sets
-        none of its own: a job (``JobSpec`` or map) naming any of the five teacher settings takes
-        none of these, nor does a ``reward`` job (no log-probs); ``step`` goes to ``reward`` jobs
-        only; per-sequence ``gather_ids`` and ``messages`` go on each sequence.
+        The teacher outputs (``outputs`` ... ``hidden_dtype``, as in ``score``) go to every job
+        that names none of the six (``JobSpec`` or map) and is not a ``reward`` job;
+        ``max_result_bytes`` to every such job without its own; ``step`` to ``reward`` jobs.
         """
         defaults = JobSpec(None, outputs=outputs, topk=topk, gather_ids=gather_ids,
-                           sampling=sampling, float16=float16, step=step)  # fmt: skip
+                           sampling=sampling, float16=float16, hidden_dtype=hidden_dtype,
+                           max_result_bytes=max_result_bytes, step=step)  # fmt: skip
         window = ScoreWindow(
             self._core, jobs, max_in_flight, ordered, timeout, mode, temperature, raise_errors,
             defaults,

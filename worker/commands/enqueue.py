@@ -8,12 +8,18 @@ own chat template; ``gather_ids`` ``[n_scored, K]`` on a sequence for per-positi
 or ``{"seqs": [{...}, ...], ...}`` for a multi-sequence job; ``images``: base64 strings of the
 job's encoded image files (PNG, JPEG, WebP), ``processor`` its size options, and ``images`` on
 a sequence of ``seqs`` the indices of those it shows (a one-sequence line shows them all, in
-order; vision-language models). Teacher outputs for every
-line come from ``--outputs``/``--topk``/``--gather-ids``/``--sampling-*``/``--float16``.
+order; vision-language models); ``student`` (a map: ``prompt`` or ``messages``, and ``tokens``
+or ``completion`` with ``offsets``) instead of ``tokens`` for student text that a teacher with
+its own tokenizer scores (mode ``reference`` unless the line says otherwise);
+``max_result_bytes``, the job's own limit on its result (else ``--max-result-bytes``). Teacher
+outputs for every line come from ``--outputs``/``--topk``/``--gather-ids``/``--sampling-*``/
+``--float16``/``--hidden-dtype``.
 Output, one line per input line as results complete: ``{"id", "ok": true, "logps": [...],
 "reward", "meta", "info"}`` plus every array the job produced as a list (``entropy``,
 ``topk_ids`` ``[[...]]``, ``topk_logps``, ``topk_tail_logp``, ``gather_logps``,
-``processed_logps``, ``rewards``, ``step_positions``, ``step_scores``; ``"seqs": [...]`` for
+``processed_logps``, ``hidden`` ``[[H] * n]`` with ``hidden_dtype``, a student line's
+``span_logps``, ``span_student``, ``span_teacher``, ``teacher_ids``, ``teacher_spans``,
+``rewards``, ``step_positions``, ``step_scores``; ``"seqs": [...]`` for
 multi-sequence jobs) or ``{"id", "ok": false, "error": {"code", "message"}}``. Ids already in
 the output file are skipped, so re-running resumes. When Redis refuses a job for memory
 (``QueueFullError``: a full server under ``noeviction``) the run stops there, says how many
@@ -49,6 +55,7 @@ from worker.config import env_get
 from worker.errors import ScoringError
 from worker.modes import MODES
 from worker.protocol.rewards import decode_step
+from worker.request import HIDDEN_DTYPES
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -77,7 +84,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     teacher = parser.add_argument_group("teacher outputs (docs/distillation.md), every line")
     teacher.add_argument(
-        "--outputs", type=_names, help="comma-separated: logps,entropy,topk,gather,processed_logps"
+        "--outputs",
+        type=_names,
+        help="comma-separated: logps,entropy,topk,gather,processed_logps,rank,hidden",
     )
     teacher.add_argument("--topk", type=int, help="k for the topk output")
     teacher.add_argument(
@@ -88,6 +97,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     teacher.add_argument("--sampling-min-p", type=float, help="processed_logps: min_p")
     teacher.add_argument(
         "--float16", action="store_true", help="topk_logps/gather_logps travel as float16"
+    )
+    teacher.add_argument(
+        "--hidden-dtype",
+        choices=HIDDEN_DTYPES,
+        help="of the hidden rows (with --outputs ...,hidden; default bfloat16)",
+    )
+    teacher.add_argument(
+        "--max-result-bytes",
+        type=int,
+        help="each job's own limit on its result's arrays (too_large over it) for lines without "
+        "one; the workers' --max-result-bytes applies too",
     )
     parser.add_argument(
         "--step",
@@ -242,9 +262,10 @@ def _read_jobs(
         except (ScoringError, KeyError, TypeError) as exc:
             errors_out.append({"line": n, "message": f"id {job_id}: {exc}"})
             continue
+        student = any(s.student is not None for s in seqs)  # scored in mode reference
         yield JobSpec(
             seqs=seqs,
-            mode=obj.get("mode"),
+            mode=obj.get("mode") or ("reference" if student else None),
             temperature=obj.get("temperature"),
             meta={"line": n, "multi": multi, "meta": obj.get("meta")},
             job_id=job_id,
@@ -253,6 +274,7 @@ def _read_jobs(
             step=obj.get("step"),  # None: --step (score_many's default)
             images=images,
             processor=obj.get("processor"),
+            max_result_bytes=obj.get("max_result_bytes"),  # None: --max-result-bytes
         )
 
 
@@ -306,6 +328,12 @@ def run(args: argparse.Namespace) -> int:
     when the queue is unknown (no worker serves it and none ever did; ``--wait-for-workers``
     waits that long for one first). A queue with a consumer group waits for a worker within
     ``--timeout`` (scale from zero)."""
+    if args.hidden_dtype and "hidden" not in (args.outputs or ()):
+        print("error: --hidden-dtype needs --outputs ...,hidden", file=sys.stderr)
+        return 2
+    if args.max_result_bytes is not None and args.max_result_bytes < 1:
+        print("error: --max-result-bytes must be a positive number of bytes", file=sys.stderr)
+        return 2
     earlier = _earlier(args.out, args.retry_errors)
     done = earlier.done
     total = _count_lines(args.file)
@@ -335,6 +363,8 @@ def run(args: argparse.Namespace) -> int:
                 gather_ids=args.gather_ids,
                 sampling=_sampling(args),
                 float16=args.float16 or None,
+                hidden_dtype=args.hidden_dtype,
+                max_result_bytes=args.max_result_bytes,
                 step=args.step,
             )
             for item in results:

@@ -71,6 +71,8 @@ class BatchForward:
     ``HiddenStateRewardAdapter``, ``mode="both"`` runs its backbone once per batch.
     """
 
+    keeps_hidden = True  # False: asked ``hidden`` rows are neither cast nor copied (TP follower)
+
     def __init__(
         self,
         config: ExecutorConfig,
@@ -278,7 +280,7 @@ class BatchForward:
             if head_spec is None
             else self.head_outputs(picked, labels, ordered, replace(head_spec, temperature=temp))
         )
-        if "hidden" in spec.outputs:  # what the head read, as the job asked it
+        if "hidden" in spec.outputs and self.keeps_hidden:  # what the head read, as asked
             arrays["hidden"] = picked.to(HIDDEN_TORCH[spec.hidden_dtype])  # [N, H]
         del picked
         split = {name: torch.split(value, sizes) for name, value in arrays.items()}

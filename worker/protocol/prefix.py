@@ -42,6 +42,8 @@ def decode_prefix(raw: Any) -> array | None:
 def after_prefix(spec: SeqSpec, head: array, index: int) -> array:
     """The tokens of ``spec`` (a whole sequence) after ``head``, which it must start with."""
     n = len(head)
+    if spec.student is not None:
+        raise ProtocolError(f"seqs[{index}]: a job of student sequences carries no prefix")
     if spec.messages is not None or spec.text is not None or len(spec.tokens) < n:
         raise ProtocolError(f"seqs[{index}] does not start with the job's prefix")
     if spec.tokens[:n] != head:

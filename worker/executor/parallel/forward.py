@@ -106,6 +106,9 @@ class ParallelForward(BatchForward):
             else None
         )
         self._failed = False  # this forward's vote said a rank failed (everyone raised)
+        # the rows after the final norm are the same on every rank: the leader's go into the
+        # result, a follower (whose result is dropped) never casts nor copies its own
+        self.keeps_hidden = comm.rank == 0
 
     def compute(self, *args: Any, **kwargs: Any) -> Computed:
         """``BatchForward.compute``, then a vote: the same outcome on every rank."""
