@@ -156,7 +156,9 @@ def test_the_vision_tower_runs_once_per_distinct_image(
     monkeypatch.setattr(backbone, "get_image_features", counted)
     seqs, _ = _job(vlm)
     out = vlm.run([vlm.prepare(ScoreRequest(seqs, images=Images(tuple(FILES))))])
-    assert calls == [1] and out.metrics.vision_images == 3  # A, B, C shown seven times
+    # A, B, C shown seven times over the call's forwards: each through the tower once (a
+    # forward whose images all ran before calls no tower)
+    assert out.metrics.vision_images == 3 and 1 <= len(calls) <= 3
 
 
 def test_a_count_mismatch_in_one_sequence_is_refused_naming_it(vlm: StatelessExecutor) -> None:

@@ -113,6 +113,7 @@ def test_image_sequences_equal_the_model_alone_through_redis(
     assert registry.get_sample_value("scoring_images_decoded_total") == 2
     assert registry.get_sample_value("scoring_image_tokens_total") == 2 * na + 3 * nb
     assert registry.get_sample_value("scoring_vision_tower_seconds_total") > 0
+    assert registry.get_sample_value("scoring_vision_tower_images_total") == 2  # A and B once
 
 
 def test_a_group_prompt_image_is_sent_once_and_scored_for_every_completion(

@@ -41,6 +41,7 @@ SUITES = {
     "coldstart": "worker.devtools.bench.coldstart",
     "groups": "worker.devtools.bench.groups",
     "teacher": "worker.devtools.bench.distill",
+    "vision": "worker.devtools.bench.vision",
 }
 
 HEADLINE: dict[str, tuple[str, ...]] = {

@@ -66,7 +66,7 @@ def _results(
     if m.images_decoded or m.image_tokens:  # a vision-language model's images
         ctx.metrics.record_images(
             decoded=m.images_decoded, cache_hits=m.processor_cache_hits,
-            image_tokens=m.image_tokens, vision_s=m.vision_s,
+            image_tokens=m.image_tokens, vision_s=m.vision_s, vision_images=m.vision_images,
         )  # fmt: skip
     record_weights(ctx.metrics, m.weights, len(batch))  # per-job adapters/versions
     if m.group is not None:  # a tensor-parallel group: per-rank peaks, collectives

@@ -262,6 +262,7 @@ class StatelessExecutor(DirectScoring):
         import transformers
 
         model, last = self.reference_model or self.reward_model, self._last_fallback
+        vision = self._vision
         return {
             "model": self.model_name,
             "reward_model": self.reward_model_name,
@@ -278,13 +279,8 @@ class StatelessExecutor(DirectScoring):
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             **(self._rewards.info() if self.reward_model is not None else {}),
-            **({"vision": self._vision_info()} if self._vision is not None else {}),
+            **({"vision": {**vision.info, **self._runner.vision.describe()}} if vision else {}),
         }
-
-    def _vision_info(self) -> dict[str, Any]:
-        """``info["vision"]``: the processor and the layouts image sequences run in."""
-        assert self._vision is not None
-        return {**self._vision.info, **self._runner.vision.describe()}
 
     def close(self) -> None:
         """Detach the executor's hooks from the models (they stay usable elsewhere)."""

@@ -41,8 +41,8 @@ from worker.executor.tree.attention import tree_backend
 from worker.executor.tree.layout import tree_batch
 from worker.executor.tree.trie import SharedGroup
 from worker.executor.vision.arch import vision_model
-from worker.executor.vision.features import vision_inputs
-from worker.executor.vision.layout import vision_layout
+from worker.executor.vision.features import tower_inputs
+from worker.executor.vision.layout import with_images
 from worker.modes import LOGPROB_MODES, REWARD_MODES, Mode
 from worker.request import DEFAULT_OPTIONS, ScoreOptions
 from worker.scorer.align import span_arrays
@@ -136,7 +136,7 @@ class BatchForward:
         """One backbone forward per distinct model for ``seqs`` (``group``: their indices in the
         call, carried as the batch's sequence ids) in ``layout``; packed rows hold at most
         ``row_tokens``; ``options.outputs``: the per-position arrays to read besides (or instead
-        of) logps; ``features``: the call's vision-tower features by image (``_tower``)."""
+        of) logps; ``features``: the call's vision-tower features by image (``tower_inputs``)."""
         ids = [s.ids for s in seqs]
         if layout == "packed":
             rows = plan_packed([len(x) for x in ids], row_tokens)
@@ -145,15 +145,9 @@ class BatchForward:
         else:
             order = list(range(len(seqs)))
             batch = pad_unmasked(ids, group) if layout == "unmasked" else pad(ids, group)
-        batch = self._with_images(batch, [seqs[j] for j in order]).to(self.device)
-        return self._run(batch, seqs, order, mode, temp, options, self._tower(batch, features))
-
-    def _with_images(self, batch: ForwardBatch, ordered: list[PreparedSequence]) -> ForwardBatch:
-        """``batch`` with its image sequences' positions and images (``vision.layout``)."""
-        vlm = self.vision
-        if vlm is None:
-            return batch
-        return vision_layout(batch, ordered, vlm.image_token, mrope=vlm.mrope)
+        batch = with_images(self.vision, batch, [seqs[j] for j in order]).to(self.device)
+        tower = tower_inputs(self.reference_model, batch, self.device, features)
+        return self._run(batch, seqs, order, mode, temp, options, tower)
 
     def compute_tree(
         self,
@@ -177,8 +171,9 @@ class BatchForward:
         batch, order = tree_batch([s.ids for s in seqs], rows, group)
         seen = windows if windows is not None else []
         batch = replace(batch, tree=replace(batch.tree, kernel=kernel, windows=seen))  # type: ignore[type-var]
-        batch = self._with_images(batch, [seqs[j] for j in order]).to(self.device)
-        tower = self._tower(batch, features)  # on the model's own attention, before the switch
+        batch = with_images(self.vision, batch, [seqs[j] for j in order]).to(self.device)
+        # the tower on the model's own attention, before the switch
+        tower = tower_inputs(self.reference_model, batch, self.device, features)
         with tree_backend(self.models):
             return self._run(batch, seqs, order, mode, temp, options, tower)
 
@@ -193,7 +188,7 @@ class BatchForward:
         tower: tuple[dict[str, Any], int, float],
     ) -> Computed:
         """The forward of a laid-out ``batch`` on the device (``order``: batch order -> index
-        into ``seqs``); ``tower``: its image inputs (``_tower``)."""
+        into ``seqs``); ``tower``: its image inputs (``vision.features.tower_inputs``)."""
         slots = batch.slot_tokens
         scores = [SequenceScore() for _ in seqs]
         extra, *seen = tower
@@ -221,19 +216,6 @@ class BatchForward:
         return Computed(
             scores=scores, slot_tokens=slots, vision_images=int(seen[0]), vision_s=float(seen[1])
         )
-
-    def _tower(
-        self, batch: ForwardBatch, features: dict[str, Any] | None
-    ) -> tuple[dict[str, Any], int, float]:
-        """The image inputs of ``batch`` (on the device): the vision tower once per distinct
-        image not yet in ``features`` (the call's, filled here), the model's extra inputs;
-        with the images the tower ran on and its seconds. Nothing for a batch without
-        images."""
-        if not batch.images:
-            return {}, 0, 0.0
-        assert self.reference_model is not None
-        with torch.inference_mode():
-            return vision_inputs(self.reference_model, batch, self.device, features)
 
     def _steps(
         self,

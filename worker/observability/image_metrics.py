@@ -1,6 +1,6 @@
 """The image metrics of a worker serving a vision-language model: files decoded, processor
-cache hits, image tokens, vision-tower seconds. A part of ``WorkerMetrics`` (built from the
-same registry), recorded per batch from the executor's ``BatchMetrics`` numbers.
+cache hits, image tokens, vision-tower seconds and images. A part of ``WorkerMetrics`` (built
+from the same registry), recorded per batch from the executor's ``BatchMetrics`` numbers.
 """
 
 from __future__ import annotations
@@ -29,11 +29,23 @@ class ImageMetrics:
         self.vision_seconds = Counter(
             "scoring_vision_tower_seconds_total", "Seconds in the vision tower.", registry=r
         )
+        self.vision_images = Counter(
+            "scoring_vision_tower_images_total",
+            "Images through the vision tower (once per distinct image of a call).",
+            registry=r,
+        )
 
     def record_images(
-        self, *, decoded: int, cache_hits: int, image_tokens: int, vision_s: float
+        self,
+        *,
+        decoded: int,
+        cache_hits: int,
+        image_tokens: int,
+        vision_s: float,
+        vision_images: int = 0,
     ) -> None:
         """Record one batch's images."""
+        self.vision_images.inc(vision_images)
         self.images_decoded.inc(decoded)
         self.processor_cache_hits.inc(cache_hits)
         self.image_tokens.inc(image_tokens)

@@ -74,8 +74,7 @@ def image_check(forward: BatchForward, intake: VisionIntake) -> None:
     """``ConfigError`` unless the image path gives the model's own log-probs (module docstring)."""
     model, vlm = forward.reference_model, intake.model
     processed, _ = intake.processing.process(probe_image(), ())
-    runs = [[vlm.image_token] * n + [5] for n in processed.runs]  # a text token after each run
-    ids = np.array([3, 4, *[t for run in runs for t in run], 6, 7, 8], dtype=np.int64)  # [L]
+    ids = np.array([3, 4, *_placeholder(vlm, processed), 6, 7, 8], dtype=np.int64)  # [L]
     scored = np.arange(len(ids) - 4, len(ids), dtype=np.int64)
     seq = check_sequence(PreparedSequence(ids, scored), [0], [processed], vlm, 0)
     text = PreparedSequence(np.arange(1, 6, dtype=np.int64), np.arange(2, 5, dtype=np.int64))
@@ -96,17 +95,22 @@ def image_check(forward: BatchForward, intake: VisionIntake) -> None:
         )
 
 
+def _placeholder(vlm: VisionModel, image: ProcessedImage) -> list[int]:
+    """The image's runs of the image token, a text token after each."""
+    return [t for n in image.runs for t in [*[vlm.image_token] * n, 5]]
+
+
 def probe_layout_sequences(intake: VisionIntake) -> list[PreparedSequence]:
     """Two sequences sharing a prompt with the probe image, one showing another image, one
     text-only (every completion position scored)."""
     vlm = intake.model
     first, _ = intake.processing.process(probe_image(), ())
     second, _ = intake.processing.process(probe_image(56, 84), ())
-    prompt = [3, 4, *[vlm.image_token] * first.tokens, 5, 6]
+    prompt = [3, 4, *_placeholder(vlm, first), 6]
     rows = [
         ([*prompt, 7, 8, 9], [first]),
         ([*prompt, 10, 11], [first]),
-        ([12, *[vlm.image_token] * second.tokens, 13, 14, 15], [second]),
+        ([12, *_placeholder(vlm, second), 13, 14, 15], [second]),
         ([16, 17, 18, 19, 20, 21], []),
     ]
     out = []

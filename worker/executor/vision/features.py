@@ -46,6 +46,17 @@ def vision_inputs(
     return {"mm_encoder_outputs": {"image": encoded}, **extra}, ran, seconds
 
 
+def tower_inputs(
+    model: Any, batch: ForwardBatch, device: torch.device, cache: dict[str, Any] | None
+) -> tuple[dict[str, Any], int, float]:
+    """``vision_inputs`` of a ``batch`` on ``device`` (``cache``: the call's features by image,
+    filled here); nothing for a batch without images."""
+    if not batch.images:
+        return {}, 0, 0.0
+    with torch.inference_mode():
+        return vision_inputs(model, batch, device, cache)
+
+
 def image_key(img: Any) -> str:
     """What identifies an image's features: its content digest and processed grid."""
     return img.digest + repr(img.grid)

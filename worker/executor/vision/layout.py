@@ -95,6 +95,14 @@ def vision_layout(
     return replace(batch, position_ids=laid, images=images)
 
 
+def with_images(vlm: Any, batch: ForwardBatch, ordered: Sequence[PreparedSequence]) -> ForwardBatch:
+    """``vision_layout`` of ``batch`` for the served ``VisionModel`` ``vlm``; ``batch`` itself
+    for a text-only model (``None``)."""
+    if vlm is None:
+        return batch
+    return vision_layout(batch, ordered, vlm.image_token, mrope=vlm.mrope)
+
+
 def share_keys(seqs: Sequence[PreparedSequence], image_token: int) -> list[np.ndarray]:
     """The ids prefix trees compare (module docstring): each image token replaced by
     ``IMAGE_KEY_BASE`` + the index of its image's content and grid among the call's images."""

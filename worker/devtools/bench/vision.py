@@ -1,0 +1,268 @@
+"""Vision-language group scoring end to end: GRPO-shaped image jobs through Redis to two ``serve``
+workers, one with ``--prefix-sharing off`` and one with ``auto``, in one run.
+
+``scoring-worker bench --suite vision`` (or ``python -m worker.devtools.bench.vision``)
+``[--groups N] [--rounds R] [--threads T] [--redis-url URL] [--json PATH] [--quick]``.
+The model: a random-weight Qwen2.5-VL of about 250M parameters built from a config (no VLM
+weights are needed: the cost of a forward does not depend on the weights' values) and saved with
+its image processor; ``--quick``: a small one (a smoke run). Without ``--redis-url`` an embedded
+Valkey is started.
+
+Workloads, each group ONE job carrying its images once and its prompt once (``prefix``):
+
+- ``grpo``: one 448 x 448 image and 64 text tokens of prompt (the image is 256 image tokens
+  between its vision start and end), G = 8 completions of C = 128;
+- ``agent``: the same prompt, then per rollout 64 tokens, a tool image (224 x 224, 64 image
+  tokens, its own per rollout) returned in a later turn, and 64 more tokens (its image tokens are
+  never scored).
+
+Per workload both workers are started fresh, warmed with one pass, then ``--rounds`` passes
+alternate off / on; the median pass is reported. Columns: tokens (total, unique: the bound of
+the text alone), backbone tokens per pass (``scoring_forward_tokens_total``), vision-tower images
+per pass (``scoring_vision_tower_images_total``: once per distinct image of a call on both
+sides), wall time first ``XADD`` to last result, speed-up off / on, peak RSS (``VmHWM``, model
+load included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import random
+import re
+import statistics
+import tempfile
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from worker.demo.embedded import redis_url_or_embedded
+from worker.demo.tiny import VLM_TOKENS, random_model
+from worker.devtools.bench.groups import MODES, Side
+from worker.devtools.machine import this_machine
+from worker.protocol import encode_job
+from worker.request import Images
+
+START, END, IMAGE = (
+    VLM_TOKENS["vision_start_token_id"],
+    VLM_TOKENS["vision_end_token_id"],
+    VLM_TOKENS["image_token_id"],
+)
+G, C, TEXT, SIDE, TOOL = 8, 128, 64, 448, 224
+
+
+def image_bytes(side: int, seed: int) -> bytes:
+    """A random ``side x side`` RGB JPEG."""
+    from PIL import Image
+
+    pixels = (np.random.RandomState(seed).rand(side, side, 3) * 255).astype("uint8")
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="JPEG", quality=90)
+    return out.getvalue()
+
+
+def build_model(directory: Path, *, small: bool) -> tuple[str, int]:
+    """A random Qwen2.5-VL (about 250M parameters; ``small``: a smoke-run size) and its image
+    processor saved in ``directory``; returns the path and the parameter count."""
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    width, layers, vision_layers = (64, 2, 2) if small else (768, 12, 12)
+    heads = width // 64
+    text = {
+        "vocab_size": 32000, "hidden_size": width, "intermediate_size": width * 8 // 3,
+        "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 3), "max_position_embeddings": 8192,
+        "rope_parameters": {"rope_type": "default", "mrope_section": [8, 12, 12],
+                            "rope_theta": 1000000.0},
+    }  # fmt: skip
+    vision = {
+        "depth": vision_layers, "hidden_size": width, "num_heads": heads,
+        "intermediate_size": width * 4, "out_hidden_size": width, "patch_size": 14,
+        "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
+        "fullatt_block_indexes": [vision_layers // 2 - 1, vision_layers - 1],
+    }  # fmt: skip
+    config: Any = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **VLM_TOKENS)
+    model = random_model("Qwen2_5_VLForConditionalGeneration", config, 0)
+    model.save_pretrained(directory)
+    pixels = 28 * 28
+    processor = Qwen2VLImageProcessorPil(
+        patch_size=14, min_pixels=4 * pixels, max_pixels=256 * pixels
+    )
+    processor.save_pretrained(directory)
+    return str(directory), sum(p.numel() for p in model.parameters())
+
+
+def image_run(side: int) -> list[int]:
+    """The placeholder of a ``side x side`` image: ``(side / 28)**2`` image tokens."""
+    return [START, *[IMAGE] * ((side // 28) ** 2), END]
+
+
+@dataclass
+class VisionWorkload:
+    """Jobs of one shape: per group its files, prompt and sequences (each with its images)."""
+
+    name: str
+    groups: list[tuple[list[bytes], list[int], list[tuple[list[int], list[int]]]]]
+    unique: int
+
+    @property
+    def total(self) -> int:
+        """Tokens of every sequence, counted in full."""
+        return sum(len(t) for _f, _p, seqs in self.groups for t, _r in seqs)
+
+    def payloads(self, reply: str, tag: str, with_prefix: bool = True) -> list[bytes]:
+        """One job per group: its images once, its prompt once (``prefix``)."""
+        out = []
+        for i, (files, prompt, seqs) in enumerate(self.groups):
+            specs = [{"tokens": t, "prompt_len": len(prompt), "images": r} for t, r in seqs]
+            prefix = prompt if with_prefix else None
+            files_ = Images(tuple(files))
+            out.append(
+                encode_job(f"{tag}{i}", "reference", reply, specs, prefix=prefix, images=files_)
+            )
+        return out
+
+
+def make_workloads(n_groups: int, vocab: int, seed: int = 0) -> list[VisionWorkload]:
+    """``grpo`` and ``agent`` (module docstring), ``n_groups`` jobs each."""
+    rng = random.Random(seed)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(n)]
+
+    grpo, agent = [], []
+    for g in range(n_groups):
+        image = image_bytes(SIDE, seed=g)
+        prompt = [*toks(TEXT // 2), *image_run(SIDE), *toks(TEXT // 2)]
+        grpo.append(([image], prompt, [(prompt + toks(C), [0]) for _ in range(G)]))
+        tools = [image_bytes(TOOL, seed=1000 + g * G + k) for k in range(G)]
+        rollouts = [
+            (prompt + toks(C // 2) + image_run(TOOL) + toks(C // 2), [0, 1 + k]) for k in range(G)
+        ]
+        agent.append(([image, *tools], prompt, rollouts))
+    p = len(grpo[0][1])
+    tool = len(image_run(TOOL))
+    return [
+        VisionWorkload("grpo", grpo, n_groups * (p + G * C)),
+        VisionWorkload("agent", agent, n_groups * (p + G * (C + tool))),
+    ]
+
+
+def counter(metrics_url: str, name: str) -> float:
+    """A counter of the worker's ``/metrics``, summed over its labels."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    found = re.findall(rf"^{name}(?:\{{[^}}]*\}})? ([0-9.e+]+)$", text, re.M)
+    return sum(float(v) for v in found)
+
+
+def run_workload(
+    url: str, model: str, work: VisionWorkload, args: Any, tmp: Path
+) -> dict[str, Any]:
+    """Both workers fresh, one warm-up pass each, ``rounds`` alternating passes; the figures."""
+    mbt = max(args.max_batch_tokens, max(sum(len(t) for t, _ in s) for _f, _p, s in work.groups))
+    sides = {m: Side(url, m, model, mbt, args.threads, tmp / f"{work.name}-{m}.log") for m in MODES}
+    towers: dict[str, list[float]] = {m: [] for m in MODES}
+    peaks: dict[str, float] = {}
+    try:
+        for side in sides.values():
+            side.wait_up()
+            side.one_pass(work, "warm")  # type: ignore[arg-type]
+        for r in range(args.rounds):
+            for m in MODES if r % 2 == 0 else MODES[::-1]:
+                before = counter(sides[m].metrics_url, "scoring_vision_tower_images_total")
+                t, f = sides[m].one_pass(work, f"r{r}-")  # type: ignore[arg-type]
+                after = counter(sides[m].metrics_url, "scoring_vision_tower_images_total")
+                sides[m].times.append(t)
+                sides[m].forward.append(f)
+                towers[m].append(after - before)
+    finally:
+        for m, side in sides.items():
+            peaks[m] = side.close()
+    off, on = (statistics.median(sides[m].times) for m in MODES)
+    return {
+        "workload": work.name,
+        "groups": len(work.groups),
+        "total_tokens": work.total,
+        "unique_tokens": work.unique,
+        "token_bound": work.total / work.unique,
+        "forward_off": max(sides["off"].forward),
+        "forward_on": max(sides["auto"].forward),
+        "tower_images_off": max(towers["off"]),
+        "tower_images_on": max(towers["auto"]),
+        "time_off_s": off,
+        "time_on_s": on,
+        "speedup": off / on,
+        "peak_rss_off_mib": peaks["off"],
+        "peak_rss_on_mib": peaks["auto"],
+    }
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """The figures, one line per workload."""
+    print(
+        f"{'workload':<10}{'total':>7}{'unique':>8}{'bound':>7}{'fwd off':>9}{'fwd on':>8}"
+        f"{'img off':>9}{'img on':>8}{'off s':>8}{'on s':>8}{'x':>6}{'RSS off':>9}{'RSS on':>8}"
+    )
+    for r in rows:
+        print(
+            f"{r['workload']:<10}{r['total_tokens']:>7}{r['unique_tokens']:>8}"
+            f"{r['token_bound']:>7.2f}{r['forward_off']:>9.0f}{r['forward_on']:>8.0f}"
+            f"{r['tower_images_off']:>9.0f}{r['tower_images_on']:>8.0f}{r['time_off_s']:>8.2f}"
+            f"{r['time_on_s']:>8.2f}{r['speedup']:>6.2f}{r['peak_rss_off_mib']:>9.0f}"
+            f"{r['peak_rss_on_mib']:>8.0f}"
+        )
+    print(
+        "bound: total / unique tokens (the text alone); img: vision-tower images per pass; "
+        "x: off / on median time; RSS: VmHWM in MiB"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run both workloads and print (and optionally write) the table."""
+    p = argparse.ArgumentParser(prog="bench_vision", description=__doc__.splitlines()[0])
+    p.add_argument("--groups", type=int, default=2, help="groups (jobs) per workload")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    p.add_argument("--max-batch-tokens", type=int, default=16384)
+    p.add_argument("--only", action="append", help="workload names to run (default: all)")
+    p.add_argument("--redis-url", default=None, help="default: an embedded Valkey")
+    p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--quick", action="store_true", help="a small model, 1 group, 1 round")
+    args, _ = p.parse_known_args(argv)
+    if args.quick:
+        args.groups, args.rounds = 1, 1
+    rows = []
+    with (
+        redis_url_or_embedded(args.redis_url) as url,
+        tempfile.TemporaryDirectory(prefix="bench-vision-") as tmp,
+    ):
+        path, params = build_model(Path(tmp) / "model", small=args.quick)
+        for work in make_workloads(args.groups, 32000):
+            if args.only and work.name not in args.only:
+                continue
+            rows.append(run_workload(url, path, work, args, Path(tmp)))
+            print(f"{work.name}: done", flush=True)
+    print(
+        f"\nvision group scoring: random Qwen2.5-VL, {params / 1e6:.0f}M parameters, float32, "
+        f"{args.groups} groups per workload, median of {args.rounds} rounds, "
+        f"--threads {args.threads}"
+    )
+    print(f"machine: {this_machine().describe()}")
+    print_table(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
