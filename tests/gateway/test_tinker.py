@@ -29,10 +29,10 @@ from tests.support.adapters import ADAPTERS, merged_float64, write_fleet
 from tests.support.daemon import WorkerProc
 from tests.support.gateway import GatewayThread
 from tests.support.models import random_tokens, tiny_causal
-from worker.gateway.tinker import routes as tinker_routes
 from worker.gateway.errors import GatewayError
-from worker.gateway.tinker.routes import session_id
+from worker.gateway.tinker import routes as tinker_routes
 from worker.gateway.tinker.futures import FutureStore, Outcome
+from worker.gateway.tinker.routes import session_id
 from worker.gateway.tinker.wire import SampleAnswer, encode_sample_response
 
 tinker = pytest.importorskip("tinker")
