@@ -58,7 +58,7 @@ def sample_images(columns: dict[str, Any], n: int) -> list[list[Any]]:
         return [[] for _ in range(n)]
     if not isinstance(column, (list, tuple)) or len(column) != n:
         raise ValueError(f"the {name!r} column must hold one entry per sample ({n})")
-    out = []
+    out: list[list[Any]] = []
     for entry in column:
         if entry is None:
             out.append([])
