@@ -5,7 +5,8 @@ gets for the same job (the image's file sent with it, image-token positions unsc
 the worker's processor does not make, a chunk without ``expected_tokens``, bytes that are not
 the declared format, an asset pointer and an image chunk on a gateway without an image token are
 each the SDK's user error naming why. Requests are the SDK's JSON (``ImageChunk`` serialises
-``data`` as base64), answers read from the protobuf ``SampleResponse``."""
+``data`` as base64), answers read from the protobuf ``SampleResponse``; the unmodified
+``tinker`` SDK builds and reads the same through ``compute_logprobs``."""
 
 from __future__ import annotations
 
@@ -163,3 +164,48 @@ def test_an_image_chunk_needs_the_gateways_image_token(
         got = _sample(g, [_text([3, START]), _image(PNG, "png", 6), _text([END])])
     assert got.json()["category"] == "user"
     assert "--image-token-id" in got.json()["error"]
+
+
+def test_the_tinker_sdk_sends_image_chunks_and_reads_the_answer(
+    checkpoint: Path, redis_url: str, key_prefix: str, cleanup_keys: None
+) -> None:
+    """The unmodified SDK: ``compute_logprobs`` of a ``ModelInput`` with an ``ImageChunk``
+    (its own JSON and protobuf decoding) gives the plain client's log-probs, ``None`` at image
+    tokens; a wrong ``expected_tokens`` raises its ``RequestFailedError`` naming both counts."""
+    tinker = pytest.importorskip("tinker")
+    types = tinker.types
+    processor = transformers.AutoImageProcessor.from_pretrained(checkpoint)
+    n = image_tokens(processor, PNG)
+    ex = StatelessExecutor.from_pretrained(ExecutorConfig(dtype="float32"), str(checkpoint))
+    key = "tml-images-key"
+    with (
+        thread_worker(redis_url, key_prefix, ex),
+        GatewayThread(redis_url, key_prefix, api_key=key, image_token_id=IMAGE) as g,
+    ):
+        service = tinker.ServiceClient(base_url=g.url, api_key=key)
+        try:
+            teacher = service.create_sampling_client(model_path="tinker://").result()
+
+            def prompt(count: int) -> Any:
+                return types.ModelInput(
+                    chunks=[
+                        types.EncodedTextChunk(tokens=[3, 4, START]),
+                        types.ImageChunk(data=PNG, format="png", expected_tokens=count),
+                        types.EncodedTextChunk(tokens=[END, 5, 6, 7]),
+                    ]
+                )
+
+            got = teacher.compute_logprobs(prompt(n)).result()
+            with pytest.raises(tinker.RequestFailedError, match=f"{n + 1} image tokens"):
+                teacher.compute_logprobs(prompt(n + 1)).result()
+        finally:
+            service.close("success").result()
+        tokens = [3, 4, START, *[IMAGE] * n, END, 5, 6, 7]
+        with ScoringClient(redis_url, queue=key_prefix, wait_for_unknown_queue=True) as client:
+            (want,) = client.score(
+                [{"tokens": tokens, "prompt_len": 1, "images": [0]}], images=[PNG], timeout=60
+            )
+    assert len(got) == len(tokens) and got[0] is None
+    text_at = [p for p in range(1, len(tokens)) if tokens[p] != IMAGE]
+    assert all(got[p] is None for p, t in enumerate(tokens) if t == IMAGE)
+    np.testing.assert_allclose([got[p] for p in text_at], want.logps, atol=1e-6, rtol=0)
