@@ -29,11 +29,11 @@ from tests.support.adapters import ADAPTERS, merged_float64, write_fleet
 from tests.support.daemon import WorkerProc
 from tests.support.gateway import GatewayThread
 from tests.support.models import random_tokens, tiny_causal
-from worker.gateway import tinker as tinker_routes
 from worker.gateway.errors import GatewayError
-from worker.gateway.tinker import session_id
-from worker.gateway.tinker_futures import FutureStore, Outcome
-from worker.gateway.tinker_wire import SampleAnswer, encode_sample_response
+from worker.gateway.tinker import routes as tinker_routes
+from worker.gateway.tinker.futures import FutureStore, Outcome
+from worker.gateway.tinker.routes import session_id
+from worker.gateway.tinker.wire import SampleAnswer, encode_sample_response
 
 tinker = pytest.importorskip("tinker")
 types = tinker.types
@@ -92,7 +92,7 @@ def test_sample_response_encoding_is_what_the_sdk_decodes() -> None:
 
 
 def _request(tokens: list[int], **fields: Any) -> Any:
-    from worker.gateway.tinker_wire import SampleRequest
+    from worker.gateway.tinker.wire import SampleRequest
 
     body = {
         "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
@@ -103,7 +103,7 @@ def _request(tokens: list[int], **fields: Any) -> Any:
 
 
 def test_plan_scores_from_the_first_position_asked() -> None:
-    from worker.gateway.tinker_plan import SamplePlan
+    from worker.gateway.tinker.plan import SamplePlan
 
     tokens = list(range(1, 11))
     last = SamplePlan.of(_request(tokens, prompt_logprobs=True, prompt_logprobs_last_n=3))
@@ -148,7 +148,7 @@ def test_plan_scores_from_the_first_position_asked() -> None:
     ],
 )
 def test_plan_refuses_what_is_not_served(fields: dict[str, Any], why: str) -> None:
-    from worker.gateway.tinker_plan import SamplePlan
+    from worker.gateway.tinker.plan import SamplePlan
 
     body = {"sampling_params": {"max_tokens": 1}, **fields}
     with pytest.raises(GatewayError) as refused:

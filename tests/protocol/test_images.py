@@ -40,6 +40,19 @@ def test_images_travel_once_and_decode_to_the_same_job() -> None:
     assert [s.images for s in job.seqs] == [(0, 1, 0), (1,)]
 
 
+def test_text_and_messages_sequences_carry_their_images_too() -> None:
+    """A reward sequence the worker tokenizes names its images as a token sequence does (the
+    worker decides whether it serves them: mode ``reference`` only, so far)."""
+    seqs = normalize_seqs([
+        {"text": "a picture: a cat", "images": [0]},
+        {"messages": [{"role": "user", "content": "hi"}], "images": [0, 0]},
+    ])  # fmt: skip
+    payload = protocol.encode_job("j", "reward", "r", seqs, images=Images((PNG,)))
+    job = protocol.decode_job(payload)
+    assert [s.images for s in job.seqs] == [(0,), (0, 0)]
+    assert [s.text for s in job.seqs] == ["a picture: a cat", None]
+
+
 def test_a_job_without_images_is_unchanged() -> None:
     payload = protocol.encode_job("j", "reference", "r", normalize_seqs([([1, 2], 1)]))
     assert b"images" not in payload and protocol.decode_job(payload).images is None

@@ -17,6 +17,11 @@ fields weigh); every other caller (no prefix, a prefix alone or too short) goes 
 job, as without groups. Every job of the batch decodes to the same whole sequences: only the
 bytes on the wire change.
 
+Images: a caller may pass the images its sequences show (``images``; each sequence's
+``images`` indexes the caller's list). A job carries each distinct image file once, however many
+of its callers show it (a GRPO group's prompt image, passed by each sample, goes once), and each
+sequence's indices are renumbered into the job's list (``worker.client.images.merge_images``).
+
 Failures: a job that comes back ``bad_request`` or ``too_long`` while it carried several
 callers is split, each caller's sequences submitted again as a job of its own, so one bad input
 fails only its own caller. Any other error result (``model_not_found``, ``expired``, ...) goes
@@ -39,6 +44,7 @@ from typing import Any
 from worker import protocol
 from worker.client.aio import AsyncScoringClient
 from worker.client.errors import ScoringTimeout, job_failed
+from worker.client.images import caller_images, merge_images
 from worker.client.inputs import normalize_seqs
 from worker.client.results import ScoreResult, SeqScore
 
@@ -65,6 +71,7 @@ class BatchKey:
     adapter: str | None = None
     version: str | None = None
     gather_width: int | None = None  # K of per-sequence gather ids (a job holds one K)
+    processor: tuple[tuple[str, int], ...] = ()  # the job's image-processor options, by name
 
 
 @dataclass
@@ -73,6 +80,7 @@ class _Caller:
     future: asyncio.Future[list[SeqScore]]
     deadline: float  # monotonic
     prefix: array | None = None  # token ids every one of ``seqs`` starts with (a group's prompt)
+    images: tuple[bytes, ...] = ()  # encoded image files ``seqs``' ``images`` index
 
     @property
     def tokens(self) -> int:
@@ -128,18 +136,27 @@ class Coalescer:
         return len(self._tasks)
 
     async def score(
-        self, seqs: Any, key: BatchKey, timeout_s: float, *, prefix: Any = None
+        self,
+        seqs: Any,
+        key: BatchKey,
+        timeout_s: float,
+        *,
+        prefix: Any = None,
+        images: Any = None,
     ) -> list[SeqScore]:
         """The scores of ``seqs`` (one ``SeqScore`` each, in order), scored in some batch of
         ``key``. With ``prefix`` (token ids), each of ``seqs`` is what follows it, as in
         ``AsyncScoringClient.score`` (``prompt_len`` defaults to ``len(prefix)``), and the
-        callers of one prefix share a job that carries it once (module docstring). Raises
+        callers of one prefix share a job that carries it once (module docstring). ``images``:
+        the images ``seqs`` show (bytes, paths or PIL images, as ``AsyncScoringClient.score``
+        takes), each sequence's ``images`` indexing this list. Raises
         ``BadRequest`` for invalid input (nothing sent), the job's ``JobFailed``, or
         ``ScoringTimeout`` after ``timeout_s``."""
         specs = normalize_seqs(seqs, prefix)  # whole sequences
         head = None if prefix is None else protocol.as_int32_array(prefix)
+        files = caller_images(specs, images)
         loop = asyncio.get_running_loop()
-        caller = _Caller(specs, loop.create_future(), time.monotonic() + timeout_s, head)
+        caller = _Caller(specs, loop.create_future(), time.monotonic() + timeout_s, head, files)
         self._join(key, caller)
         try:
             return await asyncio.wait_for(asyncio.shield(caller.future), timeout_s)
@@ -187,7 +204,7 @@ class Coalescer:
         callers = [c for c in callers if not c.future.done()]
         if not callers:
             return
-        seqs = [s for c in callers for s in c.seqs]
+        seqs, files = merge_images([(c.seqs, c.images) for c in callers])
         wait_s = max(c.deadline for c in callers) - time.monotonic()
         handle = None
         if self._submits is None:
@@ -204,6 +221,8 @@ class Coalescer:
                     adapter=key.adapter,
                     version=key.version,
                     prefix=head,
+                    images=files or None,
+                    processor=dict(key.processor) if files else None,
                 )
             self.jobs += 1
             if self._on_job is not None:

@@ -11,13 +11,14 @@ from __future__ import annotations
 import base64
 import io
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from worker.errors import BadRequest
 from worker.request import Images
 
-__all__ = ["image_bytes", "job_images"]
+__all__ = ["caller_images", "image_bytes", "job_images", "merge_images"]
 
 
 def image_bytes(image: Any) -> bytes:
@@ -56,3 +57,33 @@ def images_from_base64(items: Any) -> list[bytes]:
         return [base64.b64decode(i, validate=True) for i in items]
     except ValueError as exc:
         raise BadRequest(f"images: not base64: {exc}") from None
+
+
+def caller_images(seqs: Sequence[Any], images: Any) -> tuple[bytes, ...]:
+    """The encoded files of one caller's ``images`` (``()`` without, or for an empty list);
+    ``BadRequest`` when a sequence names an image the caller did not pass (before sending)."""
+    given = [] if images is None else list(images)
+    files = tuple(image_bytes(i) for i in given)
+    for i, seq in enumerate(seqs):
+        for r in getattr(seq, "images", None) or ():
+            if not 0 <= int(r) < len(files):
+                raise BadRequest(
+                    f"seqs[{i}]: image index {r} is out of range ({len(files)} images passed)"
+                )
+    return files
+
+
+def merge_images(
+    parts: Sequence[tuple[Sequence[Any], Sequence[bytes]]],
+) -> tuple[list[Any], list[bytes]]:
+    """One job's sequences and image files from callers' ``(seqs, files)``: each distinct file
+    once (by content, in order of first appearance), each sequence's ``images`` renumbered
+    into that list (sequences are ``protocol.SeqSpec``, replaced, never changed)."""
+    index: dict[bytes, int] = {}
+    seqs: list[Any] = []
+    for specs, files in parts:
+        at = [index.setdefault(f, len(index)) for f in files]
+        for seq in specs:
+            refs = getattr(seq, "images", None)
+            seqs.append(seq if not refs else replace(seq, images=tuple(at[r] for r in refs)))
+    return seqs, list(index)

@@ -42,7 +42,7 @@ def normalize_seq(seq: Any, index: int = 0) -> protocol.SeqSpec:
         # reward inputs: a conversation for the reward model's template, a templated text the
         # worker tokenizes, step positions
         if seq.get("tokens") is None:
-            return protocol.reward_seq(seq, index)
+            return _with_images(protocol.reward_seq(seq, index), seq, index)
         rest = {k: v for k, v in seq.items() if k not in _REWARD_KEYS}
         return protocol.with_reward_inputs(normalize_seq(rest, index), seq, index)
     if isinstance(seq, Mapping):
@@ -73,6 +73,11 @@ def normalize_seq(seq: Any, index: int = 0) -> protocol.SeqSpec:
     out = protocol.SeqSpec(tokens=tokens, prompt_len=spec["prompt_len"], mask=mask)
     if spec.get("gather_ids") is not None:
         out = protocol.with_gather_ids(out, spec["gather_ids"], index)
+    return _with_images(out, seq, index)
+
+
+def _with_images(out: protocol.SeqSpec, seq: Any, index: int) -> protocol.SeqSpec:
+    """``out`` with the image indices ``seq`` names (token ids, text or messages alike)."""
     refs = seq.get("images") if isinstance(seq, Mapping) else None  # indices into the job's
     if refs is not None:
         if isinstance(refs, (str, bytes)) or not isinstance(refs, Sequence):

@@ -147,6 +147,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=float,
     )
     flag(
+        "--image-token-id",
+        "GATEWAY_IMAGE_TOKEN_ID",
+        None,
+        "the served vision-language model's image token id (config.json's image_token_id): "
+        "a Tinker image chunk becomes expected_tokens copies of it (None: image chunks refused)",
+        type=int,
+    )
+    flag(
         "--allow-redis-eviction",
         "ALLOW_REDIS_EVICTION",
         False,
@@ -203,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
             allow_unknown_queue=_truthy(args.allow_unknown_queue),
             tinker_max_pending=int(args.tinker_max_pending),
             tinker_result_ttl_s=float(args.tinker_result_ttl_s),
+            image_token_id=None if args.image_token_id is None else int(args.image_token_id),
             allow_redis_eviction=_truthy(args.allow_redis_eviction),
             redis_check_interval_s=float(args.redis_check_interval_s),
         )

@@ -4,8 +4,8 @@
 One module per peer format, each with request/response models that mirror the peer's JSON and a
 docstring naming the peer's client file it answers: ``openrlhf`` (``/get_reward``), ``slime``
 (``/reward``), ``vllm`` (``/v1/completions``, ``/inference/v1/generate``), ``pooling``
-(``/classify``, ``/v1/classify``), ``sglang`` (``/generate``), ``tinker`` (the Tinker SDK's
-``/api/v1/...``, over ``tinker_plan``, ``tinker_futures``, ``tinker_wire`` and ``protobuf``),
+(``/classify``, ``/v1/classify``), ``sglang`` (``/generate``), ``tinker/`` (a sub-package: the
+Tinker SDK's ``/api/v1/...``),
 ``service`` (``/health``, ``/v1/models``, ``/metrics``). Below them: ``core`` (requests into
 jobs on the asyncio client, coalesced by ``worker.client.coalesce``), ``logprobs`` (vLLM's and
 SGLang's prompt log-prob entries), ``http`` (what the routes share), ``errors`` (the code -> HTTP

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from worker.client.aio import AsyncScoringClient
-from worker.gateway import openrlhf, pooling, service, sglang, slime, tinker, vllm
+from worker.gateway import openrlhf, pooling, service, sglang, slime, vllm
 from worker.gateway.config import GatewayConfig
 from worker.gateway.core import GatewayCore
 from worker.gateway.errors import error_body, error_code, error_headers, error_message
@@ -39,7 +39,8 @@ from worker.gateway.middleware import (
     Scope,
     Send,
 )
-from worker.gateway.tinker_futures import FutureStore
+from worker.gateway.tinker import routes as tinker
+from worker.gateway.tinker.futures import FutureStore
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,8 @@ class GatewayConfig:
     request waits; ``/health`` says nothing of the queue).
     ``tinker_max_pending``: Tinker samples submitted and not yet retrieved, at most (more get
     429, which the SDK backs off from); ``tinker_result_ttl_s``: how long an answer waits to be
-    retrieved before it is dropped.
+    retrieved before it is dropped. ``image_token_id``: the served vision-language model's
+    image token, what a Tinker ``ImageChunk`` expands to (None: image chunks are refused).
     ``allow_redis_eviction``: serve even when a Redis primary's ``maxmemory-policy`` is not
     ``noeviction`` (refused at start otherwise); ``redis_check_interval_s``: how often the
     policy, persistence and memory are read again (``scoring_redis_*``, ``/health``).
@@ -49,6 +50,7 @@ class GatewayConfig:
     allow_unknown_queue: bool = False
     tinker_max_pending: int = 4096
     tinker_result_ttl_s: float = 600.0
+    image_token_id: int | None = None
     allow_redis_eviction: bool = False
     redis_check_interval_s: float = 60.0
 
@@ -63,6 +65,8 @@ class GatewayConfig:
             raise ValueError("max_body_bytes and max_concurrent must be >= 1")
         if self.tinker_max_pending < 1 or self.tinker_result_ttl_s <= 0:
             raise ValueError("tinker_max_pending must be >= 1 and tinker_result_ttl_s > 0")
+        if self.image_token_id is not None and not 0 <= self.image_token_id < 2**31:
+            raise ValueError(f"image_token_id must be a token id >= 0: {self.image_token_id}")
         if self.redis_check_interval_s <= 0:
             raise ValueError(f"redis_check_interval_s must be > 0: {self.redis_check_interval_s}")
         if self.api_key is not None and not self.api_key:

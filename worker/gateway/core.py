@@ -170,9 +170,12 @@ class GatewayCore:
 
     # -- scoring
 
-    async def score(self, route: str, seqs: Sequence[Any], key: BatchKey) -> list[SeqScore]:
+    async def score(
+        self, route: str, seqs: Sequence[Any], key: BatchKey, images: Any = None
+    ) -> list[SeqScore]:
         """The scores of ``seqs`` (sequence maps as ``ScoringClient.score`` takes them), in
-        order, coalesced with concurrent requests of the same ``key``. Raises
+        order, coalesced with concurrent requests of the same ``key``; ``images``: the encoded
+        files their ``images`` indices name (sent once per job). Raises
         ``UnknownQueueError`` (the queue rule), ``BadRequest`` / ``JobFailed`` (their ``code``)
         or ``ScoringTimeout``."""
         assert self.coalescer is not None, "GatewayCore.start was not awaited"
@@ -180,7 +183,7 @@ class GatewayCore:
             return []
         await self.admit()
         self.metrics.sequences.labels(route=route).inc(len(seqs))
-        return await self.coalescer.score(list(seqs), key, self.config.timeout_s)
+        return await self.coalescer.score(list(seqs), key, self.config.timeout_s, images=images)
 
     async def admit(self) -> None:
         """The queue rule: raise ``UnknownQueueError`` when no worker serves the queue and none

@@ -13,6 +13,13 @@ token. TRL calls an async callable per process on its local batch (``asyncio.gat
 ``async_loop``): one call is one job with every sample of the batch. ``__name__`` is what TRL
 logs the reward under (``rewards/<name>/mean``).
 
+Images (a vision-language dataset): TRL passes the dataset's other columns as keyword
+arguments, so its ``images`` (a list per sample) or ``image`` (one per sample) column arrives
+here; each sample's images go with its sequence (each distinct image once per job: a prompt's
+image shared by its ``num_generations`` completions is sent once), the sample's ``images`` naming
+them in order. The worker scores images in mode ``reference`` only, so a reward job with images
+is its ``bad_request``, raised as ``BadRequestError`` with the worker's reason.
+
 No token ``prefix``: the ids are the worker's to make (the reward model's tokenizer, which this
 process does not hold), and a prompt and its completion tokenized apart are not their
 concatenation tokenized. The prompt's text goes with each completion; since the local batch is
@@ -39,6 +46,27 @@ def sequence(prompt: Any, completion: Any) -> dict[str, Any]:
         )
         return {"messages": [*prompt, *turns]}
     return {"text": f"{prompt}{completion}"}
+
+
+def sample_images(columns: dict[str, Any], n: int) -> list[list[Any]]:
+    """Each sample's images from TRL's keyword arguments: the ``images`` column (a list, or
+    None, per sample) or the ``image`` column (one image, or None, per sample); ``[[]] * n``
+    without either. ``ValueError`` when a column does not hold one entry per sample."""
+    name = "images" if columns.get("images") is not None else "image"
+    column = columns.get(name)
+    if column is None:
+        return [[] for _ in range(n)]
+    if not isinstance(column, (list, tuple)) or len(column) != n:
+        raise ValueError(f"the {name!r} column must hold one entry per sample ({n})")
+    out: list[list[Any]] = []
+    for entry in column:
+        if entry is None:
+            out.append([])
+        elif name == "images":
+            out.append([i for i in entry if i is not None])
+        else:
+            out.append([entry])
+    return out
 
 
 class RewardFunction:
@@ -74,13 +102,19 @@ class RewardFunction:
         seqs = [sequence(p, c) for p, c in zip(prompts, completions, strict=True)]
         if not seqs:
             return []
+        shown = sample_images(kwargs, len(seqs))
+        files: list[Any] = []
+        for seq, images in zip(seqs, shown, strict=True):
+            if images:
+                seq["images"] = list(range(len(files), len(files) + len(images)))
+                files.extend(images)
         batcher = coalescer(
             self.redis_url,
             self.queue,
             self.partitions,
             wait_for_unknown_queue=self.wait_for_unknown_queue,
         )
-        scores = await batcher.score(seqs, self.key, self.timeout_s)
+        scores = await batcher.score(seqs, self.key, self.timeout_s, images=files or None)
         return [float(s.reward) if s.reward is not None else float("nan") for s in scores]
 
 

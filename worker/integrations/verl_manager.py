@@ -14,6 +14,13 @@ of one prompt (GRPO's n rollouts: identical prompt ids) go as one job that carri
 once (protocol ``prefix``) with each response after it; the rest go together in one job, as
 before. The worker sees the same sequences either way: the rewards are the same.
 
+Images (a vision-language policy): an item's ``non_tensor_batch["multi_modal_data"]`` (verl's
+``{"image": [PIL images]}``; EasyR1's ``"images"`` too) goes with it, each image-token run of the
+prompt ids (already expanded by verl's processor) naming the next image; a group's shared prompt
+image is sent once per job (``worker.client.coalesce``). The worker scores images in mode
+``reference`` only, so a reward job with images is its ``bad_request``, raised as
+``BadRequestError`` (reference log-probs with images: ``worker.integrations.verl_ref``).
+
 The base class is verl's when verl is installed (imported at import time: a subclass needs it),
 else a stand-in with the same constructor, so this module imports without verl or torch.
 
@@ -89,6 +96,21 @@ def split_of(item: Any) -> tuple[list[int], list[int]]:
     return prompt[len(prompt) - n_prompt :], response[:n_response]
 
 
+def images_of(item: Any) -> list[Any]:
+    """The images of one verl data item (``multi_modal_data``'s ``image`` or ``images``, in
+    order; ``[]`` without)."""
+    extra = getattr(item, "non_tensor_batch", None) or {}
+    data = extra.get("multi_modal_data") if hasattr(extra, "get") else None
+    if data is None:
+        return []
+    if not hasattr(data, "get"):
+        raise ValueError(f"multi_modal_data must be a dict, got {type(data).__name__}")
+    images = data.get("image", data.get("images"))
+    if images is None:
+        return []
+    return list(images) if isinstance(images, (list, tuple)) else [images]
+
+
 def sequence_of(item: Any) -> dict[str, Any]:
     """The unpadded prompt + response ids of one verl data item, as a sequence map."""
     prompt, response = split_of(item)
@@ -139,9 +161,16 @@ class ScoringRewardManager(_Base):
         )
         # the sequence is prompt + response, prompt_len 1 as ever (the reward head ignores it);
         # the prompt names the group its sample shares a job with (Coalescer.score)
-        seq = {"tokens": response, "prompt_len": 1}
+        images = images_of(data[0])
+        seq: dict[str, Any] = {"tokens": response, "prompt_len": 1}
+        if images:
+            seq["images"] = list(range(len(images)))
         (score,) = await batcher.score(
-            [seq], self.key, self.timeout_s, prefix=prompt if prompt else None
+            [seq],
+            self.key,
+            self.timeout_s,
+            prefix=prompt if prompt else None,
+            images=images or None,
         )
         reward = float(score.reward) if score.reward is not None else float("nan")
         return {"reward_score": reward, "reward_extra_info": {"rm_score": reward}}

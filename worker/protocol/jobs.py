@@ -330,7 +330,9 @@ def _decode_seqs(
         if messages_only(s):  # reward inputs: a conversation or text the worker tokenizes
             if head is not None:
                 raise ProtocolError(f"seqs[{i}]: a job with a prefix needs tokens", raw=raw)
-            seqs.append(_raw(reward_seq, s, i, raw))
+            spec = _raw(reward_seq, s, i, raw)
+            refs = _raw(decode_seq_images, s.get("images"), i, raw)  # refused by the worker
+            seqs.append(spec if refs is None else replace(spec, images=refs))
             continue
         raw_tokens = s.get("tokens")
         n = len(raw_tokens) // 4 if isinstance(raw_tokens, bytes) else None

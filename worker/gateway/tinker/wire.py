@@ -30,7 +30,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from worker.gateway import protobuf as pb
+from worker.gateway.tinker import protobuf as pb
 
 STOP_REASON_LENGTH = 1
 DTYPE_FLOAT32 = 1

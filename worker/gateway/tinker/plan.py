@@ -19,8 +19,12 @@ The log-probs are the raw logits' (temperature 1): nothing is sampled, and the s
 temperature, top-k and top-p do not apply to prompt log-probs (vLLM's rule). Generation is not
 served: ``max_tokens`` must be 1 (or 0), the answer's ``num_samples`` sequences carry no tokens
 (tinker-cookbook's distillation reads only the prompt arrays of such a call), and
-``topk_sample_logprobs``, ``prompt_alt_tokens_k`` (drawing tokens) and image chunks are refused
-as the user's error (``GatewayError("bad_request")``).
+``topk_sample_logprobs`` and ``prompt_alt_tokens_k`` (drawing tokens) are refused as the user's
+error (``GatewayError("bad_request")``).
+
+Image chunks (``worker.gateway.tinker.images``): the job carries their files and the sequence
+names them; image-token positions are never scored, so every array is NaN / padding / 0.0 at
+them (and at the position after a run, predicted from an image token, as at any other).
 
 One job scores the prompt from ``start`` on (the job's ``prompt_len``): the first position any
 of the asked arrays needs, with outputs ``logps`` (+ ``topk``, + ``gather`` with per-position
@@ -38,7 +42,8 @@ import numpy as np
 from worker.client.coalesce import BatchKey
 from worker.client.results import SeqScore
 from worker.gateway.errors import GatewayError
-from worker.gateway.tinker_wire import (
+from worker.gateway.tinker.images import PromptInput, prompt_input
+from worker.gateway.tinker.wire import (
     TOPK_PAD_ID,
     TOPK_PAD_LOGPROB,
     SampleAnswer,
@@ -53,25 +58,6 @@ MAX_SAMPLES = 1024
 
 def _user(message: str) -> GatewayError:
     return GatewayError("bad_request", message)
-
-
-def prompt_tokens(chunks: list[dict[str, Any]]) -> list[int]:
-    """The token ids of the prompt's chunks; anything but ``encoded_text`` is refused."""
-    tokens: list[int] = []
-    for i, chunk in enumerate(chunks):
-        kind = chunk.get("type", "encoded_text")
-        if kind != "encoded_text":
-            raise _user(
-                f"prompt chunk {i} is {kind!r}: only encoded_text (token ids) is served; "
-                "image chunks need a vision model, which this fleet does not score"
-            )
-        ids = chunk.get("tokens")
-        if not isinstance(ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in ids
-        ):
-            raise _user(f"prompt chunk {i}: tokens must be a list of token ids >= 0")
-        tokens.extend(ids)
-    return tokens
 
 
 @dataclass(frozen=True)
@@ -140,10 +126,13 @@ class SamplePlan:
     first: int  # the first position prompt_logprobs / topk report (prompt_logprobs_last_n)
     target: TargetIds | None
     start: int
+    images: tuple[bytes, ...] = ()
+    image_token: int | None = None
 
     @classmethod
-    def of(cls, request: SampleRequest) -> SamplePlan:
-        """The plan of ``request``; ``GatewayError("bad_request")`` for what is not served."""
+    def of(cls, request: SampleRequest, image_token: int | None = None) -> SamplePlan:
+        """The plan of ``request`` (``image_token``: the served model's, for image chunks);
+        ``GatewayError("bad_request")`` for what is not served."""
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is None or max_tokens > 1:
             raise _user(
@@ -160,7 +149,8 @@ class SamplePlan:
             raise _user(f"num_samples must be 1..{MAX_SAMPLES}, got {request.num_samples}")
         if request.topk_prompt_logprobs < 0:
             raise _user(f"topk_prompt_logprobs must be >= 0, got {request.topk_prompt_logprobs}")
-        tokens = prompt_tokens(request.prompt.chunks)
+        prompt: PromptInput = prompt_input(request.prompt.chunks, image_token)
+        tokens = prompt.tokens
         n = len(tokens)
         if n < 1:
             raise _user("the prompt is empty")
@@ -182,11 +172,17 @@ class SamplePlan:
         needs = [first] if (logprobs or k) and n >= 2 else []
         if target is not None:
             needs.append((target.first_row or 0) + 1)
-        return cls(tokens, request.num_samples, logprobs, k, first, target, min(needs, default=0))
+        start = min(needs, default=0)
+        return cls(
+            tokens, request.num_samples, logprobs, k, first, target, start,
+            prompt.images, prompt.image_token,
+        )  # fmt: skip
 
     def seq(self) -> dict[str, Any]:
         """The sequence map of the job (``ScoringClient.score``'s form)."""
         seq: dict[str, Any] = {"tokens": self.tokens, "prompt_len": self.start}
+        if self.images:
+            seq["images"] = list(range(len(self.images)))
         if self.target is not None:
             rows = self.target.ids[self.start - 1 :]  # [n_scored, K]: position start.. on
             seq["gather_ids"] = np.where(rows < 0, 0, rows).astype(np.int32)
@@ -206,23 +202,31 @@ class SamplePlan:
             gather_width=self.target.ids.shape[1] if self.target is not None else None,
         )
 
+    def scored(self) -> np.ndarray:
+        """The positions the job's outputs cover: ``start .. n-1`` but image tokens."""
+        at = np.arange(self.start, len(self.tokens)) if self.start else np.arange(0)
+        if self.image_token is not None:
+            at = at[np.asarray(self.tokens)[at] != self.image_token]
+        return at
+
     def answer(self, score: SeqScore | None) -> SampleAnswer:
         """The response arrays from the job's score (None: there was no job)."""
-        n, start = len(self.tokens), self.start
-        scored = n - start if start else 0  # positions start..n-1
+        n = len(self.tokens)
+        at = self.scored()  # [scored]
+        scored = len(at)
         lp = top_ids = top_lps = target = None
         if self.logprobs:
             lp = np.full(n, np.nan, dtype=np.float32)
             if scored and score is not None and score.logps is not None:
-                lp[start:] = np.asarray(score.logps, dtype=np.float32)
+                lp[at] = np.asarray(score.logps, dtype=np.float32)
             lp[: self.first] = np.nan  # position 0, and before prompt_logprobs_last_n
         if self.topk:
             k = self.topk
             top_ids = np.full((n, k), TOPK_PAD_ID, dtype=np.int32)
             top_lps = np.full((n, k), TOPK_PAD_LOGPROB, dtype=np.float32)
             if scored and score is not None and score.topk_ids is not None:
-                top_ids[start:] = np.asarray(score.topk_ids).reshape(scored, k)
-                top_lps[start:] = np.asarray(score.topk_logps, dtype=np.float32).reshape(scored, k)
+                top_ids[at] = np.asarray(score.topk_ids).reshape(scored, k)
+                top_lps[at] = np.asarray(score.topk_logps, dtype=np.float32).reshape(scored, k)
             top_ids[: self.first] = TOPK_PAD_ID
             top_lps[: self.first] = TOPK_PAD_LOGPROB
         if self.target is not None:
@@ -230,7 +234,7 @@ class SamplePlan:
             target = np.zeros(ids.shape, dtype=np.float32)
             if score is not None and score.gather_logps is not None:
                 gathered = np.asarray(score.gather_logps, dtype=np.float32)
-                target[start - 1 :] = gathered.reshape(scored, ids.shape[1])
+                target[at - 1] = gathered.reshape(scored, ids.shape[1])
             target[ids < 0] = 0.0
         return SampleAnswer(
             num_sequences=self.num_samples,

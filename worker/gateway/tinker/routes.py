@@ -19,8 +19,9 @@ names on the other routes (``GatewayCore.weights``: ``tinker://adapter:NAME``,
 model's name (``--model-name``), else 404 ``model_not_found`` when the client is created.
 Sessions hold no state here: a sampling session's id carries its weights, so any gateway
 replica can serve it; the futures live in the gateway that took the ``asample``
-(``worker.gateway.tinker_futures``). What a sample scores and answers:
-``worker.gateway.tinker_plan``; the protobuf answer: ``worker.gateway.tinker_wire``.
+(``worker.gateway.tinker.futures``). What a sample scores and answers:
+``worker.gateway.tinker.plan``; image chunks: ``worker.gateway.tinker.images``; the protobuf
+answer: ``worker.gateway.tinker.wire``.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ from starlette.responses import Response
 from worker.gateway.core import GatewayCore
 from worker.gateway.errors import GatewayError
 from worker.gateway.http import Json, Router, core_of
-from worker.gateway.tinker_futures import FutureStore, outcome_of
-from worker.gateway.tinker_plan import MAX_SAMPLES, SamplePlan
-from worker.gateway.tinker_wire import SampleRequest, encode_sample_response
+from worker.gateway.tinker.futures import FutureStore, outcome_of
+from worker.gateway.tinker.plan import MAX_SAMPLES, SamplePlan
+from worker.gateway.tinker.wire import SampleRequest, encode_sample_response
 
 router = Router()
 
@@ -202,7 +203,7 @@ async def asample(body: SampleRequest, request: Request) -> Json:
         "sample_sequence_ids": [f"{rid}:{i}" for i in range(min(body.num_samples, MAX_SAMPLES))],
     }
     try:
-        plan = SamplePlan.of(body)
+        plan = SamplePlan.of(body, core.config.image_token_id)
         base, path = session_weights(sid) if sid is not None else (body.base_model, body.model_path)
     except GatewayError as exc:  # the user's error, answered through the future
         futures.answer(rid, outcome_of(exc))
@@ -212,7 +213,8 @@ async def asample(body: SampleRequest, request: Request) -> Json:
         adapter, version = await weights_of(core, base, path)
         score = None
         if plan.start:
-            (score,) = await core.score(ROUTE, [plan.seq()], plan.key(adapter, version))
+            key = plan.key(adapter, version)
+            (score,) = await core.score(ROUTE, [plan.seq()], key, plan.images or None)
         return encode_sample_response(plan.answer(score))
 
     futures.submit(rid, run)
