@@ -209,7 +209,7 @@ def test_three_row_positions_in_packed_rows_are_caught(
 
     try:
         assert _worst(ex, built) < 2e-5
-        monkeypatch.setattr(forward_module, "vision_layout", three)
+        monkeypatch.setattr(layout_module, "vision_layout", three)
         assert _worst(ex, built) > 1e-3
     finally:
         ex.close()
@@ -228,7 +228,7 @@ def test_the_load_check_keeps_image_sequences_out_of_a_layout_that_disagrees(
             out = replace(out, position_ids=out.position_ids[1:])
         return out
 
-    monkeypatch.setattr(forward_module, "vision_layout", three)
+    monkeypatch.setattr(layout_module, "vision_layout", three)
     ex = _executor(built, packing="packed")
     try:
         info = ex.info["vision"]
