@@ -2,11 +2,13 @@
 workers, one with ``--prefix-sharing off`` and one with ``auto``, in one run.
 
 ``scoring-worker bench --suite vision`` (or ``python -m worker.devtools.bench.vision``)
-``[--groups N] [--rounds R] [--threads T] [--redis-url URL] [--json PATH] [--quick]``.
-The model: a random-weight Qwen2.5-VL of about 250M parameters built from a config (no VLM
-weights are needed: the cost of a forward does not depend on the weights' values) and saved with
-its image processor; ``--quick``: a small one (a smoke run). Without ``--redis-url`` an embedded
-Valkey is started.
+``[--arch A] [--groups N] [--rounds R] [--threads T] [--redis-url URL] [--json PATH]
+[--quick]``.
+The models (``--arch``, default both): a random-weight Qwen2.5-VL and SmolVLM of about 250M
+parameters each, built from a config (no VLM weights are needed: the cost of a forward does not
+depend on the weights' values) and saved with its image processor; ``--quick``: small ones (a
+smoke run). SmolVLM runs with image splitting off (one 512 x 512 tile, 64 image tokens).
+Without ``--redis-url`` an embedded Valkey is started.
 
 Workloads, each group ONE job carrying its images once and its prompt once (``prefix``):
 
@@ -54,7 +56,8 @@ START, END, IMAGE = (
     VLM_TOKENS["vision_end_token_id"],
     VLM_TOKENS["image_token_id"],
 )
-G, C, TEXT, SIDE, TOOL = 8, 128, 64, 448, 224
+G, C, TEXT, SIDE, TOOL, SMOL_SIDE = 8, 128, 64, 448, 224, 512
+ARCHS = ("qwen2_5_vl", "smolvlm")
 
 
 def image_bytes(side: int, seed: int) -> bytes:
@@ -67,9 +70,19 @@ def image_bytes(side: int, seed: int) -> bytes:
     return out.getvalue()
 
 
-def build_model(directory: Path, *, small: bool) -> tuple[str, int]:
-    """A random Qwen2.5-VL (about 250M parameters; ``small``: a smoke-run size) and its image
-    processor saved in ``directory``; returns the path and the parameter count."""
+def build_model(directory: Path, arch: str, *, small: bool) -> tuple[str, int]:
+    """A random ``arch`` (``qwen2_5_vl`` or ``smolvlm``, about 250M parameters; ``small``: a
+    smoke-run size) and its image processor saved in ``directory``; returns the path and the
+    parameter count."""
+    model, processor = _smolvlm(small) if arch == "smolvlm" else _qwen2_5_vl(small)
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return str(directory), sum(p.numel() for p in model.parameters())
+
+
+def _qwen2_5_vl(small: bool) -> tuple[Any, Any]:
+    """Qwen2.5-VL: a 12-layer text model of width 768 and a 12-layer vision tower (448 x 448:
+    256 image tokens)."""
     from transformers import Qwen2_5_VLConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
@@ -91,18 +104,48 @@ def build_model(directory: Path, *, small: bool) -> tuple[str, int]:
         "fullatt_block_indexes": [vision_layers // 2 - 1, vision_layers - 1],
     }  # fmt: skip
     config: Any = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **VLM_TOKENS)
-    model = random_model("Qwen2_5_VLForConditionalGeneration", config, 0)
-    model.save_pretrained(directory)
     pixels = 28 * 28
     processor = Qwen2VLImageProcessorPil(
         patch_size=14, min_pixels=4 * pixels, max_pixels=256 * pixels
     )
-    processor.save_pretrained(directory)
-    return str(directory), sum(p.numel() for p in model.parameters())
+    return random_model("Qwen2_5_VLForConditionalGeneration", config, 0), processor
 
 
-def image_run(side: int) -> list[int]:
-    """The placeholder of a ``side x side`` image: ``(side / 28)**2`` image tokens."""
+def _smolvlm(small: bool) -> tuple[Any, Any]:
+    """SmolVLM: SmolLM2-135M's shape (30 layers of width 576) and a 12-layer SigLIP of width
+    768 on 512 x 512 images, pixel shuffle by 4 (64 image tokens), image splitting off."""
+    from transformers import SmolVLMConfig
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import (
+        SmolVLMImageProcessorPil,
+    )
+
+    width, layers, vision_width, vision_layers = (64, 2, 64, 2) if small else (576, 30, 768, 12)
+    text = {
+        "model_type": "llama", "vocab_size": 49152, "hidden_size": width,
+        "intermediate_size": width * 8 // 3, "num_hidden_layers": layers,
+        "num_attention_heads": width // 64, "num_key_value_heads": max(1, width // 192),
+        "max_position_embeddings": 8192,
+    }  # fmt: skip
+    vision = {
+        "hidden_size": vision_width, "intermediate_size": vision_width * 4,
+        "num_hidden_layers": vision_layers, "num_attention_heads": vision_width // 64,
+        "image_size": SMOL_SIDE, "patch_size": 16,
+    }  # fmt: skip
+    config: Any = SmolVLMConfig(
+        text_config=text, vision_config=vision, scale_factor=4,
+        image_token_id=VLM_TOKENS["image_token_id"],
+    )  # fmt: skip
+    edge = {"longest_edge": SMOL_SIDE}
+    processor = SmolVLMImageProcessorPil(do_image_splitting=False, size=edge, max_image_size=edge)
+    return random_model("SmolVLMForConditionalGeneration", config, 0), processor
+
+
+def image_run(arch: str, side: int) -> list[int]:
+    """The placeholder of a ``side x side`` image: Qwen2.5-VL's ``(side / 28)**2`` image
+    tokens between vision start and end; SmolVLM's 64 (any size: resized to 512, one tile)
+    between its image markers (the start and end ids stand for them)."""
+    if arch == "smolvlm":
+        return [START, END, *[IMAGE] * ((SMOL_SIDE // 16) ** 2 // 16), START]
     return [START, *[IMAGE] * ((side // 28) ** 2), END]
 
 
@@ -132,7 +175,7 @@ class VisionWorkload:
         return out
 
 
-def make_workloads(n_groups: int, vocab: int, seed: int = 0) -> list[VisionWorkload]:
+def make_workloads(arch: str, n_groups: int, vocab: int, seed: int = 0) -> list[VisionWorkload]:
     """``grpo`` and ``agent`` (module docstring), ``n_groups`` jobs each."""
     rng = random.Random(seed)
 
@@ -142,15 +185,16 @@ def make_workloads(n_groups: int, vocab: int, seed: int = 0) -> list[VisionWorkl
     grpo, agent = [], []
     for g in range(n_groups):
         image = image_bytes(SIDE, seed=g)
-        prompt = [*toks(TEXT // 2), *image_run(SIDE), *toks(TEXT // 2)]
+        prompt = [*toks(TEXT // 2), *image_run(arch, SIDE), *toks(TEXT // 2)]
         grpo.append(([image], prompt, [(prompt + toks(C), [0]) for _ in range(G)]))
         tools = [image_bytes(TOOL, seed=1000 + g * G + k) for k in range(G)]
         rollouts = [
-            (prompt + toks(C // 2) + image_run(TOOL) + toks(C // 2), [0, 1 + k]) for k in range(G)
+            (prompt + toks(C // 2) + image_run(arch, TOOL) + toks(C // 2), [0, 1 + k])
+            for k in range(G)
         ]
         agent.append(([image, *tools], prompt, rollouts))
     p = len(grpo[0][1])
-    tool = len(image_run(TOOL))
+    tool = len(image_run(arch, TOOL))
     return [
         VisionWorkload("grpo", grpo, n_groups * (p + G * C)),
         VisionWorkload("agent", agent, n_groups * (p + G * (C + tool))),
@@ -210,12 +254,13 @@ def run_workload(
 def print_table(rows: list[dict[str, Any]]) -> None:
     """The figures, one line per workload."""
     print(
-        f"{'workload':<10}{'total':>7}{'unique':>8}{'bound':>7}{'fwd off':>9}{'fwd on':>8}"
+        f"{'model':<12}{'workload':<10}{'total':>7}{'unique':>8}{'bound':>7}{'fwd off':>9}"
+        f"{'fwd on':>8}"
         f"{'img off':>9}{'img on':>8}{'off s':>8}{'on s':>8}{'x':>6}{'RSS off':>9}{'RSS on':>8}"
     )
     for r in rows:
         print(
-            f"{r['workload']:<10}{r['total_tokens']:>7}{r['unique_tokens']:>8}"
+            f"{r['model']:<12}{r['workload']:<10}{r['total_tokens']:>7}{r['unique_tokens']:>8}"
             f"{r['token_bound']:>7.2f}{r['forward_off']:>9.0f}{r['forward_on']:>8.0f}"
             f"{r['tower_images_off']:>9.0f}{r['tower_images_on']:>8.0f}{r['time_off_s']:>8.2f}"
             f"{r['time_on_s']:>8.2f}{r['speedup']:>6.2f}{r['peak_rss_off_mib']:>9.0f}"
@@ -237,25 +282,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--only", action="append", help="workload names to run (default: all)")
     p.add_argument("--redis-url", default=None, help="default: an embedded Valkey")
     p.add_argument("--json", default=None, help="also write the rows here")
-    p.add_argument("--quick", action="store_true", help="a small model, 1 group, 1 round")
+    p.add_argument("--quick", action="store_true", help="small models, 1 group, 1 round")
+    p.add_argument("--arch", action="append", choices=ARCHS, help="models (default: both)")
     args, _ = p.parse_known_args(argv)
     if args.quick:
         args.groups, args.rounds = 1, 1
     rows = []
+    sizes = {}
     with (
         redis_url_or_embedded(args.redis_url) as url,
         tempfile.TemporaryDirectory(prefix="bench-vision-") as tmp,
     ):
-        path, params = build_model(Path(tmp) / "model", small=args.quick)
-        for work in make_workloads(args.groups, 32000):
-            if args.only and work.name not in args.only:
-                continue
-            rows.append(run_workload(url, path, work, args, Path(tmp)))
-            print(f"{work.name}: done", flush=True)
+        for arch in args.arch or ARCHS:
+            path, sizes[arch] = build_model(Path(tmp) / arch, arch, small=args.quick)
+            vocab = 49152 if arch == "smolvlm" else 32000
+            for work in make_workloads(arch, args.groups, vocab):
+                if args.only and work.name not in args.only:
+                    continue
+                row = run_workload(url, path, work, args, Path(tmp))
+                rows.append({"model": arch, **row})
+                print(f"{arch} {work.name}: done", flush=True)
+    models = ", ".join(f"{a} {n / 1e6:.0f}M parameters" for a, n in sizes.items())
     print(
-        f"\nvision group scoring: random Qwen2.5-VL, {params / 1e6:.0f}M parameters, float32, "
-        f"{args.groups} groups per workload, median of {args.rounds} rounds, "
-        f"--threads {args.threads}"
+        f"\nvision group scoring: random {models}, float32, {args.groups} groups per workload, "
+        f"median of {args.rounds} rounds, --threads {args.threads}"
     )
     print(f"machine: {this_machine().describe()}")
     print_table(rows)
