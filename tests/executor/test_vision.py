@@ -102,7 +102,7 @@ def test_one_dimensional_positions_are_caught(
         rows, width = batch.input_ids.shape
         return replace(batch, position_ids=torch.arange(width).expand(3, rows, width))
 
-    monkeypatch.setattr(forward_module, "vision_layout", flat)
+    monkeypatch.setattr(layout_module, "vision_layout", flat)
     assert _max_error(vlm) > 1e-3
 
 
@@ -237,7 +237,7 @@ def test_the_load_check_refuses_an_image_path_that_disagrees(
         rows, width = batch.input_ids.shape
         return replace(batch, position_ids=torch.arange(width).expand(3, rows, width))
 
-    monkeypatch.setattr(forward_module, "vision_layout", flat)
+    monkeypatch.setattr(layout_module, "vision_layout", flat)
     with pytest.raises(ConfigError, match="the image path disagrees with the model's own"):
         StatelessExecutor(ExecutorConfig(dtype="float32"), model, image_processor=processor)
 
