@@ -283,11 +283,8 @@ class StatelessExecutor(DirectScoring):
         }
 
     def close(self) -> None:
-        """Detach the executor's hooks from the models (they stay usable elsewhere); stop the
-        image threads."""
+        """Detach the executor's hooks from the models (they stay usable elsewhere)."""
         self._guard.close()
-        if self._vision is not None:
-            self._vision.processing.close()
         with self._listeners_lock:
             self._listeners.clear()
 

@@ -79,7 +79,8 @@ class ImageProcessing:
     ``pixel_values``, are kept (least recently used dropped first; one image at the default
     ``max_pixels`` of Qwen2-VL is up to 77 MB); ``threads``: how many images of a job are
     decoded and processed at once (``pool``: ``None`` for one, one at a time on the caller's
-    thread)."""
+    thread; its idle threads end when this object is collected, as ``ThreadPoolExecutor``'s
+    do)."""
 
     def __init__(
         self,
@@ -114,11 +115,6 @@ class ImageProcessing:
         self.pool = (
             ThreadPoolExecutor(threads, thread_name_prefix="scoring-image") if threads > 1 else None
         )
-
-    def close(self) -> None:
-        """Stop the pool's threads (images already submitted finish; none queued start)."""
-        if self.pool is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
 
     def describe(self, options: tuple[tuple[str, int], ...] = ()) -> dict[str, Any]:
         """The processor's class, backend and the size options in force with ``options``."""
