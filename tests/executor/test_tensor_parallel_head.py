@@ -155,6 +155,17 @@ def test_the_plan_refuses_sizes_that_split_a_head() -> None:
         tensor_parallel_plan(tiny_config("gpt2"), 2)
 
 
+def test_the_plan_refuses_a_vision_language_model() -> None:
+    """Images are not served by a group: a vision-language checkpoint is refused at load,
+    named as such, even where its language model has a plan and the sizes divide."""
+    from worker.demo.tiny import tiny_vlm
+
+    model, _ = tiny_vlm("qwen2_vl", seed=0)
+    assert model.config.get_text_config().base_model_tp_plan  # the language model has one
+    with pytest.raises(ConfigError, match="is a vision-language model; images are not served"):
+        tensor_parallel_plan(model.config, 2, name="vlm")
+
+
 def test_more_ranks_than_devices_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"needs 4 GPUs .* sees 2"):
         device_check(4, "cuda", 2, 64)

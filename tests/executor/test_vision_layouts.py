@@ -4,7 +4,9 @@ transformers' own forward of each sequence alone (its processor's output from th
 within 2e-5; a GRPO group's prompt image runs through the vision tower once and its tokens are
 computed once; prompts that differ only in their image never share its tokens; the traps fail
 when reintroduced (three-row positions in packed rows, a tree node cut inside an image); the
-load check settles the layouts and names why one is off (Gemma-3: no tree rows)."""
+load check settles the layouts and names why one is off (Gemma-3: no tree rows); Gemma-3's
+packed rows run on the worker's own masks (transformers' sliding mask reads the image blocks
+at the wrong tokens there)."""
 
 from __future__ import annotations
 
@@ -110,10 +112,7 @@ def test_every_layout_and_tree_rows_equal_each_sequence_alone(built: Any, packin
     try:
         info = ex.info["vision"]
         gemma = built[0] == "gemma3"
-        if gemma and packing == "packed":  # its block mask does not separate packed sequences
-            assert info["layouts"] == "padded" and "disagrees" in info["packed_off"], info
-        else:
-            assert info["layouts"].split(", ")[0] == packing, info
+        assert info["layouts"].split(", ")[0] == packing, info
         assert (info["prefix_sharing"] == "on") is not gemma, info
         assert _worst(ex, built) < 2e-5
     finally:
@@ -251,6 +250,29 @@ def test_gemma3_image_sequences_never_run_in_tree_rows() -> None:
         assert ex.prefix_sharing == "on"  # text sequences still share
     finally:
         ex.close()
+
+
+def test_gemma3_packed_rows_need_the_workers_own_masks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``packed_block_masks`` (transformers' own masks from ``token_type_ids``) packed
+    image sequences disagree with each alone and the load check keeps them padded; with it
+    they run packed and agree."""
+    from worker.executor.vision import features
+
+    built = ("gemma3", *tiny_vlm("gemma3", seed=4))
+    ex = _executor(built, packing="packed", prefix_sharing="off")
+    try:
+        assert ex.info["vision"]["layouts"] == "packed, padded", ex.info["vision"]
+        assert _worst(ex, built) < 2e-5
+        monkeypatch.setattr(features, "packed_block_masks", lambda *a: {})
+        assert _worst(ex, built) > 1e-3
+    finally:
+        ex.close()
+    refused = _executor(built, packing="packed", prefix_sharing="off")
+    try:
+        info = refused.info["vision"]
+        assert info["layouts"] == "padded" and "disagrees" in info["packed_off"], info
+    finally:
+        refused.close()
 
 
 def test_positions_sit_on_every_token_of_a_tree_row() -> None:

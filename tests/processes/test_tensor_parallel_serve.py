@@ -158,8 +158,13 @@ def test_what_a_group_cannot_serve_is_refused(models: tuple[str, str], tmp_path:
     ref, rew = models
     gpt2 = tmp_path / "gpt2"
     GPT2LMHeadModel(tiny_config("gpt2", bos_token_id=0, eos_token_id=0)).save_pretrained(gpt2)
+    from worker.demo.tiny import tiny_vlm
+
+    vlm = tmp_path / "vlm"
+    tiny_vlm("qwen2_vl", seed=0)[0].save_pretrained(vlm)
     cases = {
         "no tensor-parallel plan": ("--reference-model", str(gpt2)),
+        "vision-language model; images are not served": ("--reference-model", str(vlm)),
         "per-job adapters": ("--reference-model", ref, "--adapter-root", str(tmp_path)),
         "--scorer noop has none": ("--scorer", "noop"),
         "--reward-adapter runs code": ("--reward-model", rew, "--reward-adapter", "x:y"),

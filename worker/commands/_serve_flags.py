@@ -172,6 +172,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="vision-language models: the most images one job may send",
     )
     m.add_argument(
+        "--image-threads",
+        type=int,
+        default=_env_int("IMAGE_THREADS", 4),
+        help="vision-language models: how many of a job's distinct images are decoded and "
+        "processed at once, on threads beside the forward (1: one at a time)",
+    )
+    m.add_argument(
         "--trust-remote-code",
         action="store_true",
         default=env_bool(env_get("TRUST_REMOTE_CODE")),

@@ -178,6 +178,7 @@ def executor_config(args: argparse.Namespace) -> Any:
         "reward_index": args.reward_index,
         "max_image_pixels": args.max_image_pixels,
         "max_images_per_job": args.max_images_per_job,
+        "image_threads": args.image_threads,
     }
     names = {f.name for f in dataclasses.fields(ExecutorConfig)}
     return ExecutorConfig(**{k: v for k, v in wanted.items() if k in names})

@@ -89,6 +89,8 @@ class ExecutorConfig:
     # pixels (checked from its header, before decoding), and the most images per job
     max_image_pixels: int = 4096 * 4096
     max_images_per_job: int = 64
+    # how many of a job's distinct images are decoded and processed at once at intake
+    image_threads: int = 4
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ConfigError:
@@ -112,6 +114,7 @@ class ExecutorConfig:
             "min_shared_tokens",
             "max_image_pixels",
             "max_images_per_job",
+            "image_threads",
         ):
             value = getattr(self, name)
             if not is_int(value) or value < 1:

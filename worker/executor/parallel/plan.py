@@ -69,7 +69,8 @@ def tensor_parallel_plan(config: Any, size: int, *, name: str = "the model") -> 
       shard (``worker.executor.parallel.head``) and the ranks combine per-row statistics. The
       load-time probe compares the fold with that gathered forward on three short sequences.
 
-    Refused (``ConfigError`` naming the numbers): an architecture whose config has no
+    Refused (``ConfigError`` naming the numbers): a vision-language model (a config with a
+    ``vision_config``: images are not served by a group), an architecture whose config has no
     ``base_model_tp_plan``, and a ``size`` that does not divide the attention heads, the KV
     heads and the vocabulary (the message lists the sizes that do).
     """
@@ -77,6 +78,14 @@ def tensor_parallel_plan(config: Any, size: int, *, name: str = "the model") -> 
         raise ConfigError(f"--tensor-parallel must be an integer >= 1, got {size!r}")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     arch = ", ".join(getattr(config, "architectures", None) or [type(config).__name__])
+    if getattr(config, "vision_config", None) is not None:
+        raise ConfigError(
+            f"--tensor-parallel {size}: {name} ({arch}) is a vision-language model; images "
+            "are not served under tensor parallelism (the group's load check, the vision "
+            "tower's placement beside the sharded language model and the image features of a "
+            "broadcast batch are not checked against one process)",
+            hint="serve it without --tensor-parallel (one process per device)",
+        )
     if not getattr(text, "base_model_tp_plan", None):
         raise ConfigError(
             f"--tensor-parallel {size}: {name} ({arch}, model_type "

@@ -71,12 +71,14 @@ def backbone_of(model: nn.Module) -> nn.Module:
 
 def backbone_hidden(model: nn.Module, batch: ForwardBatch, **extra: Any) -> torch.Tensor:
     """Last hidden states ``[R, T, H]`` of ``model``'s backbone, one ``use_cache=False`` forward
-    (``extra``: more inputs, e.g. a vision-language model's ``mm_encoder_outputs``)."""
+    (``extra``: more inputs, e.g. a vision-language model's ``mm_encoder_outputs``; an
+    ``attention_mask`` there replaces the batch's)."""
     tree = {} if batch.tree is None else {"scoring_tree": batch.tree}  # tree rows' structure
+    mask = extra.pop("attention_mask", batch.attention_mask)  # Gemma-3's packed image masks
     out = backbone_of(model)(
         input_ids=batch.input_ids,
         position_ids=batch.position_ids,
-        attention_mask=batch.attention_mask,
+        attention_mask=mask,
         use_cache=False,
         **tree,
         **extra,

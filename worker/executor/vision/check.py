@@ -205,8 +205,8 @@ def _tree_scores(
     out = list(got.scores)
     for i, seq in enumerate(seqs):
         if i not in members:
-            out[i] = forward.compute([seq], [i], "reference", 1.0, layout="padded", row_tokens=0)
-            out[i] = out[i].scores[0]
+            alone = forward.compute([seq], [i], "reference", 1.0, layout="padded", row_tokens=0)
+            out[i] = alone.scores[0]
     return out
 
 

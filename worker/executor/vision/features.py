@@ -30,6 +30,51 @@ def token_inputs(vlm: VisionModel, input_ids: torch.Tensor) -> dict[str, torch.T
     return vlm.extra(input_ids)
 
 
+def packed_block_masks(model: Any, batch: ForwardBatch, device: torch.device) -> dict[str, Any]:
+    """Gemma-3's attention masks for packed rows (``{"attention_mask": {"full_attention": ...,
+    "sliding_attention": ...}}``), nothing for rows of one sequence each.
+
+    transformers (5.x) builds the sliding mask of ``create_masks_for_vision_model`` with the
+    image blocks as an ``or_mask_function`` that its packed-row detection then remaps from
+    token indices to positions (``remap_positions_for_packed_sequence``): in a packed row
+    every sequence after the first reads the image blocks of the tokens at its positions'
+    indices, at the row's start. Both masks here are built on token indices, with the
+    sequences the model itself would find from the positions
+    (``find_packed_sequence_indices``): OR(causal, image block) AND same sequence, and AND
+    the sliding window for sliding layers. Naive equivalent: each sequence alone with its
+    ``token_type_ids`` (``tests/executor/test_vision_layouts.py``)."""
+    from transformers.masking_utils import (
+        and_masks,
+        blockwise_overlay,
+        create_causal_mask,
+        find_packed_sequence_indices,
+        packed_sequence_mask_function,
+        sliding_window_overlay,
+    )
+    from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+
+    vlm = vision_model(model)
+    assert vlm is not None
+    positions = batch.position_ids.to(device)  # [R, T]
+    sequences = find_packed_sequence_indices(positions)  # [R, T] or None
+    if sequences is None:
+        return {}
+    config = model.config.get_text_config()
+    rows, width = batch.input_ids.shape
+    dtype = next(model.parameters()).dtype
+    shape = torch.empty(rows, width, 0, dtype=dtype, device=device)  # [R, T, 0]: sizes only
+    types = (batch.input_ids == vlm.image_token).long().to(device)  # [R, T]
+    blocks = blockwise_overlay(get_block_sequence_ids_for_mask(types, device=device))
+    same = packed_sequence_mask_function(sequences)
+    kw = {"config": config, "inputs_embeds": shape, "attention_mask": None, "cache": None}
+    full = create_causal_mask(**kw, or_mask_function=blocks, and_mask_function=same)
+    window = sliding_window_overlay(config.sliding_window)
+    sliding = create_causal_mask(
+        **kw, or_mask_function=blocks, and_mask_function=and_masks(window, same)
+    )
+    return {"attention_mask": {"full_attention": full, "sliding_attention": sliding}}
+
+
 def vision_inputs(
     model: Any,
     batch: ForwardBatch,
@@ -43,6 +88,8 @@ def vision_inputs(
     assert vlm is not None
     encoded, ran, seconds = image_inputs(vlm, batch.images, device, cache)
     extra = token_inputs(vlm, batch.input_ids)
+    if vlm.token_types and batch.packed:
+        extra.update(packed_block_masks(model, batch, device))
     return {"mm_encoder_outputs": {"image": encoded}, **extra}, ran, seconds
 
 

@@ -21,6 +21,7 @@ Gemma-3 ``0 .. L-1``. The forward always passes them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import FIRST_EXCEPTION, wait
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -63,7 +64,10 @@ def image_runs(ids: np.ndarray, token: int) -> list[tuple[int, int]]:
 def process_images(
     images: Images, processing: ImageProcessing, *, max_pixels: int, max_images: int
 ) -> tuple[list[ProcessedImage], IntakeCounts]:
-    """Every file of ``images`` decoded (once per distinct content) and processed."""
+    """Every file of ``images`` decoded (once per distinct content) and processed; the distinct
+    files at once on ``processing.pool`` (one at a time without one). A file that fails is
+    the job's ``BadRequest`` as soon as it fails (the lowest index among those failed by then;
+    files not started are dropped)."""
     if len(images.files) > max_images:
         raise BadRequest(
             f"the job has {len(images.files)} images, over the worker's limit of {max_images} "
@@ -71,16 +75,44 @@ def process_images(
         )
     processing.check(images.processor)
     counts = IntakeCounts(options=processing.describe(images.processor)["options"])
-    done: dict[bytes, ProcessedImage] = {}
-    out = []
+    firsts: dict[bytes, int] = {}  # each distinct file -> the index it first appears at
     for i, data in enumerate(images.files):
-        if data not in done:
-            decoded = decode_image(data, i, max_pixels=max_pixels)
-            counts.decoded += 1
-            done[data], hit = processing.process(decoded, images.processor)
-            counts.cache_hits += int(hit)
-        out.append(done[data])
-    return out, counts
+        firsts.setdefault(data, i)
+    done = _process_distinct(firsts, processing, images.processor, max_pixels)
+    for _, hit in done.values():
+        counts.decoded += 1
+        counts.cache_hits += int(hit)
+    return [done[data][0] for data in images.files], counts
+
+
+def _process_one(
+    data: bytes, index: int, processing: ImageProcessing, options: Any, max_pixels: int
+) -> tuple[ProcessedImage, bool]:
+    """``data`` (``images[index]``) decoded and processed: (the output, a cache hit)."""
+    return processing.process(decode_image(data, index, max_pixels=max_pixels), options)
+
+
+def _process_distinct(
+    firsts: dict[bytes, int], processing: ImageProcessing, options: Any, max_pixels: int
+) -> dict[bytes, tuple[ProcessedImage, bool]]:
+    """``_process_one`` of every distinct file (``firsts``: file -> its first index), on
+    ``processing.pool`` when there is one and more than one file (``process_images``)."""
+    pool = processing.pool
+    if pool is None or len(firsts) < 2:
+        return {d: _process_one(d, i, processing, options, max_pixels) for d, i in firsts.items()}
+    futures = {
+        pool.submit(_process_one, d, i, processing, options, max_pixels): (d, i)
+        for d, i in firsts.items()
+    }
+    finished, pending = wait(futures, return_when=FIRST_EXCEPTION)
+    failed = sorted(
+        (futures[f][1], f) for f in finished if f.exception() is not None
+    )  # by image index
+    if failed:
+        for f in pending:
+            f.cancel()
+        raise failed[0][1].exception()  # type: ignore[misc]
+    return {futures[f][0]: f.result() for f in futures}
 
 
 def check_sequence(
@@ -225,7 +257,7 @@ def vision_intake(model: Any, processor: Any, config: Any) -> VisionIntake | Non
         raise ConfigError(f"{vlm.name} needs its image processor (preprocessor_config.json)")
     return VisionIntake(
         vlm,
-        ImageProcessing(processor, vlm),
+        ImageProcessing(processor, vlm, threads=getattr(config, "image_threads", 1)),
         max_pixels=config.max_image_pixels,
         max_images=config.max_images_per_job,
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -76,10 +77,19 @@ class ImageProcessing:
     ``rule``: the model's token-count rule (``arch.VisionModel``);
     ``cache_images`` / ``cache_bytes``: how many processed images, and how many bytes of their
     ``pixel_values``, are kept (least recently used dropped first; one image at the default
-    ``max_pixels`` of Qwen2-VL is up to 77 MB)."""
+    ``max_pixels`` of Qwen2-VL is up to 77 MB); ``threads``: how many images of a job are
+    decoded and processed at once (``pool``: ``None`` for one, one at a time on the caller's
+    thread; its idle threads end when this object is collected, as ``ThreadPoolExecutor``'s
+    do)."""
 
     def __init__(
-        self, processor: Any, rule: Counter, *, cache_images: int = 256, cache_bytes: int = 2**30
+        self,
+        processor: Any,
+        rule: Counter,
+        *,
+        cache_images: int = 256,
+        cache_bytes: int = 2**30,
+        threads: int = 1,
     ) -> None:
         size: Any = getattr(processor, "size", None)
         self.keys = SIZE_KEYS if rule.mrope else {}  # the job options this processor takes
@@ -102,6 +112,9 @@ class ImageProcessing:
             OrderedDict()
         )
         self._lock = threading.Lock()
+        self.pool = (
+            ThreadPoolExecutor(threads, thread_name_prefix="scoring-image") if threads > 1 else None
+        )
 
     def describe(self, options: tuple[tuple[str, int], ...] = ()) -> dict[str, Any]:
         """The processor's class, backend and the size options in force with ``options``."""
