@@ -40,7 +40,7 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -70,40 +70,63 @@ def image_bytes(side: int, seed: int) -> bytes:
     return out.getvalue()
 
 
-def build_model(directory: Path, arch: str, *, small: bool) -> tuple[str, int]:
+@dataclass(frozen=True)
+class Costs:
+    """Multiply-adds of the model, from its parameter counts: per token through the language
+    model's layers (``backbone``), per scored token in the LM head (``head``), per patch
+    through the vision tower and its projector (``patch``)."""
+
+    params: int
+    backbone: float
+    head: float
+    patch: float
+
+
+def build_model(directory: Path, arch: str, *, small: bool) -> tuple[str, Costs]:
     """A random ``arch`` (``qwen2_5_vl`` or ``smolvlm``, about 250M parameters; ``small``: a
-    smoke-run size) and its image processor saved in ``directory``; returns the path and the
-    parameter count."""
+    smoke-run size) and its image processor saved in ``directory``; returns the path and its
+    ``Costs``."""
     model, processor = _smolvlm(small) if arch == "smolvlm" else _qwen2_5_vl(small)
     model.save_pretrained(directory)
     processor.save_pretrained(directory)
-    return str(directory), sum(p.numel() for p in model.parameters())
+    inner = model.model
+    towers = [getattr(inner, n, None) for n in ("visual", "vision_model", "connector")]
+    vision = sum(p.numel() for t in towers if t is not None for p in t.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    embed = model.get_input_embeddings().weight.numel()
+    head = model.get_output_embeddings().weight.numel()
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    backbone = total - vision - embed - (0 if tied else head)
+    return str(directory), Costs(total, float(backbone), float(head), float(vision))
 
 
 def _qwen2_5_vl(small: bool) -> tuple[Any, Any]:
-    """Qwen2.5-VL: a 12-layer text model of width 768 and a 12-layer vision tower (448 x 448:
-    256 image tokens)."""
+    """Qwen2.5-VL in the proportions of the released 3B: a 14-layer text model of width 1024
+    (tied embeddings) and an 8-layer vision tower of width 640 (448 x 448: 256 image tokens)."""
     from transformers import Qwen2_5_VLConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
-    width, layers, vision_layers = (64, 2, 2) if small else (768, 12, 12)
-    heads = width // 64
+    # the proportions of the released 3B: a tower of about a fifth of the language model
+    width, layers, vision_width, vision_layers = (64, 2, 64, 2) if small else (1024, 14, 640, 8)
     text = {
-        "vocab_size": 32000, "hidden_size": width, "intermediate_size": width * 8 // 3,
-        "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": max(1, heads // 3), "max_position_embeddings": 8192,
+        "vocab_size": 32000, "hidden_size": width, "intermediate_size": width * 11 // 4,
+        "num_hidden_layers": layers, "num_attention_heads": width // 64,
+        "num_key_value_heads": max(1, width // 256), "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
         "rope_parameters": {"rope_type": "default", "mrope_section": [8, 12, 12],
                             "rope_theta": 1000000.0},
     }  # fmt: skip
     vision = {
-        "depth": vision_layers, "hidden_size": width, "num_heads": heads,
-        "intermediate_size": width * 4, "out_hidden_size": width, "patch_size": 14,
+        "depth": vision_layers, "hidden_size": vision_width, "num_heads": vision_width // 64,
+        "intermediate_size": vision_width * 4, "out_hidden_size": width, "patch_size": 14,
         "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
         "fullatt_block_indexes": [vision_layers // 2 - 1, vision_layers - 1],
     }  # fmt: skip
-    config: Any = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **VLM_TOKENS)
+    config: Any = cast(Any, Qwen2_5_VLConfig)(
+        text_config=text, vision_config=vision, tie_word_embeddings=True, **VLM_TOKENS
+    )
     pixels = 28 * 28
     processor = Qwen2VLImageProcessorPil(
         patch_size=14, min_pixels=4 * pixels, max_pixels=256 * pixels
@@ -149,6 +172,14 @@ def image_run(arch: str, side: int) -> list[int]:
     return [START, *[IMAGE] * ((side // 28) ** 2), END]
 
 
+def patches(arch: str, side: int) -> int:
+    """Vision-tower patches of a ``side x side`` image: Qwen's 14-pixel patches (a still image
+    is one temporal patch), SmolVLM's 16-pixel ones of its 512 x 512 tile."""
+    if arch == "smolvlm":
+        return (SMOL_SIDE // 16) ** 2
+    return (side // 14) ** 2
+
+
 @dataclass
 class VisionWorkload:
     """Jobs of one shape: per group its files, prompt and sequences (each with its images)."""
@@ -156,6 +187,15 @@ class VisionWorkload:
     name: str
     groups: list[tuple[list[bytes], list[int], list[tuple[list[int], list[int]]]]]
     unique: int
+    scored: int  # completion tokens scored (image tokens never are)
+    patches: int  # vision-tower patches of the distinct images
+
+    def flop_bound(self, costs: Costs) -> float:
+        """Speed-up bound of sharing: every token through the backbone against the unique
+        ones; the LM head (every scored token) and the vision tower (each distinct image once,
+        on both sides) the same."""
+        fixed = self.scored * costs.head + self.patches * costs.patch
+        return (self.total * costs.backbone + fixed) / (self.unique * costs.backbone + fixed)
 
     @property
     def total(self) -> int:
@@ -196,8 +236,16 @@ def make_workloads(arch: str, n_groups: int, vocab: int, seed: int = 0) -> list[
     p = len(grpo[0][1])
     tool = len(image_run(arch, TOOL))
     return [
-        VisionWorkload("grpo", grpo, n_groups * (p + G * C)),
-        VisionWorkload("agent", agent, n_groups * (p + G * (C + tool))),
+        VisionWorkload(
+            "grpo", grpo, n_groups * (p + G * C), n_groups * G * C, n_groups * patches(arch, SIDE)
+        ),
+        VisionWorkload(
+            "agent",
+            agent,
+            n_groups * (p + G * (C + tool)),
+            n_groups * G * C,
+            n_groups * (patches(arch, SIDE) + G * patches(arch, TOOL)),
+        ),
     ]
 
 
@@ -239,6 +287,7 @@ def run_workload(
         "total_tokens": work.total,
         "unique_tokens": work.unique,
         "token_bound": work.total / work.unique,
+        "flop_bound": work.flop_bound(args.costs),
         "forward_off": max(sides["off"].forward),
         "forward_on": max(sides["auto"].forward),
         "tower_images_off": max(towers["off"]),
@@ -254,20 +303,24 @@ def run_workload(
 def print_table(rows: list[dict[str, Any]]) -> None:
     """The figures, one line per workload."""
     print(
-        f"{'model':<12}{'workload':<10}{'total':>7}{'unique':>8}{'bound':>7}{'fwd off':>9}"
+        f"{'model':<12}{'workload':<10}{'total':>7}{'unique':>8}{'tokens':>7}{'flops':>6}"
+        f"{'fwd off':>9}"
         f"{'fwd on':>8}"
         f"{'img off':>9}{'img on':>8}{'off s':>8}{'on s':>8}{'x':>6}{'RSS off':>9}{'RSS on':>8}"
     )
     for r in rows:
         print(
             f"{r['model']:<12}{r['workload']:<10}{r['total_tokens']:>7}{r['unique_tokens']:>8}"
-            f"{r['token_bound']:>7.2f}{r['forward_off']:>9.0f}{r['forward_on']:>8.0f}"
+            f"{r['token_bound']:>7.2f}{r['flop_bound']:>6.2f}"
+            f"{r['forward_off']:>9.0f}{r['forward_on']:>8.0f}"
             f"{r['tower_images_off']:>9.0f}{r['tower_images_on']:>8.0f}{r['time_off_s']:>8.2f}"
             f"{r['time_on_s']:>8.2f}{r['speedup']:>6.2f}{r['peak_rss_off_mib']:>9.0f}"
             f"{r['peak_rss_on_mib']:>8.0f}"
         )
     print(
-        "bound: total / unique tokens (the text alone); img: vision-tower images per pass; "
+        "tokens: total / unique tokens (the bound of the text alone); flops: the bound with the "
+        "LM head and the vision tower (each image once on both sides); img: vision-tower images "
+        "per pass; "
         "x: off / on median time; RSS: VmHWM in MiB"
     )
 
@@ -288,13 +341,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.groups, args.rounds = 1, 1
     rows = []
-    sizes = {}
+    sizes: dict[str, Costs] = {}
     with (
         redis_url_or_embedded(args.redis_url) as url,
         tempfile.TemporaryDirectory(prefix="bench-vision-") as tmp,
     ):
         for arch in args.arch or ARCHS:
             path, sizes[arch] = build_model(Path(tmp) / arch, arch, small=args.quick)
+            args.costs = sizes[arch]
             vocab = 49152 if arch == "smolvlm" else 32000
             for work in make_workloads(arch, args.groups, vocab):
                 if args.only and work.name not in args.only:
@@ -302,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 row = run_workload(url, path, work, args, Path(tmp))
                 rows.append({"model": arch, **row})
                 print(f"{arch} {work.name}: done", flush=True)
-    models = ", ".join(f"{a} {n / 1e6:.0f}M parameters" for a, n in sizes.items())
+    models = ", ".join(f"{a} {c.params / 1e6:.0f}M parameters" for a, c in sizes.items())
     print(
         f"\nvision group scoring: random {models}, float32, {args.groups} groups per workload, "
         f"median of {args.rounds} rounds, --threads {args.threads}"
