@@ -31,13 +31,13 @@ from worker.executor.head.hidden import head_info
 from worker.executor.head.tiles import lm_head_path
 from worker.executor.kvcache import KVGuard
 from worker.executor.memory import device_total_bytes, read_peak, reset_peak
-from worker.executor.rewards.pooling import RewardAdapter, backbone_of
+from worker.executor.rewards.pooling import HiddenStateRewardAdapter, RewardAdapter, backbone_of
 from worker.executor.rewards.surface import merge_outputs, resolve_head, reward_surface
 from worker.executor.selfcheck import allowed_layouts
 from worker.executor.student import students
 from worker.executor.tree.check import sharing_check
-from worker.executor.vision.check import checked_intake
-from worker.executor.vision.intake import plan_images
+from worker.executor.vision.check import checked_intake, reward_check
+from worker.executor.vision.intake import RewardImages, plan_images, reward_images
 from worker.executor.vision.processor import image_processor_for
 from worker.executor.weights.loading import (
     load_models,
@@ -66,7 +66,8 @@ class StatelessExecutor(DirectScoring):
     through ``reward_adapter``; with an adapter and no reward model, the reference model is used
     (one model, both surfaces). Implements ``worker.scorer.Scorer``. ``forward_type`` builds
     what runs the batches (a tensor-parallel executor, ``worker.executor.parallel``, sets its own).
-    ``image_processor``: a vision-language reference model's own (``worker.executor.vision``).
+    ``image_processor``: a vision-language reference model's own (``worker.executor.vision``);
+    ``reward_image_processor``: a separate image-text reward model's own.
     """
 
     forward_type: Callable[..., BatchForward] = BatchForward
@@ -84,6 +85,7 @@ class StatelessExecutor(DirectScoring):
         tokenizers: tuple[Any, Any] | None = None,
         startup_seconds: dict[str, float] | None = None,
         image_processor: Any = None,
+        reward_image_processor: Any = None,
     ) -> None:
         if reference_model is None and reward_model is None:
             raise ConfigError("StatelessExecutor needs a reference_model or a reward_model")
@@ -138,6 +140,14 @@ class StatelessExecutor(DirectScoring):
             forward, image_processor, config, packed=packed, unmasked=unmasked,
             sharing=self._runner.share_min > 0, backend=backend,
         )  # images, their path and layouts checked  # fmt: skip
+        self._reward_images = (
+            RewardImages(self._vision, shared=True)
+            if self.reward_model is not None and self.reward_model is self.reference_model
+            and isinstance(reward_adapter, HiddenStateRewardAdapter)
+            else reward_images(self.reward_model, reward_adapter, reward_image_processor, config)
+        )  # fmt: skip
+        if not self._reward_images.shared and self._reward_images.intake is not None:
+            self._runner.reward_vision = reward_check(forward, self._reward_images, config)
         self._head, self._tokenizer = head_info(ref, forward.transform), (tokenizers or [None])[0]
         # per-job adapters and versions (docs/models.md); None: base weights only
         self._weights = (
@@ -196,6 +206,7 @@ class StatelessExecutor(DirectScoring):
             config, ref, rew, reward_adapter=reward_adapter, model_name=reference_model,
             reward_model_name=reward_model, weights=weights, tokenizers=tokenizers,
             startup_seconds=timings, image_processor=image_processor_for(ref, reference_model),
+            reward_image_processor=reward_processor_for(rew, reward_model, ref),
         )  # fmt: skip
 
     def _on_load_fallback(self, event: FallbackEvent) -> None:
@@ -280,7 +291,16 @@ class StatelessExecutor(DirectScoring):
             "transformers": transformers.__version__,
             **(self._rewards.info() if self.reward_model is not None else {}),
             **({"vision": {**vision.info, **self._runner.vision.describe()}} if vision else {}),
+            **self._reward_vision_info(),
         }
+
+    def _reward_vision_info(self) -> dict[str, Any]:
+        """``reward_vision``: a separate image-text reward model's processor and layouts
+        (nothing when it takes no images, or reads the reference model's hidden states)."""
+        reward = self._reward_images
+        if reward.intake is None or reward.shared:
+            return {}
+        return {"reward_vision": {**reward.intake.info, **self._runner.images("reward").describe()}}
 
     def close(self) -> None:
         """Detach the executor's hooks from the models (they stay usable elsewhere)."""
@@ -305,7 +325,7 @@ class StatelessExecutor(DirectScoring):
             self._rewards, seqs, mode, options, vocab=self.vocab_size, limit=self.max_positions
         )
         self._weights.check(options) if self._weights is not None else refuse(options)
-        plan = plan_images(self._vision, request, plan, self.reward_model)  # checked, positioned
+        plan = plan_images(self._vision, request, plan, self._reward_images)  # checked, placed
         cost = self._runner.cost(plan)  # tokens through the backbone: shared prefixes once
         return Prepared(replace(request, seqs=tuple(seqs)), mode, temp, plan, cost)
 
@@ -358,6 +378,18 @@ class StatelessExecutor(DirectScoring):
     def _plans_differ(self, other: StatelessExecutor) -> bool:
         """Whether a plan made by ``other`` may not hold here (another vocabulary or length)."""
         return (self.vocab_size, self.max_positions) != (other.vocab_size, other.max_positions)
+
+
+def reward_processor_for(model: Any, name_or_path: str | None, reference: Any) -> Any:
+    """The image processor of a separate image-text reward ``model`` (``None`` when it is the
+    reference model, text-only, or its checkpoint has none: it then scores text only)."""
+    if model is None or model is reference:
+        return None
+    try:
+        return image_processor_for(model, name_or_path)
+    except ConfigError as exc:
+        log.warning("reward model without an image processor scores text only: %s", exc)
+        return None
 
 
 def _base_weights(request: ScoreRequest) -> ScoreRequest:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from worker.errors import ConfigError
 from worker.executor.config import ExecutorConfig, Layout
 from worker.executor.head.hidden import HIDDEN_TORCH, head_request, host_array
 from worker.executor.head.logprobs import chunked_token_logps, logit_transform_for
@@ -99,6 +100,11 @@ class BatchForward:
         self.out_dtype = np.float64 if config.output_dtype == "float64" else np.float32
         #: The served vision-language reference model (``None``: text-only).
         self.vision = vision_model(reference_model) if reference_model is not None else None
+        #: The reward model's (the reference's when one model serves both; ``None``: it takes
+        #: no images).
+        self.reward_vision = (
+            self.vision if reward_model is reference_model else reward_vision(reward_model)
+        )
         found = [m for m in (reference_model, reward_model) if m is not None]
         #: Distinct models served (the same object twice counts once).
         self.models: tuple[Any, ...] = tuple({id(m): m for m in found}.values())
@@ -145,9 +151,17 @@ class BatchForward:
         else:
             order = list(range(len(seqs)))
             batch = pad_unmasked(ids, group) if layout == "unmasked" else pad(ids, group)
-        batch = with_images(self.vision, batch, [seqs[j] for j in order]).to(self.device)
-        tower = tower_inputs(self.reference_model, batch, self.device, features)
+        vlm, model = self._reader(mode)
+        batch = with_images(vlm, batch, [seqs[j] for j in order]).to(self.device)
+        tower = tower_inputs(model, batch, self.device, features)
         return self._run(batch, seqs, order, mode, temp, options, tower)
+
+    def _reader(self, mode: Mode) -> tuple[Any, Any]:
+        """The ``VisionModel`` (or ``None``) and the model whose layout and vision tower a
+        ``mode`` batch takes: the reward model's for ``reward``, else the reference's."""
+        if mode == "reward":
+            return self.reward_vision, self.reward_model
+        return self.vision, self.reference_model
 
     def compute_tree(
         self,
@@ -171,9 +185,10 @@ class BatchForward:
         batch, order = tree_batch([s.ids for s in seqs], rows, group)
         seen = windows if windows is not None else []
         batch = replace(batch, tree=replace(batch.tree, kernel=kernel, windows=seen))  # type: ignore[type-var]
-        batch = with_images(self.vision, batch, [seqs[j] for j in order]).to(self.device)
+        vlm, model = self._reader(mode)
+        batch = with_images(vlm, batch, [seqs[j] for j in order]).to(self.device)
         # the tower on the model's own attention, before the switch
-        tower = tower_inputs(self.reference_model, batch, self.device, features)
+        tower = tower_inputs(model, batch, self.device, features)
         with tree_backend(self.models):
             return self._run(batch, seqs, order, mode, temp, options, tower)
 
@@ -204,7 +219,7 @@ class BatchForward:
             elif mode in REWARD_MODES and self.reward_adapter is not None:
                 assert self.reward_model is not None
                 if rewarded is None:
-                    rewarded = self.reward_adapter(self.reward_model, batch)
+                    rewarded = self._rewards(batch, extra if mode == "reward" else {})
                 for k, j in enumerate(order):
                     scores[j].reward = float(rewarded.rewards[k])
                     if rewarded.token_scores is not None:
@@ -216,6 +231,17 @@ class BatchForward:
         return Computed(
             scores=scores, slot_tokens=slots, vision_images=int(seen[0]), vision_s=float(seen[1])
         )
+
+    def _rewards(self, batch: ForwardBatch, extra: dict[str, Any]) -> RewardOutput:
+        """The reward adapter over ``batch``; with image inputs ``extra`` (the reward model's
+        ``mm_encoder_outputs``, token types), its backbone's hidden states pooled by the
+        adapter (``from_hidden``: intake sends images only to a ``HiddenStateRewardAdapter``)."""
+        adapter, model = self.reward_adapter, self.reward_model
+        assert adapter is not None
+        if not extra:
+            return adapter(model, batch)
+        assert isinstance(adapter, HiddenStateRewardAdapter)
+        return adapter.from_hidden(model, batch, backbone_hidden(model, batch, **extra))
 
     def _steps(
         self,
@@ -353,6 +379,17 @@ class BatchForward:
     def _host(self, values: torch.Tensor) -> np.ndarray:
         """A result tensor as a host array of the configured output dtype."""
         return values.cpu().numpy().astype(self.out_dtype, copy=False)
+
+
+def reward_vision(model: Any) -> Any:
+    """The ``VisionModel`` of a reward ``model`` served with images, ``None`` for a text-only
+    one or an image-text class not served with images (it still scores text)."""
+    if model is None:
+        return None
+    try:
+        return vision_model(model)
+    except ConfigError:
+        return None
 
 
 def _f32(head: Any) -> bool:
