@@ -31,13 +31,13 @@ from worker.executor.head.hidden import head_info
 from worker.executor.head.tiles import lm_head_path
 from worker.executor.kvcache import KVGuard
 from worker.executor.memory import device_total_bytes, read_peak, reset_peak
-from worker.executor.rewards.pooling import HiddenStateRewardAdapter, RewardAdapter, backbone_of
+from worker.executor.rewards.pooling import RewardAdapter, backbone_of
 from worker.executor.rewards.surface import merge_outputs, resolve_head, reward_surface
 from worker.executor.selfcheck import allowed_layouts
 from worker.executor.student import students
 from worker.executor.tree.check import sharing_check
-from worker.executor.vision.check import checked_intake, reward_check
-from worker.executor.vision.intake import RewardImages, plan_images, reward_images
+from worker.executor.vision.check import checked_intake, checked_reward
+from worker.executor.vision.intake import plan_images
 from worker.executor.vision.processor import image_processor_for
 from worker.executor.weights.loading import (
     load_models,
@@ -66,8 +66,7 @@ class StatelessExecutor(DirectScoring):
     through ``reward_adapter``; with an adapter and no reward model, the reference model is used
     (one model, both surfaces). Implements ``worker.scorer.Scorer``. ``forward_type`` builds
     what runs the batches (a tensor-parallel executor, ``worker.executor.parallel``, sets its own).
-    ``image_processor``: a vision-language reference model's own (``worker.executor.vision``);
-    ``reward_image_processor``: a separate image-text reward model's own.
+    ``image_processor`` / ``reward_image_processor``: a vision-language model's own (``vision``).
     """
 
     forward_type: Callable[..., BatchForward] = BatchForward
@@ -140,27 +139,16 @@ class StatelessExecutor(DirectScoring):
             forward, image_processor, config, packed=packed, unmasked=unmasked,
             sharing=self._runner.share_min > 0, backend=backend,
         )  # images, their path and layouts checked  # fmt: skip
-        self._reward_images = (
-            RewardImages(self._vision, shared=True)
-            if self.reward_model is not None and self.reward_model is self.reference_model
-            and isinstance(reward_adapter, HiddenStateRewardAdapter)
-            else reward_images(self.reward_model, reward_adapter, reward_image_processor, config)
-        )  # fmt: skip
-        if not self._reward_images.shared and self._reward_images.intake is not None:
-            self._runner.reward_vision = reward_check(forward, self._reward_images, config)
+        self._reward_images, self._runner.reward_vision = checked_reward(
+            forward, self._vision, reward_image_processor, config
+        )  # a reward model's own images, checked; or why it takes none
         self._head, self._tokenizer = head_info(ref, forward.transform), (tokenizers or [None])[0]
         # per-job adapters and versions (docs/models.md); None: base weights only
         self._weights = (
-            WeightsRouter(
-                weights,
-                forward.models,
-                kind="causal" if self.reference_model is not None else "reward",
-                device=self.device,
-                build=self._version_executor,
-            )
-            if weights is not None and weights.enabled
-            else None
-        )
+            WeightsRouter(weights, forward.models, device=self.device, build=self._version_executor,
+                          kind="causal" if self.reference_model is not None else "reward")
+            if weights is not None and weights.enabled else None
+        )  # fmt: skip
         log.info("executor ready: %s", self.info)
 
     def _version_executor(self, model: nn.Module) -> StatelessExecutor:
@@ -291,16 +279,8 @@ class StatelessExecutor(DirectScoring):
             "transformers": transformers.__version__,
             **(self._rewards.info() if self.reward_model is not None else {}),
             **({"vision": {**vision.info, **self._runner.vision.describe()}} if vision else {}),
-            **self._reward_vision_info(),
+            **self._reward_images.info(self._runner.reward_vision),
         }
-
-    def _reward_vision_info(self) -> dict[str, Any]:
-        """``reward_vision``: a separate image-text reward model's processor and layouts
-        (nothing when it takes no images, or reads the reference model's hidden states)."""
-        reward = self._reward_images
-        if reward.intake is None or reward.shared:
-            return {}
-        return {"reward_vision": {**reward.intake.info, **self._runner.images("reward").describe()}}
 
     def close(self) -> None:
         """Detach the executor's hooks from the models (they stay usable elsewhere)."""

@@ -112,6 +112,12 @@ class TreeForward:
 Forward = list[int] | TreeForward
 
 
+def layouts_for(vision: ImageLayouts, reward: ImageLayouts | None, mode: Mode) -> ImageLayouts:
+    """The layouts image sequences of a ``mode`` call run in: the reward model's (``reward``)
+    for a ``reward`` call when it has its own, else the reference model's (``vision``)."""
+    return reward if mode == "reward" and reward is not None else vision
+
+
 class BatchRunner:
     """Runs the batches of ``score`` calls on ``forward`` (see the module docstring).
 
@@ -164,21 +170,14 @@ class BatchRunner:
             rest = leftover(len(call.prepared), forwards) if trees else None
         return trees + list(self._plan_layout(call, rest))
 
-    def images(self, mode: Mode) -> ImageLayouts:
-        """The layouts image sequences of a ``mode`` call run in: the reward model's for a
-        ``reward`` call (when it has its own), else the reference model's (``vision``)."""
-        reward = self.reward_vision
-        return reward if mode == "reward" and reward is not None else self.vision
-
     def _groups(self, seqs: Sequence[PreparedSequence], mode: Mode) -> list[SharedGroup]:
-        """The prefix trees of ``seqs`` (none when sharing is off, or for image sequences
-        when their tree rows are not served: ``images``); an image's tokens are compared by
-        the image they show (``vision.layout.share_keys``)."""
+        """The prefix trees of ``seqs`` (none when sharing is off, or for the image sequences of
+        a ``mode`` call not served in tree rows); images compared by content (``share_keys``)."""
         if not self.share_min or len(seqs) < 2:
             return []
         if not any(s.vision is not None for s in seqs):
             return shared_groups([s.ids for s in seqs], self.share_min)
-        layouts = self.images(mode)
+        layouts = layouts_for(self.vision, self.reward_vision, mode)
         if not layouts.tree:
             return []
         return image_share_groups(seqs, self.share_min, layouts.image_token)
@@ -208,10 +207,9 @@ class BatchRunner:
 
     def _allowed(self, layout: Layout, seqs: Sequence[PreparedSequence], mode: Mode) -> Layout:
         """``layout`` for ``seqs`` of a ``mode`` call; with image sequences among them, masked
-        padded buckets unless the image check allowed ``layout`` for them (``images``)."""
-        images = any(s.vision is not None for s in seqs)
-        allowed = getattr(self.images(mode), layout, False)
-        return "padded" if images and not allowed else layout
+        padded buckets unless the image check allowed ``layout`` for them (``layouts_for``)."""
+        allowed = getattr(layouts_for(self.vision, self.reward_vision, mode), layout, False)
+        return "padded" if not allowed and any(s.vision is not None for s in seqs) else layout
 
     def run_group(self, group: Forward, call: ScoreCall) -> None:
         """Run one planned batch into ``call``; on device OOM split it in halves.

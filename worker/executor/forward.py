@@ -100,11 +100,8 @@ class BatchForward:
         self.out_dtype = np.float64 if config.output_dtype == "float64" else np.float32
         #: The served vision-language reference model (``None``: text-only).
         self.vision = vision_model(reference_model) if reference_model is not None else None
-        #: The reward model's (the reference's when one model serves both; ``None``: it takes
-        #: no images).
-        self.reward_vision = (
-            self.vision if reward_model is reference_model else reward_vision(reward_model)
-        )
+        same = reward_model is reference_model  # one model: the reference's ``VisionModel``
+        self.reward_vision = self.vision if same else vision_of(reward_model)  # reward batches'
         found = [m for m in (reference_model, reward_model) if m is not None]
         #: Distinct models served (the same object twice counts once).
         self.models: tuple[Any, ...] = tuple({id(m): m for m in found}.values())
@@ -157,8 +154,7 @@ class BatchForward:
         return self._run(batch, seqs, order, mode, temp, options, tower)
 
     def _reader(self, mode: Mode) -> tuple[Any, Any]:
-        """The ``VisionModel`` (or ``None``) and the model whose layout and vision tower a
-        ``mode`` batch takes: the reward model's for ``reward``, else the reference's."""
+        """The ``VisionModel`` and the model a ``mode`` batch is laid out for (reward or not)."""
         if mode == "reward":
             return self.reward_vision, self.reward_model
         return self.vision, self.reference_model
@@ -219,7 +215,7 @@ class BatchForward:
             elif mode in REWARD_MODES and self.reward_adapter is not None:
                 assert self.reward_model is not None
                 if rewarded is None:
-                    rewarded = self._rewards(batch, extra if mode == "reward" else {})
+                    rewarded = pooled(self.reward_adapter, self.reward_model, batch, extra, mode)
                 for k, j in enumerate(order):
                     scores[j].reward = float(rewarded.rewards[k])
                     if rewarded.token_scores is not None:
@@ -231,17 +227,6 @@ class BatchForward:
         return Computed(
             scores=scores, slot_tokens=slots, vision_images=int(seen[0]), vision_s=float(seen[1])
         )
-
-    def _rewards(self, batch: ForwardBatch, extra: dict[str, Any]) -> RewardOutput:
-        """The reward adapter over ``batch``; with image inputs ``extra`` (the reward model's
-        ``mm_encoder_outputs``, token types), its backbone's hidden states pooled by the
-        adapter (``from_hidden``: intake sends images only to a ``HiddenStateRewardAdapter``)."""
-        adapter, model = self.reward_adapter, self.reward_model
-        assert adapter is not None
-        if not extra:
-            return adapter(model, batch)
-        assert isinstance(adapter, HiddenStateRewardAdapter)
-        return adapter.from_hidden(model, batch, backbone_hidden(model, batch, **extra))
 
     def _steps(
         self,
@@ -381,7 +366,20 @@ class BatchForward:
         return values.cpu().numpy().astype(self.out_dtype, copy=False)
 
 
-def reward_vision(model: Any) -> Any:
+def pooled(
+    adapter: RewardAdapter, model: Any, batch: ForwardBatch, extra: dict[str, Any], mode: Mode
+) -> RewardOutput:
+    """``adapter``'s rewards of reward ``model`` over ``batch``; a ``reward`` batch's image
+    inputs ``extra`` (the reward model's ``mm_encoder_outputs``, token types) reach its backbone
+    and its hidden states are pooled (``from_hidden``: intake sends images only to a
+    ``HiddenStateRewardAdapter``)."""
+    if not extra or mode != "reward":
+        return adapter(model, batch)
+    assert isinstance(adapter, HiddenStateRewardAdapter)
+    return adapter.from_hidden(model, batch, backbone_hidden(model, batch, **extra))
+
+
+def vision_of(model: Any) -> Any:
     """The ``VisionModel`` of a reward ``model`` served with images, ``None`` for a text-only
     one or an image-text class not served with images (it still scores text)."""
     if model is None:

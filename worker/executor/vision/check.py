@@ -34,7 +34,7 @@ import torch
 from worker.errors import ConfigError
 from worker.executor.forward import BatchForward
 from worker.executor.packing import pad
-from worker.executor.rewards.pooling import backbone_of
+from worker.executor.rewards.pooling import HiddenStateRewardAdapter, backbone_of
 from worker.executor.tree.check import kernel_for
 from worker.executor.vision.arch import VisionModel
 from worker.executor.vision.decode import Decoded
@@ -42,6 +42,7 @@ from worker.executor.vision.intake import (
     RewardImages,
     VisionIntake,
     check_sequence,
+    reward_images,
     rope_positions,
     vision_intake,
 )
@@ -215,8 +216,8 @@ def _tree_scores(
     out = list(got.scores)
     for i, seq in enumerate(seqs):
         if i not in members:
-            out[i] = forward.compute([seq], [i], "reference", 1.0, layout="padded", row_tokens=0)
-            out[i] = out[i].scores[0]
+            alone = forward.compute([seq], [i], "reference", 1.0, layout="padded", row_tokens=0)
+            out[i] = alone.scores[0]
     return out
 
 
@@ -253,6 +254,21 @@ def checked_intake(
     return intake, layout_check(
         forward, intake, packed=packed, unmasked=unmasked, sharing=sharing, backend=backend
     )
+
+
+def checked_reward(
+    forward: BatchForward, reference: VisionIntake | None, processor: object, config: object
+) -> tuple[RewardImages, ImageLayouts | None]:
+    """How the forward's reward model takes images (``intake.RewardImages``) and the layouts of
+    its image sequences (``None``: the reference's): the ``reference`` intake when one model
+    serves both through a hidden-state adapter, else its own with ``processor``, checked
+    (``reward_check``)."""
+    model, adapter = forward.reward_model, forward.reward_adapter
+    shared = model is not None and model is forward.reference_model
+    if shared and isinstance(adapter, HiddenStateRewardAdapter):
+        return RewardImages(reference, shared=True), None
+    reward = reward_images(model, adapter, processor, config)
+    return reward, (reward_check(forward, reward, config) if reward.intake is not None else None)
 
 
 REWARD_LAYOUTS_OFF = "the reward model's image sequences run in padded buckets only"

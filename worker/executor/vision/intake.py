@@ -16,6 +16,14 @@ Positions: for Qwen, ``get_rope_index`` of the model on the sequence alone (its
 ``mm_token_type_ids`` from the image-token runs), the 3-row mRoPE positions the model computes
 for that sequence (``rope_deltas``, the model's cached state, is never read); for LLaVA and
 Gemma-3 ``0 .. L-1``. The forward always passes them.
+
+Each call of a plan is checked by the intake of the model that reads it (``plan_images``): the
+reference model's for ``reference`` calls, the reward model's own for ``reward`` calls
+(``RewardImages``: a ``Gemma3ForSequenceClassification`` or a VLM read through a hidden-state
+adapter, with its own processor), the reference's for a ``both`` call of one model; a ``both``
+call with images over two models is split into a ``reference`` and a ``reward`` call. A reward
+model that takes no images (text-only, or read by an adapter that pools no hidden states) makes
+a job with images in ``reward`` / ``both`` mode a ``BadRequest`` naming it.
 """
 
 from __future__ import annotations
@@ -191,6 +199,14 @@ class RewardImages:
     intake: VisionIntake | None = None
     shared: bool = False
     why: str = "this worker serves no reward model"
+
+    def info(self, layouts: Any) -> dict[str, Any]:
+        """``reward_vision`` of results' ``info``: a separate image-text reward model's
+        processor and its ``layouts`` (``ImageLayouts``); nothing when it takes no images or
+        reads the reference model's hidden states."""
+        if self.intake is None or self.shared or layouts is None:
+            return {}
+        return {"reward_vision": {**self.intake.info, **layouts.describe()}}
 
 
 def has_images(request: ScoreRequest) -> bool:
