@@ -17,7 +17,7 @@ from tests.support.vision_fixed import fixed_placeholder, fixed_reference, proce
 from worker.demo.tiny import tiny_fixed_vlm, tiny_vlm, tiny_vlm_reward
 from worker.errors import BadRequest
 from worker.executor import ExecutorConfig, StatelessExecutor
-from worker.executor.rewards.pooling import ValueHeadAdapter
+from worker.executor.rewards.pooling import SequenceClassificationAdapter, ValueHeadAdapter
 from worker.executor.vision import features
 from worker.request import Images, ScoreRequest, SequenceInput
 
@@ -114,20 +114,23 @@ def qwen_seqs(processor: Any) -> list[tuple[list[int], list[int]]]:
     return [([1, 2, *pa, 3, 4, 5], [0]), ([6, *pa, 7, *pb, 8, 9], [0, 1]), ([7, 8, 9, 10], [])]
 
 
+@pytest.mark.parametrize("packing", ["padded", "packed"])
 def test_one_qwen25_vl_serves_log_probs_and_a_value_head_in_one_forward(
-    monkeypatch: pytest.MonkeyPatch,
+    packing: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Qwen2.5-VL has no ``*ForSequenceClassification``: its reward is a value head on its last
     hidden states (``ValueHeadAdapter``, a ``HiddenStateRewardAdapter``); in ``mode="both"``
     one backbone forward gives log-probs and rewards, each equal to the model's own forward of
-    every sequence alone (mRoPE positions, its processor's output)."""
+    every sequence alone (mRoPE positions, its processor's output), in padded buckets and in
+    packed rows (4-row positions); ``mode="reward"`` gives the same rewards."""
     model, processor = tiny_vlm("qwen2_5_vl", seed=3)
     head = torch.nn.Linear(32, 1)
     torch.nn.init.normal_(head.weight, std=0.5, generator=torch.Generator().manual_seed(0))
+    config = ExecutorConfig(dtype="float32", mode="both", packing=packing)  # type: ignore[arg-type]
     ex = StatelessExecutor(
-        ExecutorConfig(dtype="float32", mode="both"), model,
-        reward_adapter=ValueHeadAdapter(head), image_processor=processor,
-    )  # fmt: skip
+        config, model, reward_adapter=ValueHeadAdapter(head), image_processor=processor
+    )
+    assert ex.layout == packing
     seqs = qwen_seqs(processor)
     prepared = ex.prepare(request_of(seqs, "both"))
     assert [c.mode for c in prepared.plan] == ["both"]
@@ -144,7 +147,10 @@ def test_one_qwen25_vl_serves_log_probs_and_a_value_head_in_one_forward(
     got = result.scores
     assert len(forwards) == result.metrics.forwards  # one backbone forward per batch, not two
     monkeypatch.undo()
-    for (tokens, refs), score in zip(seqs, got, strict=True):
+    if packing == "packed":
+        assert result.metrics.packed  # the image sequences ran in packed rows
+    alone = ex.run([ex.prepare(request_of(seqs, "reward"))]).scores
+    for k, ((tokens, refs), score) in enumerate(zip(seqs, got, strict=True)):
         want = scored(reference(model, processor, FILES, tokens, refs)["logps"], tokens)
         assert score.logps is not None and np.abs(score.logps - want).max() < 2e-5
         ids = torch.tensor([tokens])
@@ -162,6 +168,7 @@ def test_one_qwen25_vl_serves_log_probs_and_a_value_head_in_one_forward(
             ).last_hidden_state  # [1, L, H]
             want_reward = float(head(hidden[0, -1]))
         assert score.reward is not None and abs(score.reward - want_reward) < 2e-5
+        assert alone[k].reward is not None and abs(alone[k].reward - want_reward) < 2e-5
     ex.close()
 
 
@@ -202,4 +209,42 @@ def test_a_reward_placeholder_off_by_one_is_refused_naming_the_sequence(
     ]
     with pytest.raises(BadRequest, match=r"sequence 0: .* has 3 image tokens but the processor"):
         ex.prepare(request_of(short, "reward"))
+    ex.close()
+
+
+class CallOnly:
+    """A reward adapter that runs the model itself (no ``from_hidden``): the model's own head
+    over ``backbone_hidden`` without image inputs."""
+
+    token_level = False
+
+    def __call__(self, model: Any, batch: Any) -> Any:
+        return SequenceClassificationAdapter()(model, batch)
+
+
+def test_images_need_a_hidden_state_adapter_and_matching_counts_for_both_models(
+    gemma_rm: tuple[Any, Any],
+) -> None:
+    """An image-text reward model read by an adapter that runs the model itself cannot be given
+    the images (``bad_request`` naming both); in ``both`` mode the tokens are the same for the
+    two models, so a reward model whose processor counts other image tokens than the
+    reference's refuses the job naming the sequence and both counts."""
+    model, processor = gemma_rm
+    config = ExecutorConfig(dtype="float32", mode="reward", self_check=False)
+    ex = StatelessExecutor(
+        config, None, model, reward_adapter=CallOnly(), reward_image_processor=processor
+    )
+    why = "Gemma3ForSequenceClassification read through CallOnly"
+    with pytest.raises(BadRequest, match=why):
+        ex.prepare(request_of(gemma_seqs(model), "reward"))
+    ex.close()
+    ref, ref_processor = tiny_vlm("qwen2_vl", seed=2)
+    config = ExecutorConfig(dtype="float32", mode="both", self_check=False)
+    ex = StatelessExecutor(
+        config, ref, model, image_processor=ref_processor, reward_image_processor=processor
+    )
+    n, m = image_tokens(ref_processor, A), image_tokens(ref_processor, B)
+    qwen = [([1, 2, *placeholder(n), 3, 4], [0]), ([5, 6, *placeholder(m), 7], [1])]
+    with pytest.raises(BadRequest, match=rf"sequence 0: .* has {n} image tokens but .* makes 4"):
+        ex.prepare(request_of(qwen, "both"))
     ex.close()
