@@ -134,13 +134,15 @@ def test_job_options_and_pan_and_scan_are_refused(vlm: StatelessExecutor) -> Non
             StatelessExecutor(ExecutorConfig(dtype="float32"), model, image_processor=processor)
 
 
-def test_images_in_reward_mode_are_refused_with_the_reason() -> None:
+def test_images_for_a_text_reward_model_are_refused_with_the_reason() -> None:
+    """A Gemma-3 reference with a text-only reward model: a ``both`` job with images is
+    refused, naming the reward model (its reward would ignore the images)."""
     model, processor = tiny_fixed_vlm("gemma3")
     config = ExecutorConfig(dtype="float32", self_check=False)
     ex = StatelessExecutor(config, model, tiny_reward(), image_processor=processor)
     seq = SequenceInput([1, *fixed_placeholder(model, 4)], 1, images=(0,))
     request = ScoreRequest([seq], mode="both", images=Images((A,)))
-    why = r"image-text reward models \(Gemma3ForSequenceClassification, \.\.\.\) are not"
+    why = r"the reward model LlamaForSequenceClassification is text-only: it cannot read"
     with pytest.raises(BadRequest, match=why):
         ex.prepare(request)
 
@@ -165,10 +167,11 @@ def test_llava_keeping_cls_from_two_layers_counts_one_more_token() -> None:
         ex.prepare(ScoreRequest([short], images=Images((A,))))
 
 
-def test_an_image_text_reward_model_refuses_images_naming_itself() -> None:
-    """``Gemma3ForSequenceClassification`` as the reward model scores text; a job with images
-    is ``bad_request`` naming it (image-text reward models are not served with images)."""
-    model, _ = tiny_fixed_vlm("gemma3")
+def test_an_image_text_reward_model_scores_images_with_its_processor_only() -> None:
+    """``Gemma3ForSequenceClassification`` as the reward model scores text; with its image
+    processor it scores a job with images, without it the job is ``bad_request`` naming the
+    model and the processor it lacks."""
+    model, processor = tiny_fixed_vlm("gemma3")
     config = model.config
     config.num_labels, config.pad_token_id, config.text_config.pad_token_id = 1, 0, 0
     reward = random_model("Gemma3ForSequenceClassification", config, 1)
@@ -177,5 +180,11 @@ def test_an_image_text_reward_model_refuses_images_naming_itself() -> None:
     assert np.isfinite(ex.run([ex.prepare(text)]).scores[0].reward)
     seq = SequenceInput([1, *fixed_placeholder(model, 4), 2], 1, images=(0,))
     request = ScoreRequest([seq], mode="reward", images=Images((A,)))
-    with pytest.raises(BadRequest, match="image-text reward model Gemma3ForSequenceClassification"):
+    why = "image-text reward model Gemma3ForSequenceClassification: .*image processor"
+    with pytest.raises(BadRequest, match=why):
         ex.prepare(request)
+    served = StatelessExecutor(
+        ExecutorConfig(dtype="float32", mode="reward"), None, reward,
+        reward_image_processor=processor,
+    )  # fmt: skip
+    assert np.isfinite(served.run([served.prepare(request)]).scores[0].reward)

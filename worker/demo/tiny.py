@@ -280,6 +280,24 @@ def tiny_fixed_vlm(arch: str = "llava", seed: int = 0) -> tuple[Any, Any]:
     return random_model("Gemma3ForConditionalGeneration", config, seed), processor
 
 
+def tiny_vlm_reward(seed: int = 1) -> tuple[Any, Any]:
+    """A tiny random ``Gemma3ForSequenceClassification`` (``tiny_fixed_vlm("gemma3")``'s
+    config, one label, pad id 0) and its image processor."""
+    model, processor = tiny_fixed_vlm("gemma3", seed)
+    config = model.config
+    config.num_labels, config.pad_token_id, config.text_config.pad_token_id = 1, 0, 0
+    return random_model("Gemma3ForSequenceClassification", config, seed), processor
+
+
+def save_tiny_vlm_reward(directory: str | Path, seed: int = 1) -> Path:
+    """``tiny_vlm_reward`` saved with ``save_pretrained`` (model and its image processor)."""
+    model, processor = tiny_vlm_reward(seed)
+    path = Path(directory)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
 def _tiled_processor(smol: bool) -> Any:
     """SmolVLM's or Idefics3's image processor (PIL) for 28 x 28 images, image splitting off."""
     from transformers.models.idefics3.image_processing_pil_idefics3 import (

@@ -36,7 +36,7 @@ from worker.executor.rewards.surface import merge_outputs, resolve_head, reward_
 from worker.executor.selfcheck import allowed_layouts
 from worker.executor.student import students
 from worker.executor.tree.check import sharing_check
-from worker.executor.vision.check import checked_intake
+from worker.executor.vision.check import checked_intake, checked_reward
 from worker.executor.vision.intake import plan_images
 from worker.executor.vision.processor import image_processor_for
 from worker.executor.weights.loading import (
@@ -66,7 +66,7 @@ class StatelessExecutor(DirectScoring):
     through ``reward_adapter``; with an adapter and no reward model, the reference model is used
     (one model, both surfaces). Implements ``worker.scorer.Scorer``. ``forward_type`` builds
     what runs the batches (a tensor-parallel executor, ``worker.executor.parallel``, sets its own).
-    ``image_processor``: a vision-language reference model's own (``worker.executor.vision``).
+    ``image_processor`` / ``reward_image_processor``: a vision-language model's own (``vision``).
     """
 
     forward_type: Callable[..., BatchForward] = BatchForward
@@ -84,6 +84,7 @@ class StatelessExecutor(DirectScoring):
         tokenizers: tuple[Any, Any] | None = None,
         startup_seconds: dict[str, float] | None = None,
         image_processor: Any = None,
+        reward_image_processor: Any = None,
     ) -> None:
         if reference_model is None and reward_model is None:
             raise ConfigError("StatelessExecutor needs a reference_model or a reward_model")
@@ -138,19 +139,16 @@ class StatelessExecutor(DirectScoring):
             forward, image_processor, config, packed=packed, unmasked=unmasked,
             sharing=self._runner.share_min > 0, backend=backend,
         )  # images, their path and layouts checked  # fmt: skip
+        self._reward_images, self._runner.reward_vision = checked_reward(
+            forward, self._vision, reward_image_processor, config
+        )  # a reward model's own images, checked; or why it takes none
         self._head, self._tokenizer = head_info(ref, forward.transform), (tokenizers or [None])[0]
         # per-job adapters and versions (docs/models.md); None: base weights only
         self._weights = (
-            WeightsRouter(
-                weights,
-                forward.models,
-                kind="causal" if self.reference_model is not None else "reward",
-                device=self.device,
-                build=self._version_executor,
-            )
-            if weights is not None and weights.enabled
-            else None
-        )
+            WeightsRouter(weights, forward.models, device=self.device, build=self._version_executor,
+                          kind="causal" if self.reference_model is not None else "reward")
+            if weights is not None and weights.enabled else None
+        )  # fmt: skip
         log.info("executor ready: %s", self.info)
 
     def _version_executor(self, model: nn.Module) -> StatelessExecutor:
@@ -196,6 +194,7 @@ class StatelessExecutor(DirectScoring):
             config, ref, rew, reward_adapter=reward_adapter, model_name=reference_model,
             reward_model_name=reward_model, weights=weights, tokenizers=tokenizers,
             startup_seconds=timings, image_processor=image_processor_for(ref, reference_model),
+            reward_image_processor=reward_processor_for(rew, reward_model, ref),
         )  # fmt: skip
 
     def _on_load_fallback(self, event: FallbackEvent) -> None:
@@ -280,6 +279,7 @@ class StatelessExecutor(DirectScoring):
             "transformers": transformers.__version__,
             **(self._rewards.info() if self.reward_model is not None else {}),
             **({"vision": {**vision.info, **self._runner.vision.describe()}} if vision else {}),
+            **self._reward_images.info(self._runner.reward_vision),
         }
 
     def close(self) -> None:
@@ -305,7 +305,7 @@ class StatelessExecutor(DirectScoring):
             self._rewards, seqs, mode, options, vocab=self.vocab_size, limit=self.max_positions
         )
         self._weights.check(options) if self._weights is not None else refuse(options)
-        plan = plan_images(self._vision, request, plan, self.reward_model)  # checked, positioned
+        plan = plan_images(self._vision, request, plan, self._reward_images)  # checked, placed
         cost = self._runner.cost(plan)  # tokens through the backbone: shared prefixes once
         return Prepared(replace(request, seqs=tuple(seqs)), mode, temp, plan, cost)
 
@@ -358,6 +358,18 @@ class StatelessExecutor(DirectScoring):
     def _plans_differ(self, other: StatelessExecutor) -> bool:
         """Whether a plan made by ``other`` may not hold here (another vocabulary or length)."""
         return (self.vocab_size, self.max_positions) != (other.vocab_size, other.max_positions)
+
+
+def reward_processor_for(model: Any, name_or_path: str | None, reference: Any) -> Any:
+    """The image processor of a separate image-text reward ``model`` (``None`` when it is the
+    reference model, text-only, or its checkpoint has none: it then scores text only)."""
+    if model is None or model is reference:
+        return None
+    try:
+        return image_processor_for(model, name_or_path)
+    except ConfigError as exc:
+        log.warning("reward model without an image processor scores text only: %s", exc)
+        return None
 
 
 def _base_weights(request: ScoreRequest) -> ScoreRequest:

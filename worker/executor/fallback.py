@@ -45,6 +45,7 @@ from worker.executor.tree.trie import (
     tree_tokens,
 )
 from worker.executor.vision.layout import ImageLayouts, image_share_groups
+from worker.modes import Mode
 from worker.scorer.inputs import PreparedSequence
 from worker.scorer.outputs import FallbackEvent, SequenceScore
 
@@ -111,6 +112,12 @@ class TreeForward:
 Forward = list[int] | TreeForward
 
 
+def layouts_for(vision: ImageLayouts, reward: ImageLayouts | None, mode: Mode) -> ImageLayouts:
+    """The layouts image sequences of a ``mode`` call run in: the reward model's (``reward``)
+    for a ``reward`` call when it has its own, else the reference model's (``vision``)."""
+    return reward if mode == "reward" and reward is not None else vision
+
+
 class BatchRunner:
     """Runs the batches of ``score`` calls on ``forward`` (see the module docstring).
 
@@ -142,6 +149,7 @@ class BatchRunner:
         self._gate = BackendGate()
         self.share_min = share_min
         self.vision = ImageLayouts()  # image sequences: padded only until the image check
+        self.reward_vision: ImageLayouts | None = None  # a reward call's (None: ``vision``)
 
     def layout(self, backend: str | None = None) -> Layout:
         """The batch layout on ``backend`` (default: the active one), ``backends.layout_for``."""
@@ -155,24 +163,24 @@ class BatchRunner:
         backend."""
         trees: list[Forward] = []
         rest: list[int] | None = None
-        groups = self._groups(call.prepared)
+        groups = self._groups(call.prepared, call.mode)
         if groups:
             forwards = plan_trees(groups, call.lengths, self.config.max_batch_tokens)
             trees = [TreeForward(tuple(rows)) for rows in forwards]
             rest = leftover(len(call.prepared), forwards) if trees else None
         return trees + list(self._plan_layout(call, rest))
 
-    def _groups(self, seqs: Sequence[PreparedSequence]) -> list[SharedGroup]:
-        """The prefix trees of ``seqs`` (none when sharing is off, or for image sequences
-        when their tree rows are not served: ``vision``); an image's tokens are compared by
-        the image they show (``vision.layout.share_keys``)."""
+    def _groups(self, seqs: Sequence[PreparedSequence], mode: Mode) -> list[SharedGroup]:
+        """The prefix trees of ``seqs`` (none when sharing is off, or for the image sequences of
+        a ``mode`` call not served in tree rows); images compared by content (``share_keys``)."""
         if not self.share_min or len(seqs) < 2:
             return []
         if not any(s.vision is not None for s in seqs):
             return shared_groups([s.ids for s in seqs], self.share_min)
-        if not self.vision.tree:
+        layouts = layouts_for(self.vision, self.reward_vision, mode)
+        if not layouts.tree:
             return []
-        return image_share_groups(seqs, self.share_min, self.vision.image_token)
+        return image_share_groups(seqs, self.share_min, layouts.image_token)
 
     def cost(self, plan: Sequence[CallPlan]) -> int | None:
         """Tokens a request's ``plan`` takes through the backbone when its one call's sequences
@@ -180,7 +188,7 @@ class BatchRunner:
         is off, the plan has two calls or nothing is shared: what the request counts for in a
         batch's token budget."""
         seqs = plan[0].seqs if len(plan) == 1 else ()
-        groups = self._groups(seqs)
+        groups = self._groups(seqs, plan[0].mode)
         return tree_tokens(groups, [len(s.ids) for s in seqs]) if groups else None
 
     def _plan_layout(self, call: ScoreCall, subset: list[int] | None) -> list[list[int]]:
@@ -191,17 +199,17 @@ class BatchRunner:
         among = range(len(call.prepared)) if subset is None else subset
         return call.plan(
             self.config,
-            layout=self._allowed(self.layout(), [call.prepared[i] for i in among]),
+            layout=self._allowed(self.layout(), [call.prepared[i] for i in among], call.mode),
             backend=self.backend,
             pad_fraction=self.config.pad_fraction(self.forward.device.type),
             subset=subset,
         )
 
-    def _allowed(self, layout: Layout, seqs: Sequence[PreparedSequence]) -> Layout:
-        """``layout`` for ``seqs``; with image sequences among them, masked padded buckets
-        unless the image check allowed ``layout`` for them (``vision``)."""
-        images = any(s.vision is not None for s in seqs)
-        return "padded" if images and not getattr(self.vision, layout, False) else layout
+    def _allowed(self, layout: Layout, seqs: Sequence[PreparedSequence], mode: Mode) -> Layout:
+        """``layout`` for ``seqs`` of a ``mode`` call; with image sequences among them, masked
+        padded buckets unless the image check allowed ``layout`` for them (``layouts_for``)."""
+        allowed = getattr(layouts_for(self.vision, self.reward_vision, mode), layout, False)
+        return "padded" if not allowed and any(s.vision is not None for s in seqs) else layout
 
     def run_group(self, group: Forward, call: ScoreCall) -> None:
         """Run one planned batch into ``call``; on device OOM split it in halves.
@@ -380,7 +388,7 @@ class BatchRunner:
     def _run_batch(self, group: list[int], call: ScoreCall, backend: str) -> BatchResult:
         """One forward of ``group`` on ``backend``, timed, inside a KV-guard scope."""
         seqs = [call.prepared[i] for i in group]
-        layout = self._allowed(self.layout(backend), seqs)
+        layout = self._allowed(self.layout(backend), seqs, call.mode)
         reject = self.config.reject_kv_cache_outputs
         t0 = time.perf_counter()
         with self.guard.scope(drop=not reject) as kv:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from worker.errors import ConfigError
 from worker.executor.config import ExecutorConfig, Layout
 from worker.executor.head.hidden import HIDDEN_TORCH, head_request, host_array
 from worker.executor.head.logprobs import chunked_token_logps, logit_transform_for
@@ -99,6 +100,8 @@ class BatchForward:
         self.out_dtype = np.float64 if config.output_dtype == "float64" else np.float32
         #: The served vision-language reference model (``None``: text-only).
         self.vision = vision_model(reference_model) if reference_model is not None else None
+        same = reward_model is reference_model  # one model: the reference's ``VisionModel``
+        self.reward_vision = self.vision if same else vision_of(reward_model)  # reward batches'
         found = [m for m in (reference_model, reward_model) if m is not None]
         #: Distinct models served (the same object twice counts once).
         self.models: tuple[Any, ...] = tuple({id(m): m for m in found}.values())
@@ -145,9 +148,16 @@ class BatchForward:
         else:
             order = list(range(len(seqs)))
             batch = pad_unmasked(ids, group) if layout == "unmasked" else pad(ids, group)
-        batch = with_images(self.vision, batch, [seqs[j] for j in order]).to(self.device)
-        tower = tower_inputs(self.reference_model, batch, self.device, features)
+        vlm, model = self._reader(mode)
+        batch = with_images(vlm, batch, [seqs[j] for j in order]).to(self.device)
+        tower = tower_inputs(model, batch, self.device, features)
         return self._run(batch, seqs, order, mode, temp, options, tower)
+
+    def _reader(self, mode: Mode) -> tuple[Any, Any]:
+        """The ``VisionModel`` and the model a ``mode`` batch is laid out for (reward or not)."""
+        if mode == "reward":
+            return self.reward_vision, self.reward_model
+        return self.vision, self.reference_model
 
     def compute_tree(
         self,
@@ -171,9 +181,10 @@ class BatchForward:
         batch, order = tree_batch([s.ids for s in seqs], rows, group)
         seen = windows if windows is not None else []
         batch = replace(batch, tree=replace(batch.tree, kernel=kernel, windows=seen))  # type: ignore[type-var]
-        batch = with_images(self.vision, batch, [seqs[j] for j in order]).to(self.device)
+        vlm, model = self._reader(mode)
+        batch = with_images(vlm, batch, [seqs[j] for j in order]).to(self.device)
         # the tower on the model's own attention, before the switch
-        tower = tower_inputs(self.reference_model, batch, self.device, features)
+        tower = tower_inputs(model, batch, self.device, features)
         with tree_backend(self.models):
             return self._run(batch, seqs, order, mode, temp, options, tower)
 
@@ -204,7 +215,7 @@ class BatchForward:
             elif mode in REWARD_MODES and self.reward_adapter is not None:
                 assert self.reward_model is not None
                 if rewarded is None:
-                    rewarded = self.reward_adapter(self.reward_model, batch)
+                    rewarded = pooled(self.reward_adapter, self.reward_model, batch, extra, mode)
                 for k, j in enumerate(order):
                     scores[j].reward = float(rewarded.rewards[k])
                     if rewarded.token_scores is not None:
@@ -353,6 +364,30 @@ class BatchForward:
     def _host(self, values: torch.Tensor) -> np.ndarray:
         """A result tensor as a host array of the configured output dtype."""
         return values.cpu().numpy().astype(self.out_dtype, copy=False)
+
+
+def pooled(
+    adapter: RewardAdapter, model: Any, batch: ForwardBatch, extra: dict[str, Any], mode: Mode
+) -> RewardOutput:
+    """``adapter``'s rewards of reward ``model`` over ``batch``; a ``reward`` batch's image
+    inputs ``extra`` (the reward model's ``mm_encoder_outputs``, token types) reach its backbone
+    and its hidden states are pooled (``from_hidden``: intake sends images only to a
+    ``HiddenStateRewardAdapter``)."""
+    if not extra or mode != "reward":
+        return adapter(model, batch)
+    assert isinstance(adapter, HiddenStateRewardAdapter)
+    return adapter.from_hidden(model, batch, backbone_hidden(model, batch, **extra))
+
+
+def vision_of(model: Any) -> Any:
+    """The ``VisionModel`` of a reward ``model`` served with images, ``None`` for a text-only
+    one or an image-text class not served with images (it still scores text)."""
+    if model is None:
+        return None
+    try:
+        return vision_model(model)
+    except ConfigError:
+        return None
 
 
 def _f32(head: Any) -> bool:

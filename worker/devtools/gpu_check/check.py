@@ -79,6 +79,8 @@ def budgeted(spec: StepSpec, device: str) -> StepSpec:
     if device != "cpu":
         return spec
     return replace(spec, budget_s=spec.budget_s * CPU_BUDGET_SCALE)
+
+
 EXIT_NO_CUDA = 2
 EXIT_NO_WHEELS = 3
 

@@ -25,6 +25,10 @@ positions, the vision tower and any extra input:
 Each image owns an ordered list of runs (``VisionModel.count``): one run per image but for
 Mistral-3 and split SmolVLM / Idefics3 images.
 
+Reward models with images: ``Gemma3ForSequenceClassification`` (``REWARD_SERVED``: Gemma-3's
+rule, its backbone ``model.model``), and any served class above read through a hidden-state
+reward adapter (a value head on the VLM's last hidden states, ``rewards.pooling``).
+
 Any other model with a vision tower (a config with ``vision_config``: Idefics2, PaliGemma,
 Llama-4, ...) is refused at load with its class named: its positions, token types or feature
 placement differ, and a forward that ran anyway would be silently wrong.
@@ -70,6 +74,10 @@ SERVED: dict[str, str] = {
     "mistral3": "Mistral3ForConditionalGeneration",
 }
 """model_type -> the class served for it."""
+
+REWARD_SERVED: dict[str, str] = {"gemma3": "Gemma3ForSequenceClassification"}
+"""model_type -> the image-text reward class served with images (its backbone is the served
+class's, ``model.model``; the reward read by the worker's head adapter at the last token)."""
 
 MROPE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 """The served model types with 3-row mRoPE positions (the others' are ``0 .. L-1``)."""
@@ -300,9 +308,9 @@ def vision_model(model: Any) -> VisionModel | None:
     name = served_class(config, type(model).__name__)
     if name is None:
         return None
-    if type(model).__name__ != name:
-        raise ConfigError(f"{type(model).__name__}: images are served through {name} only")
     kind = str(config.model_type)
+    if type(model).__name__ not in (name, REWARD_SERVED.get(kind)):
+        raise ConfigError(f"{type(model).__name__}: images are served through {name} only")
     video = getattr(config, "video_token_id", None) if kind in (*MROPE, "llava_onevision") else None
     vision = config.vision_config
     if kind in ("llava", *ANYRES) and config.vision_feature_select_strategy not in (

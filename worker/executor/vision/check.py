@@ -14,7 +14,14 @@ another image, one text-only) in packed rows, unmasked buckets and tree rows aga
 sequence alone in the checked padded path. A layout that disagrees (or cannot run) is not used
 for image sequences, with its reason (``ImageLayouts``, in the results' ``info``); they run
 padded. Gemma-3's image blocks attend bidirectionally (``token_type_ids``), which tree
-attention does not reproduce: its image sequences never run in tree rows."""
+attention does not reproduce: its image sequences never run in tree rows.
+
+``reward_check``: a reward model of its own with images (``Gemma3ForSequenceClassification``, a
+VLM read through a value head) scores the probe in a padded batch against its own backbone's
+forward of the sequence alone with its processor's output, pooled by the same head at the last
+token; its image sequences run in padded buckets only (``ImageLayouts`` with the reasons). A
+reward read from the reference model's own hidden states (one model) shares the reference's
+checks and layouts."""
 
 from __future__ import annotations
 
@@ -26,12 +33,16 @@ import torch
 
 from worker.errors import ConfigError
 from worker.executor.forward import BatchForward
+from worker.executor.packing import pad
+from worker.executor.rewards.pooling import HiddenStateRewardAdapter, backbone_of
 from worker.executor.tree.check import kernel_for
 from worker.executor.vision.arch import VisionModel
 from worker.executor.vision.decode import Decoded
 from worker.executor.vision.intake import (
+    RewardImages,
     VisionIntake,
     check_sequence,
+    reward_images,
     rope_positions,
     vision_intake,
 )
@@ -243,3 +254,55 @@ def checked_intake(
     return intake, layout_check(
         forward, intake, packed=packed, unmasked=unmasked, sharing=sharing, backend=backend
     )
+
+
+def checked_reward(
+    forward: BatchForward, reference: VisionIntake | None, processor: object, config: object
+) -> tuple[RewardImages, ImageLayouts | None]:
+    """How the forward's reward model takes images (``intake.RewardImages``) and the layouts of
+    its image sequences (``None``: the reference's): the ``reference`` intake when one model
+    serves both through a hidden-state adapter, else its own with ``processor``, checked
+    (``reward_check``)."""
+    model, adapter = forward.reward_model, forward.reward_adapter
+    shared = model is not None and model is forward.reference_model
+    if shared and isinstance(adapter, HiddenStateRewardAdapter):
+        return RewardImages(reference, shared=True), None
+    reward = reward_images(model, adapter, processor, config)
+    return reward, (reward_check(forward, reward, config) if reward.intake is not None else None)
+
+
+REWARD_LAYOUTS_OFF = "the reward model's image sequences run in padded buckets only"
+
+
+def reward_check(forward: BatchForward, reward: RewardImages, config: object) -> ImageLayouts:
+    """The layouts of the reward model's image sequences, its image path checked at load
+    (module docstring); ``ConfigError`` when it disagrees with the model's own forward."""
+    intake = reward.intake
+    if intake is None:
+        return ImageLayouts()
+    off = ImageLayouts(
+        image_token=intake.model.image_token,
+        why={k: REWARD_LAYOUTS_OFF for k in ("packed", "unmasked", "tree")},
+    )
+    if not getattr(config, "self_check", True):
+        return off
+    model, vlm, adapter = forward.reward_model, intake.model, forward.reward_adapter
+    processed, _ = intake.processing.process(probe_image(), ())
+    ids = np.array([3, 4, *_placeholder(vlm, processed), 6, 7, 8], dtype=np.int64)  # [L]
+    seq = check_sequence(PreparedSequence(ids, None), [0], [processed], vlm, 0)
+    text = PreparedSequence(np.arange(1, 6, dtype=np.int64), None)
+    got = forward.compute([seq, text], [0, 1], "reward", 1.0, layout="padded", row_tokens=0)
+    inputs = reference_inputs(vlm, ids, [processed], forward.device)
+    with torch.inference_mode():
+        hidden = backbone_of(model)(**inputs, use_cache=False).last_hidden_state  # [1, L, H]
+        alone = pad([ids], [0]).to(forward.device)
+        want = float(adapter.from_hidden(model, alone, hidden).rewards[0])  # type: ignore[union-attr]
+    tol = 1e-3 if next(model.parameters()).dtype == torch.float32 else 0.25
+    have = got.scores[0].reward
+    worst = abs(have - want) if have is not None else float("inf")
+    if not worst <= tol:
+        raise ConfigError(
+            f"{vlm.name}: the reward model's image path disagrees with its own forward by "
+            f"{worst:.3g} (tolerance {tol}); rewards would be wrong, so the worker does not start"
+        )
+    return off

@@ -16,6 +16,14 @@ Positions: for Qwen, ``get_rope_index`` of the model on the sequence alone (its
 ``mm_token_type_ids`` from the image-token runs), the 3-row mRoPE positions the model computes
 for that sequence (``rope_deltas``, the model's cached state, is never read); for LLaVA and
 Gemma-3 ``0 .. L-1``. The forward always passes them.
+
+Each call of a plan is checked by the intake of the model that reads it (``plan_images``): the
+reference model's for ``reference`` calls, the reward model's own for ``reward`` calls
+(``RewardImages``: a ``Gemma3ForSequenceClassification`` or a VLM read through a hidden-state
+adapter, with its own processor), the reference's for a ``both`` call of one model; a ``both``
+call with images over two models is split into a ``reference`` and a ``reward`` call. A reward
+model that takes no images (text-only, or read by an adapter that pools no hidden states) makes
+a job with images in ``reward`` / ``both`` mode a ``BadRequest`` naming it.
 """
 
 from __future__ import annotations
@@ -194,56 +202,145 @@ class VisionIntake:
             **({"token_type_ids": "1 on image tokens"} if self.model.token_types else {}),
         }
 
-    def plan(self, request: ScoreRequest, plan: tuple[CallPlan, ...]) -> tuple[CallPlan, ...]:
-        """``plan`` with every sequence checked against its images (``SequenceVision``
-        attached); images only in ``reference`` mode (log-probs of the served model)."""
-        images = request.images
-        if images is not None and any(call.mode != "reference" for call in plan):
-            raise BadRequest(
-                "images are scored in mode 'reference' only: image-text reward models "
-                "(Gemma3ForSequenceClassification, ...) are not served with images"
-            )
-        shown, counts = (
-            process_images(
-                images, self.processing, max_pixels=self.max_pixels, max_images=self.max_images
-            )
-            if images is not None
-            else ([], IntakeCounts())
+    def process(self, images: Images | None) -> tuple[list[ProcessedImage], IntakeCounts]:
+        """A request's ``images`` through this model's processor (``process_images``)."""
+        if images is None:
+            return [], IntakeCounts()
+        return process_images(
+            images, self.processing, max_pixels=self.max_pixels, max_images=self.max_images
         )
-        out = []
-        for call in plan:
-            if call.mode == "reward":  # a reward model's own ids (text requests only, above)
-                out.append(call)
-                continue
-            seqs = tuple(
-                check_sequence(seq, inp.images or (), shown, self.model, i)
-                for i, (seq, inp) in enumerate(zip(call.seqs, request.seqs, strict=True))
-            )
-            out.append(replace(call, seqs=seqs))
-        out[0] = replace(out[0], images_decoded=counts.decoded, cache_hits=counts.cache_hits)
-        return tuple(out)
+
+    def check_call(
+        self, call: CallPlan, request: ScoreRequest, shown: Sequence[ProcessedImage]
+    ) -> CallPlan:
+        """``call`` with every sequence checked against its images ``shown`` (processed by
+        this model's processor; ``SequenceVision`` attached)."""
+        seqs = tuple(
+            check_sequence(seq, inp.images or (), shown, self.model, i)
+            for i, (seq, inp) in enumerate(zip(call.seqs, request.seqs, strict=True))
+        )
+        return replace(call, seqs=seqs)
+
+
+@dataclass(frozen=True)
+class RewardImages:
+    """How the reward model takes a job's images: ``intake``, its own (the reference model's
+    when one model serves both surfaces: ``shared``), or ``None`` with ``why`` it takes none
+    (the ``bad_request`` text of a reward call with images)."""
+
+    intake: VisionIntake | None = None
+    shared: bool = False
+    why: str = "this worker serves no reward model"
+
+    def info(self, layouts: Any) -> dict[str, Any]:
+        """``reward_vision`` of results' ``info``: a separate image-text reward model's
+        processor and its ``layouts`` (``ImageLayouts``); nothing when it takes no images or
+        reads the reference model's hidden states."""
+        if self.intake is None or self.shared or layouts is None:
+            return {}
+        return {"reward_vision": {**self.intake.info, **layouts.describe()}}
+
+
+def has_images(request: ScoreRequest) -> bool:
+    """Whether ``request`` carries or names images."""
+    return request.images is not None or any(s.images for s in request.seqs)
 
 
 def plan_images(
     vision: VisionIntake | None,
     request: ScoreRequest,
     plan: tuple[CallPlan, ...],
-    reward_model: Any = None,
+    reward: RewardImages = RewardImages(),
 ) -> tuple[CallPlan, ...]:
-    """``plan`` through ``vision`` (``VisionIntake.plan``); an executor without a served
-    vision-language reference model (``None``) refuses a request with images (``BadRequest``:
-    an image-text reward model, e.g. ``Gemma3ForSequenceClassification``, named as such)."""
-    if vision is not None:
-        return vision.plan(request, plan)
-    if request.images is not None or any(s.images for s in request.seqs):
-        if reward_model is not None and has_vision(getattr(reward_model, "config", None)):
-            raise BadRequest(
-                f"images are not served for the image-text reward model "
-                f"{type(reward_model).__name__}: images are scored in mode 'reference' only, "
-                "by a served vision-language model"
-            )
-        raise BadRequest("this worker serves a text-only model: a job with images is refused")
-    return plan
+    """``plan`` with each call's sequences checked against their images by the intake of the
+    model that reads them (``vision``: the reference model's, ``None`` for a text-only one;
+    ``reward``: the reward model's), each model's processor run once per distinct image.
+
+    A ``both`` call with images over two distinct models becomes a ``reference`` and a
+    ``reward`` call (each model's own placeholders checked, positions and features); with one
+    model (a hidden-state reward adapter on the VLM) it stays one call, one forward.
+    ``BadRequest``: images for a text-only model, a reward model that takes none
+    (``reward.why``), ``messages`` / ``text`` with images, step scores with images."""
+    images = has_images(request)
+    if not images and vision is None and reward.intake is None:
+        return plan
+    if images and request.options.step is not None:
+        raise BadRequest("step scores are not served with images")
+    done: dict[int, list[ProcessedImage]] = {}
+    counts = IntakeCounts()
+
+    def checked(intake: VisionIntake, call: CallPlan) -> CallPlan:
+        if id(intake) not in done:
+            done[id(intake)], got = intake.process(request.images)
+            counts.decoded += got.decoded
+            counts.cache_hits += got.cache_hits
+        return intake.check_call(call, request, done[id(intake)])
+
+    out: list[CallPlan] = []
+    for call in plan:
+        if call.mode == "reference" or (call.mode == "both" and (reward.shared or not images)):
+            if vision is None:
+                if images:
+                    raise BadRequest(
+                        "this worker serves a text-only model: a job with images is refused"
+                    )
+                out.append(call)
+            else:
+                out.append(checked(vision, call))
+            continue
+        if reward.intake is None:
+            if images:
+                raise BadRequest(reward.why)
+            out.append(call)
+            continue
+        if images:
+            for i, inp in enumerate(request.seqs):
+                if inp.images and (inp.messages is not None or inp.text is not None):
+                    raise BadRequest(
+                        f"sequence {i}: images reach the reward model only with tokens "
+                        "(placeholders expanded), not messages or text"
+                    )
+        if call.mode == "both":  # two models: each reads the images its own way
+            if vision is None:
+                raise BadRequest(
+                    "this worker's reference model is text-only: a job with images is refused"
+                )
+            rewarded = tuple(replace(s, scored=None, gather_ids=None) for s in call.seqs)
+            out.append(checked(vision, replace(call, mode="reference")))
+            out.append(checked(reward.intake, CallPlan("reward", rewarded)))
+            continue
+        out.append(checked(reward.intake, call))
+    out[0] = replace(out[0], images_decoded=counts.decoded, cache_hits=counts.cache_hits)
+    return tuple(out)
+
+
+def reward_images(model: Any, adapter: Any, processor: Any, config: Any) -> RewardImages:
+    """How reward ``model`` read by ``adapter`` takes images (``RewardImages``): through its own
+    intake (``vision_intake`` of ``model`` with its image ``processor``) when the model has a
+    served vision tower and the adapter pools hidden states the worker computes
+    (``HiddenStateRewardAdapter``: the image inputs reach the backbone); else none, and why."""
+    from worker.executor.rewards.pooling import HiddenStateRewardAdapter
+
+    if model is None:
+        return RewardImages()
+    name = type(model).__name__
+    if not has_vision(getattr(model, "config", None)):
+        return RewardImages(
+            why=f"the reward model {name} is text-only: it cannot read this job's images "
+            "(score them in mode 'reference', or serve an image-text reward model)"
+        )
+    if not isinstance(adapter, HiddenStateRewardAdapter):
+        return RewardImages(
+            why=f"images are not served for the image-text reward model {name} read through "
+            f"{type(adapter).__name__}: images reach a reward head only through a hidden-state "
+            "adapter (the model's own head, a value head)"
+        )
+    try:
+        return RewardImages(vision_intake(model, processor, config))
+    except ConfigError as exc:
+        return RewardImages(
+            why=f"images are not served for the image-text reward model {name}: {exc}"
+        )
 
 
 def vision_intake(model: Any, processor: Any, config: Any) -> VisionIntake | None:
