@@ -109,12 +109,17 @@ def make_workloads(scale: int, n_groups: int, vocab: int, seed: int = 0) -> list
     return out
 
 
-def forward_tokens(metrics_url: str) -> float:
-    """``scoring_forward_tokens_total`` summed over its labels."""
+def counter(metrics_url: str, name: str) -> float:
+    """A counter of the worker's ``/metrics``, summed over its labels."""
     with urllib.request.urlopen(metrics_url, timeout=10) as resp:
         text = resp.read().decode()
-    found = re.findall(r"^scoring_forward_tokens_total(?:\{[^}]*\})? ([0-9.e+]+)$", text, re.M)
+    found = re.findall(rf"^{name}(?:\{{[^}}]*\}})? ([0-9.e+]+)$", text, re.M)
     return sum(float(v) for v in found)
+
+
+def forward_tokens(metrics_url: str) -> float:
+    """``scoring_forward_tokens_total`` summed over its labels."""
+    return counter(metrics_url, "scoring_forward_tokens_total")
 
 
 def peak_rss_mib(pid: int) -> float:

@@ -33,10 +33,8 @@ import io
 import json
 import os
 import random
-import re
 import statistics
 import tempfile
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +44,7 @@ import numpy as np
 
 from worker.demo.embedded import redis_url_or_embedded
 from worker.demo.tiny import VLM_TOKENS, random_model
-from worker.devtools.bench.groups import MODES, Side
+from worker.devtools.bench.groups import MODES, Side, counter
 from worker.devtools.machine import this_machine
 from worker.protocol import encode_job
 from worker.request import Images
@@ -247,14 +245,6 @@ def make_workloads(arch: str, n_groups: int, vocab: int, seed: int = 0) -> list[
             n_groups * (patches(arch, SIDE) + G * patches(arch, TOOL)),
         ),
     ]
-
-
-def counter(metrics_url: str, name: str) -> float:
-    """A counter of the worker's ``/metrics``, summed over its labels."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
-        text = resp.read().decode()
-    found = re.findall(rf"^{name}(?:\{{[^}}]*\}})? ([0-9.e+]+)$", text, re.M)
-    return sum(float(v) for v in found)
 
 
 def run_workload(

@@ -38,6 +38,7 @@ import torch
 
 from worker.executor.packing import ForwardBatch
 from worker.executor.tree.trie import SharedGroup, shared_groups
+from worker.executor.vision.features import image_key
 from worker.scorer.inputs import PreparedSequence
 
 IMAGE_KEY_BASE = 1 << 40
@@ -115,7 +116,7 @@ def share_keys(seqs: Sequence[PreparedSequence], image_token: int) -> list[np.nd
         keys = seq.ids.copy()
         where = np.flatnonzero(seq.ids == image_token)
         codes = [
-            IMAGE_KEY_BASE + known.setdefault(img.digest + repr(img.grid), len(known))
+            IMAGE_KEY_BASE + known.setdefault(image_key(img), len(known))
             for img in seq.vision.images
         ]
         keys[where] = np.asarray(codes, dtype=np.int64)[image_slots(seq, image_token)]
