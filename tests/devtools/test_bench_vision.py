@@ -1,7 +1,7 @@
 """End-to-end smoke run of ``bench --suite vision`` (small models, one group): a GRPO image job
 through Redis runs its prompt, image included, once through the backbone with sharing and its
-image once through the vision tower on both sides; the figures agree with the workloads'
-arithmetic."""
+image once through the vision tower with prefix sharing on or off, once per sequence with
+``--image-sharing off`` too; the figures agree with the workloads' arithmetic."""
 
 from __future__ import annotations
 
@@ -21,9 +21,14 @@ def test_workloads_count_unique_tokens_and_patches() -> None:
     prompt = 64 + 256 + 2  # text, the 448 x 448 image's tokens, vision start and end
     assert grpo.unique == 2 * (prompt + 8 * 128) and grpo.total == 2 * 8 * (prompt + 128)
     assert grpo.patches == 2 * 32 * 32 and agent.patches == 2 * (32 * 32 + 8 * 16 * 16)
+    assert grpo.every_patch == 8 * grpo.patches and agent.every_patch == 2 * 8 * (32 * 32 + 16 * 16)
     assert agent.unique == 2 * (prompt + 8 * (128 + 64 + 2)) and agent.scored == 2 * 8 * 128
     costs = bench_vision.Costs(params=0, backbone=1.0, head=0.0, patch=0.0)
     assert grpo.flop_bound(costs) == pytest.approx(grpo.total / grpo.unique)
+    tower = bench_vision.Costs(params=0, backbone=1.0, head=0.0, patch=1.0)
+    assert grpo.flop_bound(tower, alone=True) == pytest.approx(
+        (grpo.total + grpo.every_patch) / (grpo.unique + grpo.patches)
+    )
 
 
 @pytest.mark.timeout(600)
@@ -38,4 +43,5 @@ def test_bench_vision_end_to_end(redis_url: str, tmp_path: Path, capsys) -> None
     (row,) = json.loads(out.read_text())
     assert row["forward_on"] == row["unique_tokens"] and row["forward_off"] == row["total_tokens"]
     assert row["tower_images_on"] == row["tower_images_off"] == 1  # one job, one image
-    assert 1.0 < row["flop_bound"] <= row["token_bound"]
+    assert row["tower_images_alone"] == 8  # once per sequence: G = 8
+    assert 1.0 < row["flop_bound"] <= row["token_bound"] and row["flop_bound_alone"] > 1.0

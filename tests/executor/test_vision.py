@@ -157,6 +157,38 @@ def test_the_vision_tower_runs_once_per_distinct_image_and_never_for_text(
     assert sum(calls) == 2 and out.metrics.vision_images == 0
 
 
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_image_sharing_off_runs_the_tower_per_image_of_each_sequence(
+    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``image_sharing="off"`` (``serve --image-sharing off``): the tower runs once per image
+    of every sequence (A, A B, B B: five), the scores the same as with sharing on; ``info``
+    says which."""
+    path = save_tiny_vlm(tmp_path, arch, seed=5)
+    ex = StatelessExecutor.from_pretrained(
+        ExecutorConfig(dtype="float32", image_sharing="off"), str(path)
+    )
+    backbone = ex.reference_model.model
+    calls: list[int] = []
+    tower = backbone.get_image_features
+
+    def counted(pixels: Any, grids: Any, **kw: Any) -> Any:
+        calls.append(len(grids))
+        return tower(pixels, grids, **kw)
+
+    monkeypatch.setattr(backbone, "get_image_features", counted)
+    try:
+        assert ex.info["vision"]["image_sharing"] == "off"
+        request, _ = _job(ex)
+        out = ex.run([ex.prepare(request)])
+        assert sum(calls) == 5 and out.metrics.vision_images == 5
+        assert _max_error(ex) < 2e-5
+    finally:
+        ex.close()
+    with pytest.raises(ConfigError, match="image_sharing"):
+        ExecutorConfig(image_sharing="sometimes")  # type: ignore[arg-type]
+
+
 def test_a_short_run_in_one_sequence_is_refused_though_the_batch_totals_match(
     vlm: StatelessExecutor,
 ) -> None:

@@ -134,3 +134,19 @@ def test_image_threads_is_a_positive_integer_from_serve() -> None:
     assert (
         executor_config(parser.parse_args(["serve", "--reference-model", "m"])).image_threads == 4
     )
+
+
+def test_image_sharing_from_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.cli import build_parser
+    from worker.commands.serve import executor_config
+
+    parser = build_parser("serve")
+    default = executor_config(parser.parse_args(["serve", "--reference-model", "m"]))
+    assert default.image_sharing == "on"
+    args = parser.parse_args(["serve", "--reference-model", "m", "--image-sharing", "off"])
+    assert executor_config(args).image_sharing == "off"
+    monkeypatch.setenv("SCORING_IMAGE_SHARING", "off")
+    env = build_parser("serve").parse_args(["serve", "--reference-model", "m"])
+    assert executor_config(env).image_sharing == "off"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--reference-model", "m", "--image-sharing", "maybe"])

@@ -179,6 +179,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "processed at once, on threads beside the forward (1: one at a time)",
     )
     m.add_argument(
+        "--image-sharing",
+        choices=["on", "off"],
+        default=env_get("IMAGE_SHARING", "on"),
+        help="vision-language models: run the vision tower once per distinct image of a batch "
+        "(on), or once per image of every sequence (off: each sequence's images alone, as a "
+        "reference to compare with)",
+    )
+    m.add_argument(
         "--trust-remote-code",
         action="store_true",
         default=env_bool(env_get("TRUST_REMOTE_CODE")),

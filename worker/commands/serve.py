@@ -179,6 +179,7 @@ def executor_config(args: argparse.Namespace) -> Any:
         "max_image_pixels": args.max_image_pixels,
         "max_images_per_job": args.max_images_per_job,
         "image_threads": args.image_threads,
+        "image_sharing": args.image_sharing,
     }
     names = {f.name for f in dataclasses.fields(ExecutorConfig)}
     return ExecutorConfig(**{k: v for k, v in wanted.items() if k in names})

@@ -91,6 +91,9 @@ class ExecutorConfig:
     max_images_per_job: int = 64
     # how many of a job's distinct images are decoded and processed at once at intake
     image_threads: int = 4
+    # the vision tower once per distinct image of a call ("on"), or once per image run of
+    # every sequence ("off": each sequence's images computed alone, a reference to compare with)
+    image_sharing: Literal["on", "off"] = "on"
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ConfigError:
@@ -136,6 +139,8 @@ class ExecutorConfig:
             raise bad("bucket_pad_fraction", "expected None or a number in [0, 1]")
         if self.prefix_sharing not in ("auto", "off"):
             raise bad("prefix_sharing", "expected 'auto' or 'off'")
+        if self.image_sharing not in ("on", "off"):
+            raise bad("image_sharing", "expected 'on' or 'off'")
         if not isinstance(self.native_head, bool):
             raise bad("native_head", "expected a bool")
         tile = self.head_vocab_tile

@@ -150,7 +150,7 @@ class BatchForward:
             batch = pad_unmasked(ids, group) if layout == "unmasked" else pad(ids, group)
         vlm, model = self._reader(mode)
         batch = with_images(vlm, batch, [seqs[j] for j in order]).to(self.device)
-        tower = tower_inputs(model, batch, self.device, features)
+        tower = tower_inputs(model, batch, self.device, features, self.config.image_sharing)
         return self._run(batch, seqs, order, mode, temp, options, tower)
 
     def _reader(self, mode: Mode) -> tuple[Any, Any]:
@@ -184,7 +184,7 @@ class BatchForward:
         vlm, model = self._reader(mode)
         batch = with_images(vlm, batch, [seqs[j] for j in order]).to(self.device)
         # the tower on the model's own attention, before the switch
-        tower = tower_inputs(model, batch, self.device, features)
+        tower = tower_inputs(model, batch, self.device, features, self.config.image_sharing)
         with tree_backend(self.models):
             return self._run(batch, seqs, order, mode, temp, options, tower)
 

@@ -134,7 +134,8 @@ def peak_rss_mib(pid: int) -> float:
 
 @dataclass
 class Side:
-    """One worker (``--prefix-sharing mode``) on its own queue."""
+    """One worker (``--prefix-sharing mode``, then ``extra`` flags) on its own queue (``name``:
+    its queue's tag, default ``mode``)."""
 
     url: str
     mode: str
@@ -144,9 +145,11 @@ class Side:
     log: Path
     times: list[float] = field(default_factory=list)
     forward: list[float] = field(default_factory=list)
+    extra: tuple[str, ...] = ()
+    name: str = ""
 
     def __post_init__(self) -> None:
-        tag = f"groups{os.getpid()}{self.mode}"
+        tag = f"groups{os.getpid()}{self.name or self.mode}"
         self.stream = keys.job_streams(tag)[0]
         self.reply = keys.reply_stream(self.stream, "bench")
         self.client: Any = redis.Redis.from_url(self.url)
@@ -157,7 +160,7 @@ class Side:
             ["--redis-url", self.url, "--queue", tag, "--reference-model", self.model,
              "--device", "cpu", "--consumer", "bench", "--prefix-sharing", self.mode,
              "--max-batch-tokens", str(self.max_batch_tokens), "--metrics-host", "127.0.0.1",
-             "--metrics-port", str(port)],
+             "--metrics-port", str(port), *self.extra],
             log_path=self.log, log_level="WARNING",
             env={"OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)},
         )  # fmt: skip

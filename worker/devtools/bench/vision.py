@@ -1,5 +1,8 @@
-"""Vision-language group scoring end to end: GRPO-shaped image jobs through Redis to two ``serve``
-workers, one with ``--prefix-sharing off`` and one with ``auto``, in one run.
+"""Vision-language group scoring end to end: GRPO-shaped image jobs through Redis to three
+``serve`` workers in one run: ``alone`` (``--prefix-sharing off --image-sharing off``: every
+sequence computed alone, its images included), ``off`` (``--prefix-sharing off``: each distinct
+image once through the tower, every sequence's tokens in full) and ``auto`` (prompt and images
+shared).
 
 ``scoring-worker bench --suite vision`` (or ``python -m worker.devtools.bench.vision``)
 ``[--arch A] [--groups N] [--rounds R] [--threads T] [--redis-url URL] [--json PATH]
@@ -18,12 +21,12 @@ Workloads, each group ONE job carrying its images once and its prompt once (``pr
   tokens, its own per rollout) returned in a later turn, and 64 more tokens (its image tokens are
   never scored).
 
-Per workload both workers are started fresh, warmed with one pass, then ``--rounds`` passes
-alternate off / on; the median pass is reported. Columns: tokens (total, unique: the bound of
-the text alone), backbone tokens per pass (``scoring_forward_tokens_total``), vision-tower images
-per pass (``scoring_vision_tower_images_total``: once per distinct image of a call on both
-sides), wall time first ``XADD`` to last result, speed-up off / on, peak RSS (``VmHWM``, model
-load included).
+Per workload the three workers are started fresh, warmed with one pass, then ``--rounds``
+passes rotate over them; the median pass is reported. Columns: tokens (total, unique: the bound
+of the text alone), the FLOP bounds of sharing against ``off`` and ``alone``, backbone tokens
+per pass (``scoring_forward_tokens_total``), vision-tower images per pass
+(``scoring_vision_tower_images_total``), wall time first ``XADD`` to last result, speed-ups
+off / on and alone / on, peak RSS (``VmHWM``, model load included).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import numpy as np
 
 from worker.demo.embedded import redis_url_or_embedded
 from worker.demo.tiny import VLM_TOKENS, random_model
-from worker.devtools.bench.groups import MODES, Side, counter
+from worker.devtools.bench.groups import Side, counter
 from worker.devtools.machine import this_machine
 from worker.protocol import encode_job
 from worker.request import Images
@@ -56,6 +59,12 @@ START, END, IMAGE = (
 )
 G, C, TEXT, SIDE, TOOL, SMOL_SIDE = 8, 128, 64, 448, 224, 512
 ARCHS = ("qwen2_5_vl", "smolvlm")
+# each side: its --prefix-sharing and further serve flags
+SIDES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "alone": ("off", ("--image-sharing", "off")),
+    "off": ("off", ()),
+    "auto": ("auto", ()),
+}
 
 
 def image_bytes(side: int, seed: int) -> bytes:
@@ -187,13 +196,16 @@ class VisionWorkload:
     unique: int
     scored: int  # completion tokens scored (image tokens never are)
     patches: int  # vision-tower patches of the distinct images
+    every_patch: int  # vision-tower patches of every sequence's images
 
-    def flop_bound(self, costs: Costs) -> float:
+    def flop_bound(self, costs: Costs, alone: bool = False) -> float:
         """Speed-up bound of sharing: every token through the backbone against the unique
-        ones; the LM head (every scored token) and the vision tower (each distinct image once,
-        on both sides) the same."""
-        fixed = self.scored * costs.head + self.patches * costs.patch
-        return (self.total * costs.backbone + fixed) / (self.unique * costs.backbone + fixed)
+        ones; the LM head (every scored token) the same on both sides, the vision tower each
+        distinct image once (``alone``: every sequence's images on the unshared side)."""
+        head = self.scored * costs.head
+        tower = (self.every_patch if alone else self.patches) * costs.patch
+        shared = self.unique * costs.backbone + head + self.patches * costs.patch
+        return (self.total * costs.backbone + head + tower) / shared
 
     @property
     def total(self) -> int:
@@ -233,34 +245,41 @@ def make_workloads(arch: str, n_groups: int, vocab: int, seed: int = 0) -> list[
         agent.append(([image, *tools], prompt, rollouts))
     p = len(grpo[0][1])
     tool = len(image_run(arch, TOOL))
+    big, small = patches(arch, SIDE), patches(arch, TOOL)
     return [
         VisionWorkload(
-            "grpo", grpo, n_groups * (p + G * C), n_groups * G * C, n_groups * patches(arch, SIDE)
+            "grpo", grpo, n_groups * (p + G * C), n_groups * G * C, n_groups * big,
+            n_groups * G * big,
         ),
         VisionWorkload(
-            "agent",
-            agent,
-            n_groups * (p + G * (C + tool)),
-            n_groups * G * C,
-            n_groups * (patches(arch, SIDE) + G * patches(arch, TOOL)),
+            "agent", agent, n_groups * (p + G * (C + tool)), n_groups * G * C,
+            n_groups * (big + G * small), n_groups * G * (big + small),
         ),
-    ]
+    ]  # fmt: skip
 
 
 def run_workload(
     url: str, model: str, work: VisionWorkload, args: Any, tmp: Path
 ) -> dict[str, Any]:
-    """Both workers fresh, one warm-up pass each, ``rounds`` alternating passes; the figures."""
+    """The three workers fresh, one warm-up pass each, ``rounds`` passes rotating over them;
+    the figures."""
     mbt = max(args.max_batch_tokens, max(sum(len(t) for t, _ in s) for _f, _p, s in work.groups))
-    sides = {m: Side(url, m, model, mbt, args.threads, tmp / f"{work.name}-{m}.log") for m in MODES}
-    towers: dict[str, list[float]] = {m: [] for m in MODES}
+    sides = {
+        name: Side(
+            url, mode, model, mbt, args.threads, tmp / f"{work.name}-{name}.log",
+            extra=extra, name=name,
+        )
+        for name, (mode, extra) in SIDES.items()
+    }  # fmt: skip
+    names = list(SIDES)
+    towers: dict[str, list[float]] = {m: [] for m in names}
     peaks: dict[str, float] = {}
     try:
         for side in sides.values():
             side.wait_up()
             side.one_pass(work, "warm")  # type: ignore[arg-type]
         for r in range(args.rounds):
-            for m in MODES if r % 2 == 0 else MODES[::-1]:
+            for m in names[r % len(names) :] + names[: r % len(names)]:
                 before = counter(sides[m].metrics_url, "scoring_vision_tower_images_total")
                 t, f = sides[m].one_pass(work, f"r{r}-")  # type: ignore[arg-type]
                 after = counter(sides[m].metrics_url, "scoring_vision_tower_images_total")
@@ -270,7 +289,7 @@ def run_workload(
     finally:
         for m, side in sides.items():
             peaks[m] = side.close()
-    off, on = (statistics.median(sides[m].times) for m in MODES)
+    alone, off, on = (statistics.median(sides[m].times) for m in names)
     return {
         "workload": work.name,
         "groups": len(work.groups),
@@ -278,13 +297,17 @@ def run_workload(
         "unique_tokens": work.unique,
         "token_bound": work.total / work.unique,
         "flop_bound": work.flop_bound(args.costs),
+        "flop_bound_alone": work.flop_bound(args.costs, alone=True),
         "forward_off": max(sides["off"].forward),
         "forward_on": max(sides["auto"].forward),
+        "tower_images_alone": max(towers["alone"]),
         "tower_images_off": max(towers["off"]),
         "tower_images_on": max(towers["auto"]),
+        "time_alone_s": alone,
         "time_off_s": off,
         "time_on_s": on,
         "speedup": off / on,
+        "speedup_alone": alone / on,
         "peak_rss_off_mib": peaks["off"],
         "peak_rss_on_mib": peaks["auto"],
     }
@@ -294,24 +317,24 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     """The figures, one line per workload."""
     print(
         f"{'model':<12}{'workload':<10}{'total':>7}{'unique':>8}{'tokens':>7}{'flops':>6}"
-        f"{'fwd off':>9}"
-        f"{'fwd on':>8}"
-        f"{'img off':>9}{'img on':>8}{'off s':>8}{'on s':>8}{'x':>6}{'RSS off':>9}{'RSS on':>8}"
+        f"{'flops/a':>8}{'fwd off':>9}{'fwd on':>8}{'img a':>7}{'img off':>8}{'img on':>7}"
+        f"{'alone s':>8}{'off s':>7}{'on s':>7}{'x':>6}{'x/a':>6}{'RSS off':>8}{'RSS on':>7}"
     )
     for r in rows:
         print(
             f"{r['model']:<12}{r['workload']:<10}{r['total_tokens']:>7}{r['unique_tokens']:>8}"
-            f"{r['token_bound']:>7.2f}{r['flop_bound']:>6.2f}"
-            f"{r['forward_off']:>9.0f}{r['forward_on']:>8.0f}"
-            f"{r['tower_images_off']:>9.0f}{r['tower_images_on']:>8.0f}{r['time_off_s']:>8.2f}"
-            f"{r['time_on_s']:>8.2f}{r['speedup']:>6.2f}{r['peak_rss_off_mib']:>9.0f}"
-            f"{r['peak_rss_on_mib']:>8.0f}"
+            f"{r['token_bound']:>7.2f}{r['flop_bound']:>6.2f}{r['flop_bound_alone']:>8.2f}"
+            f"{r['forward_off']:>9.0f}{r['forward_on']:>8.0f}{r['tower_images_alone']:>7.0f}"
+            f"{r['tower_images_off']:>8.0f}{r['tower_images_on']:>7.0f}"
+            f"{r['time_alone_s']:>8.2f}{r['time_off_s']:>7.2f}{r['time_on_s']:>7.2f}"
+            f"{r['speedup']:>6.2f}{r['speedup_alone']:>6.2f}{r['peak_rss_off_mib']:>8.0f}"
+            f"{r['peak_rss_on_mib']:>7.0f}"
         )
     print(
         "tokens: total / unique tokens (the bound of the text alone); flops: the bound with the "
-        "LM head and the vision tower (each image once on both sides); img: vision-tower images "
-        "per pass; "
-        "x: off / on median time; RSS: VmHWM in MiB"
+        "LM head and the vision tower (each distinct image once on both sides; flops/a: every "
+        "sequence's images on the alone side); img: vision-tower images per pass (a: alone); "
+        "x: off / on and x/a: alone / on median time; RSS: VmHWM in MiB"
     )
 
 

@@ -1,5 +1,6 @@
 """What a batch of image sequences passes beside its ids (laid out by ``vision.layout``): the
-vision tower run once per distinct image of the batch, and the model's extra inputs.
+vision tower run once per distinct image of the batch (once per image of each sequence with
+``ExecutorConfig.image_sharing`` off), and the model's extra inputs.
 
 ``image_inputs`` runs the model's ``get_image_features`` once per distinct image
 (``VisionModel.features``) and lists the features in the order the image runs appear in the
@@ -80,13 +81,15 @@ def vision_inputs(
     batch: ForwardBatch,
     device: torch.device,
     cache: dict[str, Any] | None = None,
+    sharing: str = "on",
 ) -> tuple[dict[str, Any], int, float]:
     """Everything the forward passes beside a laid-out ``batch`` (on ``device``) with images:
-    ``mm_encoder_outputs`` (``image_inputs``, ``cache`` its features by image) and the extra
-    inputs (``token_inputs``); also the number of images the tower ran on and its seconds."""
+    ``mm_encoder_outputs`` (``image_inputs``, ``cache`` its features by image, ``sharing``
+    whether an image is computed once) and the extra inputs (``token_inputs``); also the number
+    of images the tower ran on and its seconds."""
     vlm = vision_model(model)
     assert vlm is not None
-    encoded, ran, seconds = image_inputs(vlm, batch.images, device, cache)
+    encoded, ran, seconds = image_inputs(vlm, batch.images, device, cache, share=sharing == "on")
     extra = token_inputs(vlm, batch.input_ids)
     if vlm.token_types and batch.packed:
         extra.update(packed_block_masks(model, batch, device))
@@ -94,14 +97,19 @@ def vision_inputs(
 
 
 def tower_inputs(
-    model: Any, batch: ForwardBatch, device: torch.device, cache: dict[str, Any] | None
+    model: Any,
+    batch: ForwardBatch,
+    device: torch.device,
+    cache: dict[str, Any] | None,
+    sharing: str = "on",
 ) -> tuple[dict[str, Any], int, float]:
     """``vision_inputs`` of a ``batch`` on ``device`` (``cache``: the call's features by image,
-    filled here); nothing for a batch without images."""
+    filled here; ``sharing``: ``ExecutorConfig.image_sharing``); nothing for a batch without
+    images."""
     if not batch.images:
         return {}, 0, 0.0
     with torch.inference_mode():
-        return vision_inputs(model, batch, device, cache)
+        return vision_inputs(model, batch, device, cache, sharing)
 
 
 def image_key(img: Any) -> str:
@@ -114,24 +122,28 @@ def image_inputs(
     images: Sequence[Any],
     device: torch.device,
     cache: dict[str, Any] | None = None,
+    *,
+    share: bool = True,
 ) -> tuple[Any, int, float]:
     """``mm_encoder_outputs`` for ``images`` (``ProcessedImage`` s in order of appearance): the
     vision tower run once per distinct image not already in ``cache`` (``image_key`` -> its
     features; a call's forwards share one, so an image shown in several forwards of a call
-    runs through the tower once); also the number it ran on and its seconds."""
+    runs through the tower once); also the number it ran on and its seconds. ``share`` off:
+    once per entry of ``images`` (every sequence's images computed alone, ``cache`` unused)."""
     started = time.perf_counter()
-    cache = {} if cache is None else cache
+    keys = [image_key(img) if share else str(n) for n, img in enumerate(images)]
+    cache = {} if cache is None or not share else cache
     distinct: dict[str, Any] = {}
-    for img in images:
-        if image_key(img) not in cache:
-            distinct.setdefault(image_key(img), img)
-    keys = list(distinct)
-    if keys:
-        pixels = torch.from_numpy(np.concatenate([distinct[k].pixel_values for k in keys]))
-        grids = torch.tensor([distinct[k].grid for k in keys], dtype=torch.int64)
+    for key, img in zip(keys, images, strict=True):
+        if key not in cache:
+            distinct.setdefault(key, img)
+    todo = list(distinct)
+    if todo:
+        pixels = torch.from_numpy(np.concatenate([distinct[k].pixel_values for k in todo]))
+        grids = torch.tensor([distinct[k].grid for k in todo], dtype=torch.int64)
         out = vlm.features(pixels.to(device), grids.to(device))
-        cache.update(zip(keys, out, strict=True))  # each [tokens, H]
-    encoded = vlm.placed([cache[image_key(img)] for img in images])  # per image
+        cache.update(zip(todo, out, strict=True))  # each [tokens, H]
+    encoded = vlm.placed([cache[k] for k in keys])  # per image
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return encoded, len(keys), time.perf_counter() - started
+    return encoded, len(todo), time.perf_counter() - started

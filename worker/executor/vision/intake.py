@@ -181,15 +181,23 @@ class VisionIntake:
     """A vision-language executor's intake of images (the module docstring), built once at load.
 
     ``model``: the served ``VisionModel``; ``processing``: its image processor with the cache;
-    ``max_pixels`` / ``max_images``: the worker's limits per image and per job."""
+    ``max_pixels`` / ``max_images``: the worker's limits per image and per job; ``sharing``:
+    ``ExecutorConfig.image_sharing``."""
 
     def __init__(
-        self, model: VisionModel, processing: ImageProcessing, *, max_pixels: int, max_images: int
+        self,
+        model: VisionModel,
+        processing: ImageProcessing,
+        *,
+        max_pixels: int,
+        max_images: int,
+        sharing: str = "on",
     ) -> None:
         self.model = model
         self.processing = processing
         self.max_pixels = max_pixels
         self.max_images = max_images
+        self.sharing = sharing
 
     @property
     def info(self) -> dict[str, Any]:
@@ -200,6 +208,7 @@ class VisionIntake:
             "model": self.model.name,
             "positions": "per-sequence mRoPE" if self.model.mrope else "per-sequence 0 .. L-1",
             **({"token_type_ids": "1 on image tokens"} if self.model.token_types else {}),
+            "image_sharing": self.sharing,
         }
 
     def process(self, images: Images | None) -> tuple[list[ProcessedImage], IntakeCounts]:
@@ -357,4 +366,5 @@ def vision_intake(model: Any, processor: Any, config: Any) -> VisionIntake | Non
         ImageProcessing(processor, vlm, threads=getattr(config, "image_threads", 1)),
         max_pixels=config.max_image_pixels,
         max_images=config.max_images_per_job,
+        sharing=getattr(config, "image_sharing", "on"),
     )
