@@ -31,9 +31,11 @@ def gemma_seqs(model: Any) -> list[tuple[list[int], list[int]]]:
     return [([1, 2, *p, 3, 4, 5], [0]), ([6, *p, 7, *p, 8, 9], [0, 1]), ([7, 8, 9, 10], [])]
 
 
-def request_of(seqs: list[tuple[list[int], list[int]]], mode: str) -> ScoreRequest:
+def request_of(
+    seqs: list[tuple[list[int], list[int]]], mode: str, files: tuple[bytes, ...] = FILES
+) -> ScoreRequest:
     inputs = [SequenceInput(tokens=t, prompt_len=2, images=tuple(r)) for t, r in seqs]
-    return ScoreRequest(inputs, mode=mode, images=Images(FILES))  # type: ignore[arg-type]
+    return ScoreRequest(inputs, mode=mode, images=Images(files))  # type: ignore[arg-type]
 
 
 def scored(logps: np.ndarray, tokens: list[int]) -> np.ndarray:
@@ -114,6 +116,27 @@ def qwen_seqs(processor: Any) -> list[tuple[list[int], list[int]]]:
     return [([1, 2, *pa, 3, 4, 5], [0]), ([6, *pa, 7, *pb, 8, 9], [0, 1]), ([7, 8, 9, 10], [])]
 
 
+def qwen_value(
+    model: Any, processor: Any, head: torch.nn.Module, tokens: list[int], refs: list[int]
+) -> float:
+    """A value head on Qwen2.5-VL's own forward of one sequence alone (mRoPE positions by
+    ``get_rope_index``, its processor's output), read at the last token."""
+    ids = torch.tensor([tokens])
+    types = (ids == IMAGE).int()
+    extra: dict[str, Any] = {}
+    grids = None
+    if refs:
+        out = processed(processor, [FILES[r] for r in refs])
+        grids = out["image_grid_thw"]
+        extra = {"pixel_values": out["pixel_values"], "image_grid_thw": grids}
+    pos, _ = model.model.get_rope_index(ids, types, image_grid_thw=grids)
+    with torch.no_grad():
+        hidden = model.model(
+            input_ids=ids, position_ids=pos, mm_token_type_ids=types, use_cache=False, **extra
+        ).last_hidden_state  # [1, L, H]
+        return float(head(hidden[0, -1]))
+
+
 @pytest.mark.parametrize("packing", ["padded", "packed"])
 def test_one_qwen25_vl_serves_log_probs_and_a_value_head_in_one_forward(
     packing: str, monkeypatch: pytest.MonkeyPatch
@@ -153,20 +176,7 @@ def test_one_qwen25_vl_serves_log_probs_and_a_value_head_in_one_forward(
     for k, ((tokens, refs), score) in enumerate(zip(seqs, got, strict=True)):
         want = scored(reference(model, processor, FILES, tokens, refs)["logps"], tokens)
         assert score.logps is not None and np.abs(score.logps - want).max() < 2e-5
-        ids = torch.tensor([tokens])
-        types = (ids == IMAGE).int()
-        extra: dict[str, Any] = {}
-        grids = None
-        if refs:
-            out = processed(processor, [FILES[r] for r in refs])
-            grids = out["image_grid_thw"]
-            extra = {"pixel_values": out["pixel_values"], "image_grid_thw": grids}
-        pos, _ = model.model.get_rope_index(ids, types, image_grid_thw=grids)
-        with torch.no_grad():
-            hidden = model.model(
-                input_ids=ids, position_ids=pos, mm_token_type_ids=types, use_cache=False, **extra
-            ).last_hidden_state  # [1, L, H]
-            want_reward = float(head(hidden[0, -1]))
+        want_reward = qwen_value(model, processor, head, tokens, refs)
         assert score.reward is not None and abs(score.reward - want_reward) < 2e-5
         assert alone[k].reward is not None and abs(alone[k].reward - want_reward) < 2e-5
     ex.close()
@@ -247,4 +257,55 @@ def test_images_need_a_hidden_state_adapter_and_matching_counts_for_both_models(
     qwen = [([1, 2, *placeholder(n), 3, 4], [0]), ([5, 6, *placeholder(m), 7], [1])]
     with pytest.raises(BadRequest, match=rf"sequence 0: .* has {n} image tokens but .* makes 4"):
         ex.prepare(request_of(qwen, "both"))
+    ex.close()
+
+
+def test_a_separate_image_text_reward_model_runs_in_packed_rows(
+    gemma_rm: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reward model of its own with images gets the layouts its load check finds exact
+    (rewards in packed rows against each sequence alone): ``Gemma3ForSequenceClassification``'s
+    image sequences run in packed rows, each reward equal to its own forward alone. With the
+    worker's packed block masks dropped, the check finds packed rows wrong and keeps them
+    padded, naming why."""
+    model, processor = gemma_rm
+    config = ExecutorConfig(dtype="float32", mode="reward", packing="packed")
+    ex = StatelessExecutor(config, None, model, reward_image_processor=processor)
+    assert ex.info["reward_vision"]["layouts"] == "packed, padded"
+    seqs = gemma_seqs(model)
+    result = ex.run([ex.prepare(request_of(seqs, "reward"))])
+    assert result.metrics.packed
+    for (tokens, refs), score in zip(seqs, result.scores, strict=True):
+        assert score.reward is not None
+        assert abs(score.reward - gemma_reward(model, processor, tokens, refs)) < 2e-5
+    ex.close()
+    monkeypatch.setattr(features, "packed_block_masks", lambda *a, **k: {})
+    ex = StatelessExecutor(config, None, model, reward_image_processor=processor)
+    assert "disagrees with each sequence alone" in ex.info["reward_vision"]["packed_off"]
+    assert ex.info["reward_vision"]["layouts"] == "padded"
+    ex.close()
+
+
+def test_a_separate_vlm_reward_model_shares_a_groups_image_prompt() -> None:
+    """A Qwen2.5-VL reference beside a second Qwen2.5-VL read through a value head: the reward
+    call of a GRPO group (one prompt with an image, four completions) runs in tree rows, the
+    prompt image once through the reward model's tower, each reward equal to the value head on
+    the model's own forward of the sequence alone."""
+    ref, ref_processor = tiny_vlm("qwen2_5_vl", seed=2)
+    model, processor = tiny_vlm("qwen2_5_vl", seed=3)
+    head = torch.nn.Linear(32, 1)
+    torch.nn.init.normal_(head.weight, std=0.5, generator=torch.Generator().manual_seed(0))
+    config = ExecutorConfig(dtype="float32", mode="both", min_shared_tokens=4)
+    ex = StatelessExecutor(
+        config, ref, model, reward_adapter=ValueHeadAdapter(head),
+        image_processor=ref_processor, reward_image_processor=processor,
+    )  # fmt: skip
+    assert ex.info["reward_vision"]["prefix_sharing"] == "on"
+    prompt = [1, 2, *placeholder(image_tokens(processor, A)), 3]
+    seqs = [([*prompt, 10 + k, 20 + k, 30 + k], [0]) for k in range(4)]
+    result = ex.run([ex.prepare(request_of(seqs, "reward", (A,)))])
+    assert result.metrics.shared_prefix_tokens > 0 and result.metrics.vision_images == 1
+    for (tokens, refs), score in zip(seqs, result.scores, strict=True):
+        want = qwen_value(model, processor, head, tokens, refs)
+        assert score.reward is not None and abs(score.reward - want) < 2e-5
     ex.close()

@@ -110,11 +110,9 @@ class StatelessExecutor(DirectScoring):
         self._listeners_lock = threading.Lock()
         self._load_fallbacks: list[FallbackEvent] = []
         self._last_fallback: FallbackEvent | None = None
-        models = self.reference_model, self.reward_model
+        models, wanted = (self.reference_model, self.reward_model), config.attention_backend
         forward = self.forward_type(config, self.device, *models, reward_adapter)
-        backend, events = backends.resolve_all(
-            forward.models, config.attention_backend, self.device
-        )
+        backend, events = backends.resolve_all(forward.models, wanted, self.device)
         for fallback in events:
             log.warning("attention backend fallback at load: %s", fallback.message)
             self._on_load_fallback(fallback)
@@ -135,13 +133,14 @@ class StatelessExecutor(DirectScoring):
             notify=self._on_fallback, share_min=config.min_shared_tokens if why_not is None else 0,
         )  # fmt: skip
         self._rewards = reward_surface(self.reward_model, head, tokenizers, forward)
+        text: dict[str, Any] = {"packed": packed, "unmasked": unmasked, "backend": backend,
+                "sharing": self._runner.share_min > 0}  # what the text path runs  # fmt: skip
         self._vision, self._runner.vision = checked_intake(
-            forward, image_processor, config, packed=packed, unmasked=unmasked,
-            sharing=self._runner.share_min > 0, backend=backend,
-        )  # images, their path and layouts checked  # fmt: skip
+            forward, image_processor, config, **text
+        )  # images, their path and layouts checked
         self._reward_images, self._runner.reward_vision = checked_reward(
-            forward, self._vision, reward_image_processor, config
-        )  # a reward model's own images, checked; or why it takes none
+            forward, self._vision, reward_image_processor, config, **text
+        )  # a reward model's own images, checked, its layouts; or why it takes none
         self._head, self._tokenizer = head_info(ref, forward.transform), (tokenizers or [None])[0]
         # per-job adapters and versions (docs/models.md); None: base weights only
         self._weights = (

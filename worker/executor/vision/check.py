@@ -19,7 +19,7 @@ attention does not reproduce: its image sequences never run in tree rows.
 ``reward_check``: a reward model of its own with images (``Gemma3ForSequenceClassification``, a
 VLM read through a value head) scores the probe in a padded batch against its own backbone's
 forward of the sequence alone with its processor's output, pooled by the same head at the last
-token; its image sequences run in padded buckets only (``ImageLayouts`` with the reasons). A
+token; then the layouts of its image sequences as ``layout_check``'s, rewards compared. A
 reward read from the reference model's own hidden states (one model) shares the reference's
 checks and layouts."""
 
@@ -48,6 +48,7 @@ from worker.executor.vision.intake import (
 )
 from worker.executor.vision.layout import ImageLayouts, image_share_groups
 from worker.executor.vision.processor import ProcessedImage
+from worker.modes import Mode
 from worker.scorer.inputs import PreparedSequence
 from worker.scorer.outputs import SequenceScore
 
@@ -140,16 +141,19 @@ def layout_check(
     unmasked: bool,
     sharing: bool,
     backend: str,
+    mode: Mode = "reference",
 ) -> ImageLayouts:
     """Which of packed rows, unmasked buckets and tree rows image sequences may run in (module
-    docstring): ``packed`` / ``unmasked`` / ``sharing``: whether the text path runs them."""
+    docstring): ``packed`` / ``unmasked`` / ``sharing``: whether the text path runs them;
+    ``mode``: ``reward`` for a reward model's own image sequences (rewards compared)."""
     vlm = intake.model
     seqs = probe_layout_sequences(intake)
     alone = [
-        forward.compute([s], [i], "reference", 1.0, layout="padded", row_tokens=0).scores[0]
+        forward.compute([s], [i], mode, 1.0, layout="padded", row_tokens=0).scores[0]
         for i, s in enumerate(seqs)
     ]
-    tol = 1e-3 if next(forward.reference_model.parameters()).dtype == torch.float32 else 0.25
+    model = forward.reward_model if mode == "reward" else forward.reference_model
+    tol = 1e-3 if next(model.parameters()).dtype == torch.float32 else 0.25
     why: dict[str, str] = {}
 
     def agrees(name: str, run: Callable[[], list[SequenceScore]]) -> bool:
@@ -158,7 +162,7 @@ def layout_check(
         except Exception as exc:  # a layout that cannot run image sequences is not used
             why[name] = f"{type(exc).__name__}: {exc}"[:300]
             return False
-        worst = max(_gap(a, b) for a, b in zip(got, alone, strict=True))
+        worst = max(_gap(a, b, mode) for a, b in zip(got, alone, strict=True))
         if not worst <= tol:
             why[name] = f"disagrees with each sequence alone by {worst:.3g} (tolerance {tol})"
             return False
@@ -166,24 +170,16 @@ def layout_check(
 
     ids = list(range(len(seqs)))
     total = sum(len(s.ids) for s in seqs)
-    pack_ok = packed and agrees(
-        "packed",
-        lambda: (
-            forward.compute(
-                list(seqs), ids, "reference", 1.0, layout="packed", row_tokens=total
-            ).scores
-        ),
-    )
+
+    def laid(layout: Any, row_tokens: int) -> Callable[[], list[SequenceScore]]:
+        return lambda: (
+            forward.compute(list(seqs), ids, mode, 1.0, layout=layout, row_tokens=row_tokens).scores
+        )
+
+    pack_ok = packed and agrees("packed", laid("packed", total))
     if not packed:
         why["packed"] = "packed rows are off for this model"
-    bucket_ok = unmasked and agrees(
-        "unmasked",
-        lambda: (
-            forward.compute(
-                list(seqs), ids, "reference", 1.0, layout="unmasked", row_tokens=0
-            ).scores
-        ),
-    )
+    bucket_ok = unmasked and agrees("unmasked", laid("unmasked", 0))
     if not unmasked:
         why["unmasked"] = "unmasked buckets are off for this model"
     tree_ok = False
@@ -196,14 +192,18 @@ def layout_check(
         )
     else:
         groups = image_share_groups(seqs, 1, vlm.image_token)
-        tree_ok = agrees("tree", lambda: _tree_scores(forward, seqs, groups, backend))
+        tree_ok = agrees("tree", lambda: _tree_scores(forward, seqs, groups, backend, mode))
     return ImageLayouts(
         packed=pack_ok, unmasked=bucket_ok, tree=tree_ok, image_token=vlm.image_token, why=why
     )
 
 
 def _tree_scores(
-    forward: BatchForward, seqs: list[PreparedSequence], groups: list[Any], backend: str
+    forward: BatchForward,
+    seqs: list[PreparedSequence],
+    groups: list[Any],
+    backend: str,
+    mode: Mode = "reference",
 ) -> list[SequenceScore]:
     """Every sequence of ``seqs`` scored: the members of ``groups`` in one tree forward, the
     rest alone; in the order of ``seqs``."""
@@ -211,19 +211,23 @@ def _tree_scores(
         raise RuntimeError("the probe's shared image prompt formed no tree")
     members = [i for g in groups for i in g.members]
     got = forward.compute_tree(
-        list(seqs), list(range(len(seqs))), groups, "reference", 1.0, kernel=kernel_for(backend)
+        list(seqs), list(range(len(seqs))), groups, mode, 1.0, kernel=kernel_for(backend)
     )
     out = list(got.scores)
     for i, seq in enumerate(seqs):
         if i not in members:
-            alone = forward.compute([seq], [i], "reference", 1.0, layout="padded", row_tokens=0)
+            alone = forward.compute([seq], [i], mode, 1.0, layout="padded", row_tokens=0)
             out[i] = alone.scores[0]
     return out
 
 
-def _gap(a: SequenceScore, b: SequenceScore) -> float:
-    """The largest log-prob difference of two scores of one sequence (inf when one is
-    missing)."""
+def _gap(a: SequenceScore, b: SequenceScore, mode: Mode = "reference") -> float:
+    """The largest log-prob (``mode`` ``reward``: reward) difference of two scores of one
+    sequence (inf when one is missing)."""
+    if mode == "reward":
+        if a.reward is None or b.reward is None:
+            return float("inf")
+        return abs(a.reward - b.reward)
     if a.logps is None or b.logps is None or a.logps.shape != b.logps.shape:
         return float("inf")
     return float(np.abs(a.logps - b.logps).max()) if a.logps.size else 0.0
@@ -257,35 +261,48 @@ def checked_intake(
 
 
 def checked_reward(
-    forward: BatchForward, reference: VisionIntake | None, processor: object, config: object
+    forward: BatchForward,
+    reference: VisionIntake | None,
+    processor: object,
+    config: object,
+    **text_layouts: Any,
 ) -> tuple[RewardImages, ImageLayouts | None]:
     """How the forward's reward model takes images (``intake.RewardImages``) and the layouts of
     its image sequences (``None``: the reference's): the ``reference`` intake when one model
     serves both through a hidden-state adapter, else its own with ``processor``, checked
-    (``reward_check``)."""
+    (``reward_check``; ``text_layouts``: its ``packed`` / ``unmasked`` / ``sharing`` /
+    ``backend``)."""
     model, adapter = forward.reward_model, forward.reward_adapter
     shared = model is not None and model is forward.reference_model
     if shared and isinstance(adapter, HiddenStateRewardAdapter):
         return RewardImages(reference, shared=True), None
     reward = reward_images(model, adapter, processor, config)
-    return reward, (reward_check(forward, reward, config) if reward.intake is not None else None)
+    if reward.intake is None:
+        return reward, None
+    return reward, reward_check(forward, reward, config, **text_layouts)
 
 
-REWARD_LAYOUTS_OFF = "the reward model's image sequences run in padded buckets only"
-
-
-def reward_check(forward: BatchForward, reward: RewardImages, config: object) -> ImageLayouts:
-    """The layouts of the reward model's image sequences, its image path checked at load
-    (module docstring); ``ConfigError`` when it disagrees with the model's own forward."""
+def reward_check(
+    forward: BatchForward,
+    reward: RewardImages,
+    config: object,
+    *,
+    packed: bool = False,
+    unmasked: bool = False,
+    sharing: bool = False,
+    backend: str = "sdpa",
+) -> ImageLayouts:
+    """The layouts of the reward model's image sequences (``layout_check`` in ``reward`` mode,
+    after its image path is checked at load: module docstring); ``ConfigError`` when it
+    disagrees with the model's own forward."""
     intake = reward.intake
     if intake is None:
         return ImageLayouts()
-    off = ImageLayouts(
-        image_token=intake.model.image_token,
-        why={k: REWARD_LAYOUTS_OFF for k in ("packed", "unmasked", "tree")},
-    )
     if not getattr(config, "self_check", True):
-        return off
+        return ImageLayouts(
+            image_token=intake.model.image_token,
+            why={k: "not checked (self_check off)" for k in ("packed", "unmasked", "tree")},
+        )
     model, vlm, adapter = forward.reward_model, intake.model, forward.reward_adapter
     processed, _ = intake.processing.process(probe_image(), ())
     ids = np.array([3, 4, *_placeholder(vlm, processed), 6, 7, 8], dtype=np.int64)  # [L]
@@ -305,4 +322,7 @@ def reward_check(forward: BatchForward, reward: RewardImages, config: object) ->
             f"{vlm.name}: the reward model's image path disagrees with its own forward by "
             f"{worst:.3g} (tolerance {tol}); rewards would be wrong, so the worker does not start"
         )
-    return off
+    return layout_check(
+        forward, intake, packed=packed, unmasked=unmasked, sharing=sharing, backend=backend,
+        mode="reward",
+    )  # fmt: skip
