@@ -94,7 +94,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--reward-adapter",
         default=env_get("REWARD_ADAPTER"),
         help="'module:factory' returning a RewardAdapter for a non-standard reward head (imports "
-        "and runs that code); default: the *ForSequenceClassification head (num_labels=1)",
+        "and runs that code); default: the *ForSequenceClassification head (num_labels=1). "
+        "Without --reward-model it reads the reference model (e.g. a value head on a "
+        "vision-language model): one model serves both modes, a `both` job in one forward",
     )
     m.add_argument(
         "--reward-token-scores",

@@ -132,6 +132,11 @@ def check_models(args: argparse.Namespace) -> None:
     ):
         if name:
             check_model_source(name, flag=flag, gguf_file=gguf)
+    if args.reward_adapter and not args.reward_model and args.tensor_parallel > 1:
+        raise ConfigError(
+            "--reward-adapter without --reward-model (the reference model read through it) is "
+            "not served by a tensor-parallel group; name a --reward-model"
+        )
 
 
 def start_http(config: WorkerConfig, metrics: Any, health: Any) -> Any:
@@ -166,7 +171,7 @@ def executor_config(args: argparse.Namespace) -> Any:
     """The ``ExecutorConfig`` of parsed serve args (models named; torch imported here)."""
     from worker.executor import ExecutorConfig
 
-    both = bool(args.reference_model and args.reward_model)
+    both = bool(args.reference_model and (args.reward_model or args.reward_adapter))
     wanted = {
         "mode": "both" if both else ("reference" if args.reference_model else "reward"),
         "device": args.device,
@@ -210,7 +215,9 @@ def build_scorer(args: argparse.Namespace, tp_leader: Any = None) -> Scorer:
         gguf_file=args.gguf_file,
         reward_gguf_file=args.reward_gguf_file,
         trust_remote_code=args.trust_remote_code,
-        reward_adapter=reward_adapter_from_args(args) if args.reward_model else None,
+        reward_adapter=reward_adapter_from_args(args)
+        if args.reward_model or args.reward_adapter
+        else None,
         weights=weights_config(args),
         reward_head=args.reward_head,
     )
