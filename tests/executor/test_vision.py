@@ -62,6 +62,20 @@ def _job(ex: StatelessExecutor) -> tuple[ScoreRequest, list[tuple[list[int], lis
     return ScoreRequest(inputs, temperature=1.3, images=Images((A, B))), seqs
 
 
+def _count_tower(ex: StatelessExecutor, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of images of each vision-tower call of ``ex``'s reference model, as made."""
+    backbone = ex.reference_model.model
+    calls: list[int] = []
+    tower = backbone.get_image_features
+
+    def counted(pixels: Any, grids: Any, **kw: Any) -> Any:
+        calls.append(len(grids))
+        return tower(pixels, grids, **kw)
+
+    monkeypatch.setattr(backbone, "get_image_features", counted)
+    return calls
+
+
 def _max_error(ex: StatelessExecutor) -> float:
     """The largest |log-prob - transformers' own| over ``_job``'s scored tokens."""
     request, seqs = _job(ex)
@@ -139,15 +153,7 @@ def test_qwen3_vl_deepstack_features_misplaced_or_dropped_are_caught(
 def test_the_vision_tower_runs_once_per_distinct_image_and_never_for_text(
     vlm: StatelessExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    backbone = vlm.reference_model.model
-    calls: list[int] = []
-    tower = backbone.get_image_features
-
-    def counted(pixels: Any, grids: Any, **kw: Any) -> Any:
-        calls.append(len(grids))
-        return tower(pixels, grids, **kw)
-
-    monkeypatch.setattr(backbone, "get_image_features", counted)
+    calls = _count_tower(vlm, monkeypatch)
     request, _ = _job(vlm)
     out = vlm.run([vlm.prepare(request)])
     # A and B, shown five times over the call's forwards: each through the tower once
@@ -168,15 +174,7 @@ def test_image_sharing_off_runs_the_tower_per_image_of_each_sequence(
     ex = StatelessExecutor.from_pretrained(
         ExecutorConfig(dtype="float32", image_sharing="off"), str(path)
     )
-    backbone = ex.reference_model.model
-    calls: list[int] = []
-    tower = backbone.get_image_features
-
-    def counted(pixels: Any, grids: Any, **kw: Any) -> Any:
-        calls.append(len(grids))
-        return tower(pixels, grids, **kw)
-
-    monkeypatch.setattr(backbone, "get_image_features", counted)
+    calls = _count_tower(ex, monkeypatch)
     try:
         assert ex.info["vision"]["image_sharing"] == "off"
         request, _ = _job(ex)

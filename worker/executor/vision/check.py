@@ -233,6 +233,14 @@ def _gap(a: SequenceScore, b: SequenceScore, mode: Mode = "reference") -> float:
     return float(np.abs(a.logps - b.logps).max()) if a.logps.size else 0.0
 
 
+def _unchecked(intake: VisionIntake) -> ImageLayouts:
+    """Image sequences padded only: the layouts were not checked (``self_check`` off)."""
+    return ImageLayouts(
+        image_token=intake.model.image_token,
+        why={k: "not checked (self_check off)" for k in ("packed", "unmasked", "tree")},
+    )
+
+
 def checked_intake(
     forward: BatchForward,
     processor: object,
@@ -250,10 +258,7 @@ def checked_intake(
     if intake is None:
         return None, ImageLayouts()
     if not getattr(config, "self_check", True):
-        return intake, ImageLayouts(
-            image_token=intake.model.image_token,
-            why={k: "not checked (self_check off)" for k in ("packed", "unmasked", "tree")},
-        )
+        return intake, _unchecked(intake)
     image_check(forward, intake)
     return intake, layout_check(
         forward, intake, packed=packed, unmasked=unmasked, sharing=sharing, backend=backend
@@ -299,10 +304,7 @@ def reward_check(
     if intake is None:
         return ImageLayouts()
     if not getattr(config, "self_check", True):
-        return ImageLayouts(
-            image_token=intake.model.image_token,
-            why={k: "not checked (self_check off)" for k in ("packed", "unmasked", "tree")},
-        )
+        return _unchecked(intake)
     model, vlm, adapter = forward.reward_model, intake.model, forward.reward_adapter
     processed, _ = intake.processing.process(probe_image(), ())
     ids = np.array([3, 4, *_placeholder(vlm, processed), 6, 7, 8], dtype=np.int64)  # [L]
